@@ -1,0 +1,46 @@
+"""torchfeed: feed PyTorch training from data-loading workers on other machines.
+
+Start workers with ``torchfeed worker`` and replace ``torch.utils.data.DataLoader`` with
+:class:`RemoteDataLoader` over a :class:`RemoteDataset`.
+"""
+
+from .client import RemoteRef, rpc_async
+from .errors import (
+    AuthenticationError,
+    FrameTooLarge,
+    ProtocolError,
+    RemoteError,
+    Timeout,
+    TorchfeedError,
+    WorkerLost,
+)
+from .loader import RemoteDataLoader, RemoteDataset
+from .local import LocalWorkers
+from .sampling import set_random_seeds
+from .worker import WorkerServer, run_worker
+
+# Names of the design this project grew from, kept importable forever.
+RPCDataset = RemoteDataset
+RPCDataloader = RemoteDataLoader
+
+__version__ = "0.1.0"
+
+__all__ = sorted([
+    "AuthenticationError",
+    "FrameTooLarge",
+    "LocalWorkers",
+    "ProtocolError",
+    "RPCDataloader",
+    "RPCDataset",
+    "RemoteDataLoader",
+    "RemoteDataset",
+    "RemoteError",
+    "RemoteRef",
+    "Timeout",
+    "TorchfeedError",
+    "WorkerLost",
+    "WorkerServer",
+    "rpc_async",
+    "run_worker",
+    "set_random_seeds",
+])

@@ -1,0 +1,100 @@
+"""The ``torchfeed`` command: ``torchfeed worker | demo | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+from typing import List, Optional
+
+
+def _procs(value: str) -> int:
+    if value == "auto":
+        return len(os.sched_getaffinity(0))
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError("--procs must be >= 1 or 'auto'")
+    return n
+
+
+def _add_worker_parser(sub) -> None:
+    p = sub.add_parser("worker", help="run a data-loading worker daemon",
+                       description="Serve remote data loading. Prints one host:port line per worker "
+                                   "process on stdout when ready.")
+    p.add_argument("--host", default="0.0.0.0", help="interface to bind (default: all)")
+    p.add_argument("--port", type=int, default=0,
+                   help="port to bind; 0 picks a free one; with --procs N, process i binds port+i")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds of client silence before its connection is dropped")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="requests executing concurrently in one process (threads)")
+    p.add_argument("--procs", type=_procs, default=1,
+                   help="worker processes to start (one Python process uses one core); 'auto' = CPUs")
+    p.add_argument("--address-file", help="also append each address line to this file (under a lock)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker process (default 1)")
+    p.add_argument("--log-level", default="WARNING")
+
+
+def _run_workers(args) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    if args.procs == 1:
+        from .worker import run_worker
+
+        run_worker(args.host, args.port, args.timeout, args.parallel, address_file=args.address_file,
+                   torch_threads=args.threads)
+        return 0
+    # One child per process; each prints (and files) its own address line.
+    children = []
+    for i in range(args.procs):
+        cmd = [sys.executable, "-m", "torchfeed", "worker", "--host", args.host,
+               "--port", str(args.port + i if args.port else 0), "--timeout", str(args.timeout),
+               "--parallel", str(args.parallel), "--threads", str(args.threads), "--log-level", args.log_level]
+        if args.address_file:
+            cmd += ["--address-file", args.address_file]
+        children.append(subprocess.Popen(cmd))
+
+    def forward(signum, _frame):
+        for c in children:
+            if c.poll() is None:
+                c.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    codes = [c.wait() for c in children]
+    return max(codes, default=0)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="torchfeed", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_worker_parser(sub)
+    d = sub.add_parser("demo", help="train a small CNN on scikit-learn's digits, fed by local workers")
+    d.add_argument("--workers", type=int, default=2)
+    d.add_argument("--epochs", type=int, default=8)
+    d.add_argument("--batch-size", type=int, default=64)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--connect", nargs="*", help="use these running workers instead of starting local ones")
+    b = sub.add_parser("bench", help="compare with torch's DataLoader (see benchmarks/)")
+    b.add_argument("cases", nargs="*", default=[])
+    b.add_argument("--workers", type=int, default=2)
+    b.add_argument("--seconds", type=float, default=6.0, help="approximate time per measurement")
+    args = parser.parse_args(argv)
+    if args.command == "worker":
+        return _run_workers(args)
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(args)
+    if args.command == "bench":
+        from .bench import run_bench
+
+        return run_bench(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

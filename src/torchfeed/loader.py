@@ -1,0 +1,495 @@
+"""RemoteDataset and RemoteDataLoader: torch's DataLoader, with remote workers.
+
+The sampler runs in the trainer; batches of indices go to workers (least loaded first,
+see :mod:`torchfeed.scheduler`), which load the samples and collate them; collated
+batches stream back straight into their final (optionally pinned) memory and are
+yielded in sampler order.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import time
+import warnings
+import weakref
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+import torch
+from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data._utils.collate import default_collate, default_convert
+
+from . import client, wire
+from .auth import SecretLike
+from .errors import RemoteError, Timeout, TorchfeedError, WorkerLost
+from .scheduler import Scheduler
+
+log = logging.getLogger("torchfeed.loader")
+
+
+# -- code that runs on the workers --------------------------------------------
+
+def _build(factory: Callable, args: tuple, kwargs: dict):
+    return factory(*args, **kwargs)
+
+
+class _Fetcher:
+    """Worker-side: turn a batch of indices into a collated batch (like torch's fetcher)."""
+
+    def __init__(self, dataset, collate_fn: Callable, auto_collation: bool):
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+        self.auto_collation = auto_collation
+
+    def __call__(self, index):
+        if self.auto_collation:
+            getitems = getattr(self.dataset, "__getitems__", None)
+            data = getitems(index) if getitems else [self.dataset[i] for i in index]
+        else:
+            data = self.dataset[index]
+        return self.collate_fn(data)
+
+
+# -- trainer side ---------------------------------------------------------------
+
+def _wait_all(futures: Dict[str, torch.futures.Future], timeout: float) -> Dict[str, Any]:
+    """Wait for futures with one overall deadline; return address -> result or exception."""
+    deadline = time.monotonic() + timeout
+    out: Dict[str, Any] = {}
+    for addr, fut in futures.items():
+        while not fut.done() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        if not fut.done():
+            out[addr] = Timeout(f"worker {addr} did not answer within {timeout:g} s")
+            continue
+        try:
+            out[addr] = fut.value()
+        except Exception as exc:  # noqa: BLE001 - sorted by the caller
+            out[addr] = exc
+    return out
+
+
+class RemoteDataset:
+    """A dataset built on remote workers.
+
+    ``RemoteDataset(workers, dataset, *args, **kwargs)`` calls ``dataset(*args, **kwargs)``
+    on every worker, concurrently, and keeps the instances there. ``dataset`` may be a
+    class or any callable returning a map-style dataset; it may be defined in
+    ``__main__`` or locally (it travels by value).
+
+    Parameters
+    ----------
+    workers : list of str
+        Worker addresses ``host:port``.
+    dataset : callable
+        Dataset class or factory.
+    *args, **kwargs
+        Passed to ``dataset`` on each worker.
+    """
+
+    timeout: float = 120.0  # seconds allowed to connect and build the dataset
+    secret: SecretLike = None
+
+    def __init__(self, workers: Sequence[str], dataset: Callable, *args, **kwargs):
+        if isinstance(workers, str):
+            workers = workers.split()
+        workers = [client.format_address(w) for w in workers]
+        if not workers:
+            raise ValueError("RemoteDataset needs at least one worker address (host:port)")
+        if len(set(workers)) != len(workers):
+            raise ValueError(f"worker addresses are repeated: {workers}")
+        self.workers: List[str] = workers
+        self.factory = dataset
+        self.args = args
+        self.kwargs = kwargs
+        self._refs: Dict[str, client.RemoteRef] = {}
+        self._length: Optional[int] = None
+        self._build_on(workers)
+
+    def _build_on(self, workers: Sequence[str]) -> None:
+        futs = {w: client.rpc_async(w, _build, args=(self.factory, self.args, self.kwargs), rref=True,
+                                    timeout=self.timeout, secret=self.secret) for w in workers}
+        built = _wait_all(futs, self.timeout)
+        errors = {w: v for w, v in built.items() if isinstance(v, BaseException)}
+        if errors:
+            first = next(iter(errors.values()))
+            if isinstance(first, RemoteError):
+                raise first
+            raise WorkerLost(
+                "could not build the dataset on "
+                + ", ".join(f"{w} ({e})" for w, e in errors.items()),
+                {w: repr(e) for w, e in errors.items()},
+            ) from first
+        lengths = _wait_all({w: client.rpc_async(w, len, args=(ref,), timeout=self.timeout, secret=self.secret)
+                             for w, ref in built.items()}, self.timeout)
+        for w, n in lengths.items():
+            if isinstance(n, BaseException):
+                raise n
+        distinct = set(lengths.values())
+        if self._length is not None:
+            distinct.add(self._length)
+        if len(distinct) != 1:
+            raise ValueError(f"workers built datasets of different lengths {lengths}: every worker must "
+                             "see the same data (same files, same arguments)")
+        self._length = distinct.pop()
+        self._refs.update(built)
+
+    def ref(self, address: str) -> client.RemoteRef:
+        return self._refs[address]
+
+    def alive_workers(self) -> List[str]:
+        return [w for w in self.workers if w in self._refs and not self._refs[w]._conn.closed]
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index):
+        """Fetch one sample (handy for inspection; the loader fetches whole batches)."""
+        for w in self.alive_workers():
+            return client.rpc_async(w, lambda ds, i: ds[i], args=(self._refs[w], index),
+                                    timeout=self.timeout, secret=self.secret).wait()
+        raise WorkerLost(f"no worker of this dataset is reachable: {self.workers}")
+
+    def run_on_workers(self, fn: Callable, *args, pass_worker_id: bool = False) -> Dict[str, Any]:
+        """Run ``fn(*args)`` once on every worker (``fn(*args, worker_id)`` if asked); return results."""
+        futs = {w: client.rpc_async(w, fn, args=(*args, i) if pass_worker_id else args,
+                                    timeout=self.timeout, secret=self.secret)
+                for i, w in enumerate(self.workers)}
+        results = _wait_all(futs, self.timeout)
+        for v in results.values():
+            if isinstance(v, BaseException):
+                raise v
+        return results
+
+    def __repr__(self) -> str:
+        name = getattr(self.factory, "__qualname__", repr(self.factory))
+        return f"RemoteDataset({name}, workers={self.workers}, len={self._length})"
+
+
+class RemoteDataLoader:
+    """Drop-in replacement for ``torch.utils.data.DataLoader`` with remote workers.
+
+    Takes DataLoader's arguments with the same meanings and yields the same batches for
+    the same sampler order. Collation runs on the workers.
+
+    Parameters
+    ----------
+    dataset : RemoteDataset
+        The remote dataset (or a dataset class/factory together with ``workers=``).
+    batch_size, shuffle, sampler, batch_sampler, collate_fn, drop_last, generator
+        As in torch's DataLoader.
+    pin_memory : bool
+        Receive batches directly into pinned memory (when CUDA is available).
+    timeout : float
+        Seconds to wait for the next batch before raising :class:`Timeout`
+        (0 waits without limit; dead workers are still detected by heartbeats).
+    prefetch_factor : int
+        Requests in flight per worker (the worker's credits).
+    workers, args, kwargs
+        The seed's other form: ``RemoteDataLoader(workers=[...], dataset=Cls, kwargs={...})``
+        builds the :class:`RemoteDataset` itself.
+    worker_init_fn : callable, optional
+        Called once on every worker with its worker id before the first batch.
+    num_workers, persistent_workers, multiprocessing_context, pin_memory_device
+        Accepted for compatibility and ignored: the remote workers do the loading.
+    """
+
+    def __init__(
+        self,
+        dataset,
+        batch_size: Optional[int] = 1,
+        shuffle: Optional[bool] = None,
+        sampler: Optional[Iterable] = None,
+        batch_sampler: Optional[Iterable[List]] = None,
+        collate_fn: Optional[Callable] = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 120,
+        *,
+        prefetch_factor: Optional[int] = 2,
+        generator: Optional[torch.Generator] = None,
+        worker_init_fn: Optional[Callable] = None,
+        workers: Optional[Sequence[str]] = None,
+        args: Sequence = (),
+        kwargs: Optional[dict] = None,
+        num_workers: Optional[int] = None,
+        persistent_workers: bool = False,
+        multiprocessing_context=None,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+    ):
+        if not isinstance(dataset, RemoteDataset):
+            if workers is None:
+                raise TypeError(
+                    "RemoteDataLoader needs a RemoteDataset, or workers=[...] together with a dataset "
+                    f"class or factory (got {type(dataset).__name__} and no workers)"
+                )
+            dataset = RemoteDataset(workers, dataset, *args, **(kwargs or {}))
+        if timeout < 0:
+            raise ValueError("timeout option should be non-negative")
+        if prefetch_factor is None:
+            prefetch_factor = 2
+        if prefetch_factor < 0:
+            raise ValueError("prefetch_factor option should be non-negative")
+        if prefetch_factor == 0:
+            raise ValueError("prefetch_factor must be at least 1 with remote workers (it is the number "
+                             "of requests each worker holds)")
+        if sampler is not None and shuffle:
+            raise ValueError("sampler option is mutually exclusive with shuffle")
+        if batch_sampler is not None:
+            if batch_size != 1 or shuffle or sampler is not None or drop_last:
+                raise ValueError("batch_sampler option is mutually exclusive with batch_size, shuffle, "
+                                 "sampler, and drop_last")
+            batch_size = None
+            drop_last = False
+        elif batch_size is None and drop_last:
+            raise ValueError("batch_size=None option disables auto-batching and is mutually exclusive "
+                             "with drop_last")
+        if sampler is None:
+            sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
+        if batch_size is not None and batch_sampler is None:
+            batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.sampler = sampler
+        self.batch_sampler = batch_sampler
+        self.generator = generator
+        self.pin_memory = pin_memory
+        self.timeout = timeout
+        self.prefetch_factor = prefetch_factor
+        self.worker_init_fn = worker_init_fn
+        self.in_order = in_order
+        self.num_workers = num_workers
+        if collate_fn is None:
+            collate_fn = default_collate if self._auto_collation else default_convert
+        self.collate_fn = collate_fn
+        self._fetchers: Dict[str, client.RemoteRef] = {}
+        self._fetchers_lock = threading.Lock()
+        self._initialized_workers: set = set()
+
+    @property
+    def _auto_collation(self) -> bool:
+        return self.batch_sampler is not None
+
+    @property
+    def _index_sampler(self):
+        return self.batch_sampler if self._auto_collation else self.sampler
+
+    def __len__(self) -> int:
+        return len(self._index_sampler)
+
+    def __iter__(self) -> "_RemoteLoaderIter":
+        return _RemoteLoaderIter(self)
+
+    # -- per-worker setup ----------------------------------------------------
+    def _ensure_fetchers(self, workers: Sequence[str]) -> Dict[str, BaseException]:
+        """Create the worker-side fetchers not made yet; return the workers that failed."""
+        ds = self.dataset
+        with self._fetchers_lock:
+            missing = [w for w in workers
+                       if w not in self._fetchers or self._fetchers[w]._conn.closed]
+            if not missing:
+                return {}
+            futs = {}
+            for i, w in enumerate(missing):
+                if self.worker_init_fn is not None and w not in self._initialized_workers:
+                    wid = ds.workers.index(w) if w in ds.workers else i
+                    client.rpc_async(w, self.worker_init_fn, args=(wid,), timeout=ds.timeout,
+                                     secret=ds.secret).wait()
+                    self._initialized_workers.add(w)
+                futs[w] = client.rpc_async(w, _Fetcher, args=(ds.ref(w), self.collate_fn, self._auto_collation),
+                                           rref=True, timeout=ds.timeout, secret=ds.secret)
+            failed = {}
+            for w, v in _wait_all(futs, ds.timeout).items():
+                if isinstance(v, RemoteError):
+                    raise v
+                if isinstance(v, BaseException):
+                    failed[w] = v
+                else:
+                    self._fetchers[w] = v
+            return failed
+
+
+class _RemoteLoaderIter:
+    """One pass over the loader. Thread-safe against the connection reader threads."""
+
+    def __init__(self, loader: RemoteDataLoader):
+        self._loader = loader
+        self._pin = loader.pin_memory
+        self._timeout = loader.timeout
+        self._cond = threading.Condition(threading.RLock())
+        self._sampler_iter = iter(loader._index_sampler)
+        # Drawn exactly as torch's DataLoader draws it, so the same global seed gives the
+        # same shuffle order as torch (RandomSampler draws its own seed after this).
+        self._base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+        self._indices: Dict[int, Any] = {}
+        self._results: Dict[int, tuple] = {}
+        self._requests: Dict[int, tuple] = {}  # seq -> (address, request id)
+        self._errors: Dict[str, str] = {}
+        self._fatal: Optional[BaseException] = None
+        self._closed = False
+        workers = loader.dataset.alive_workers()
+        failed = loader._ensure_fetchers(workers)
+        for w, exc in failed.items():
+            self._errors[w] = repr(exc)
+            warnings.warn(f"torchfeed: worker {w} is unreachable and is skipped: {exc}", stacklevel=3)
+        workers = [w for w in workers if w not in failed]
+        if not workers:
+            raise WorkerLost("no worker of the dataset is reachable: "
+                             + ", ".join(f"{w}: {e}" for w, e in self._errors.items()), self._errors)
+        n = len(workers)
+        credits = loader.prefetch_factor
+        # reorder slack beyond the credits, so one slow worker does not stall the rest
+        self._sched = Scheduler(workers, credits=credits, window=max(2 * credits * n, n + 2 * credits))
+        with self._cond:
+            self._dispatch()
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    # -- dispatch (called with the lock held) ---------------------------------
+    def _dispatch(self) -> None:
+        sched = self._sched
+        while True:
+            while sched.wants_more():
+                try:
+                    idx = next(self._sampler_iter)
+                except StopIteration:
+                    sched.exhausted = True
+                    break
+                self._indices[sched.add_batch()] = idx
+            choice = sched.next_dispatch()
+            if choice is None:
+                return
+            address, seq = choice
+            try:
+                self._send(address, seq)
+            except (WorkerLost, OSError, KeyError) as exc:
+                self._lose_worker(address, exc)
+
+    def _send(self, address: str, seq: int) -> None:
+        fetcher = self._loader._fetchers[address]
+        conn = fetcher._conn
+        meta = pickle.dumps((fetcher.ref_id, (self._indices[seq],), None), protocol=5)
+        this = weakref.ref(self)
+
+        def on_result(ok, value, _seq=seq, _address=address):
+            it = this()
+            if it is not None:
+                it._on_result(_address, _seq, ok, value)
+
+        rid = conn.request(wire.CALL_REF, meta, callback=on_result, pin=self._pin)
+        self._requests[seq] = (address, rid)
+
+    def _lose_worker(self, address: str, exc: BaseException) -> None:
+        requeued = self._sched.worker_lost(address)
+        if address not in self._errors or requeued:
+            self._errors[address] = repr(exc)
+            warnings.warn(f"torchfeed: lost worker {address} ({exc}); its {len(requeued)} batch(es) "
+                          "go to the other workers", stacklevel=2)
+        for seq in requeued:
+            self._requests.pop(seq, None)
+        if not self._sched.alive_workers():
+            self._fatal = WorkerLost(
+                "all workers are lost: " + "; ".join(f"{w}: {e}" for w, e in self._errors.items()),
+                self._errors,
+            )
+
+    # -- reader threads ------------------------------------------------------------
+    def _on_result(self, address: str, seq: int, ok: bool, value: Any) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            if ok:
+                if self._sched.completed(address, seq):
+                    self._results[seq] = (True, value)
+                    self._requests.pop(seq, None)
+            elif isinstance(value, WorkerLost):
+                self._lose_worker(address, value)
+            else:
+                if isinstance(value, RemoteError):
+                    value = value.with_indices(_as_list(self._indices.get(seq)))
+                self._sched.failed(address, seq)
+                self._requests.pop(seq, None)
+                self._results[seq] = (False, value)
+            self._dispatch()
+            self._cond.notify_all()
+
+    # -- consumer ------------------------------------------------------------------
+    def __next__(self):
+        deadline = time.monotonic() + self._timeout if self._timeout else None
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise StopIteration
+                sched = self._sched
+                seq = sched.delivered
+                if seq in self._results:
+                    ok, value = self._results.pop(seq)
+                    self._indices.pop(seq, None)
+                    sched.take_delivered()
+                    self._dispatch()
+                    break
+                if self._fatal is not None:
+                    self._close_locked()
+                    raise self._fatal
+                if sched.finished():
+                    self._close_locked()
+                    raise StopIteration
+                wait = None if deadline is None else deadline - time.monotonic()
+                if wait is not None and wait <= 0:
+                    holder = self._requests.get(seq, ("(not dispatched)",))[0]
+                    raise Timeout(f"batch {seq} (indices {_short(self._indices.get(seq))}) did not arrive "
+                                  f"within timeout={self._timeout:g} s; it is held by worker {holder}")
+                self._cond.wait(wait)
+        if not ok:
+            raise value
+        return value
+
+    # -- shutdown ------------------------------------------------------------------
+    def _close_locked(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        by_worker: Dict[str, list] = {}
+        for address, rid in self._requests.values():
+            by_worker.setdefault(address, []).append(rid)
+        self._requests.clear()
+        self._results.clear()
+        for address, rids in by_worker.items():
+            fetcher = self._loader._fetchers.get(address)
+            if fetcher is not None:
+                fetcher._conn.cancel(rids)
+
+    def close(self) -> None:
+        """Stop this pass: outstanding requests are cancelled."""
+        with self._cond:
+            self._close_locked()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _as_list(index) -> List[int]:
+    if index is None:
+        return []
+    if isinstance(index, int):
+        return [index]
+    try:
+        return [int(i) for i in index]
+    except TypeError:
+        return [index]
+
+
+def _short(index) -> str:
+    items = _as_list(index)
+    return str(items) if len(items) <= 8 else f"[{', '.join(map(str, items[:8]))}, ...]"

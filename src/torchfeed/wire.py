@@ -1,0 +1,254 @@
+"""Framing of the data plane: one message = header + buffer lengths + meta + buffers.
+
+Layout (little endian)::
+
+    magic "TFED" | version u8 | kind u8 | flags u16 | request id u64
+    | meta length u32 | buffer count u32 | reserved u32
+    | buffer count x u64 lengths | meta bytes | buffers...
+
+The meta part is a small pickle (or raw handshake bytes); the buffers are the
+out-of-band payloads (tensor and array bytes). Every length is checked against a
+:class:`Limits` before anything is allocated, and buffers are received straight into
+memory supplied by the caller, so a reply lands in its final (possibly pinned) tensor.
+This module knows nothing about pickling or authentication.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+from .errors import FrameTooLarge, ProtocolError
+
+MAGIC = b"TFED"
+VERSION = 1
+HEADER = struct.Struct("<4sBBHQIII")
+LENGTH = struct.Struct("<Q")
+
+# message kinds
+HELLO = 1  # worker -> client: nonce (handshake step 1)
+AUTH = 2  # client -> worker: client nonce + proof
+AUTH_OK = 3  # worker -> client: worker proof
+AUTH_FAIL = 4  # worker -> client: short reason text
+CALL = 10  # client -> worker: cloudpickled (func, args, kwargs, options)
+CALL_REF = 11  # client -> worker: call a registered object: pickled (ref id, args, options)
+REPLY = 12  # worker -> client: pickled result (+ out-of-band buffers)
+ERROR = 13  # worker -> client: pickled (type, message, traceback) of a failed request
+RELEASE = 14  # client -> worker: pickled list of remote reference ids to free
+PING = 15
+PONG = 16
+CANCEL = 17  # client -> worker: pickled list of request ids to drop if not started
+BYE = 18  # worker -> client: the worker refuses this connection (reason text), then closes
+
+KIND_NAMES = {
+    v: k
+    for k, v in dict(
+        HELLO=HELLO, AUTH=AUTH, AUTH_OK=AUTH_OK, AUTH_FAIL=AUTH_FAIL, CALL=CALL,
+        CALL_REF=CALL_REF, REPLY=REPLY, ERROR=ERROR, RELEASE=RELEASE, PING=PING,
+        PONG=PONG, CANCEL=CANCEL, BYE=BYE,
+    ).items()
+}
+
+# flags
+FLAG_RREF = 1  # CALL / CALL_REF: keep the result on the worker, reply with a reference id
+
+_STAGING = 256 * 1024  # small reads go through a staging buffer to save syscalls
+_DIRECT = 64 * 1024  # reads at least this long go straight into the destination
+_IOV_MAX = 512
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Upper bounds on what one received message may announce.
+
+    Checked before any allocation; anything above raises :class:`FrameTooLarge`.
+    """
+
+    max_meta: int = 256 * 1024 * 1024
+    max_buffers: int = 65536
+    max_buffer_bytes: int = 64 * 1024**3  # sum of all buffer lengths of one message
+
+
+# Before authentication only handshake messages of a few bytes are acceptable.
+HANDSHAKE_LIMITS = Limits(max_meta=512, max_buffers=0, max_buffer_bytes=0)
+
+
+@dataclass
+class Frame:
+    kind: int
+    flags: int
+    request_id: int
+    meta: bytes
+    buffer_lengths: List[int]
+
+
+def pack_header(kind: int, request_id: int, meta_len: int, buffer_lengths: Sequence[int], flags: int = 0) -> bytes:
+    head = HEADER.pack(MAGIC, VERSION, kind, flags, request_id, meta_len, len(buffer_lengths), 0)
+    if buffer_lengths:
+        head += struct.pack(f"<{len(buffer_lengths)}Q", *buffer_lengths)
+    return head
+
+
+def send_frame(
+    sock: socket.socket,
+    kind: int,
+    request_id: int = 0,
+    meta: bytes = b"",
+    buffers: Sequence[memoryview] = (),
+    flags: int = 0,
+) -> None:
+    """Send one message with a single gathered write where possible (no joining copies)."""
+    lengths = [memoryview(b).nbytes for b in buffers]
+    parts = [pack_header(kind, request_id, len(meta), lengths, flags)]
+    if meta:
+        parts.append(meta)
+    parts.extend(memoryview(b).cast("B") for b, n in zip(buffers, lengths) if n)
+    sendmsg_all(sock, parts)
+
+
+def sendmsg_all(sock: socket.socket, parts: List) -> None:
+    """Write every byte of ``parts`` (a list of bytes-like objects), handling partial writes."""
+    views = [memoryview(p).cast("B") for p in parts]
+    i = 0
+    while i < len(views):
+        batch = views[i : i + _IOV_MAX]
+        sent = sock.sendmsg(batch)
+        # advance over fully written parts, trim the partially written one
+        while sent and i < len(views):
+            n = len(views[i])
+            if sent >= n:
+                sent -= n
+                i += 1
+            else:
+                views[i] = views[i][sent:]
+                sent = 0
+        while i < len(views) and len(views[i]) == 0:
+            i += 1
+
+
+class FrameReader:
+    """Reads frames from a blocking socket.
+
+    Small reads are served from a staging buffer; large payloads are received with
+    ``recv_into`` straight into the caller's memory.
+    """
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._buf = bytearray(_STAGING)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+        self.bytes_received = 0
+
+    # -- low level -------------------------------------------------------
+    def _recv_some(self) -> None:
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._buf):
+            n = self._end - self._start
+            self._buf[:n] = self._buf[self._start : self._end]
+            self._start, self._end = 0, n
+        got = self.sock.recv_into(self._view[self._end :])
+        if not got:
+            raise ConnectionError("connection closed by peer")
+        self._end += got
+        self.bytes_received += got
+
+    def _take(self, n: int) -> bytes:
+        """Return exactly n bytes (n <= staging size)."""
+        while self._end - self._start < n:
+            self._recv_some()
+        out = bytes(self._view[self._start : self._start + n])
+        self._start += n
+        return out
+
+    def read_into(self, dest: memoryview) -> None:
+        """Fill ``dest`` completely from the stream."""
+        dest = dest.cast("B") if dest.format != "B" or dest.ndim != 1 else dest
+        total = len(dest)
+        pos = 0
+        avail = self._end - self._start
+        if avail:
+            n = min(avail, total)
+            dest[:n] = self._view[self._start : self._start + n]
+            self._start += n
+            pos = n
+        while pos < total:
+            remaining = total - pos
+            if remaining >= _DIRECT:
+                got = self.sock.recv_into(dest[pos:], remaining, socket.MSG_WAITALL)
+                if not got:
+                    raise ConnectionError("connection closed by peer")
+                self.bytes_received += got
+                pos += got
+            else:
+                self._recv_some()
+                n = min(self._end - self._start, remaining)
+                dest[pos : pos + n] = self._view[self._start : self._start + n]
+                self._start += n
+                pos += n
+
+    # -- frames ----------------------------------------------------------
+    def read_frame(self, limits: Limits) -> Frame:
+        """Read a header, its buffer lengths and its meta; buffers stay unread.
+
+        The caller must then call :meth:`read_buffers` (or :meth:`skip_buffers`).
+        """
+        magic, version, kind, flags, request_id, meta_len, nbuf, _ = HEADER.unpack(self._take(HEADER.size))
+        if magic != MAGIC:
+            raise ProtocolError(f"bad magic {magic!r}: the peer is not a torchfeed endpoint")
+        if version != VERSION:
+            raise ProtocolError(
+                f"peer speaks torchfeed wire version {version}, this side speaks {VERSION}: "
+                "install the same torchfeed version on trainers and workers"
+            )
+        if kind not in KIND_NAMES:
+            raise ProtocolError(f"unknown message kind {kind}")
+        if meta_len > limits.max_meta:
+            raise FrameTooLarge(f"meta part of {meta_len} bytes exceeds the limit of {limits.max_meta}")
+        if nbuf > limits.max_buffers:
+            raise FrameTooLarge(f"{nbuf} buffers exceed the limit of {limits.max_buffers}")
+        lengths: List[int] = []
+        if nbuf:
+            raw = bytearray(nbuf * 8)
+            self.read_into(memoryview(raw))
+            lengths = list(struct.unpack(f"<{nbuf}Q", raw))
+            total = sum(lengths)
+            if total > limits.max_buffer_bytes:
+                raise FrameTooLarge(
+                    f"buffers of {total} bytes exceed the limit of {limits.max_buffer_bytes}"
+                )
+        if meta_len <= _STAGING:
+            meta = self._take(meta_len)
+        else:
+            meta_buf = bytearray(meta_len)
+            self.read_into(memoryview(meta_buf))
+            meta = bytes(meta_buf)
+        return Frame(kind, flags, request_id, meta, lengths)
+
+    def read_buffers(self, dests: Sequence[memoryview]) -> None:
+        for d in dests:
+            self.read_into(d)
+
+    def skip_buffers(self, lengths: Sequence[int]) -> None:
+        scratch = memoryview(bytearray(min(max(lengths, default=0), 1 << 20)))
+        for n in lengths:
+            while n:
+                k = min(n, len(scratch))
+                self.read_into(scratch[:k])
+                n -= k
+
+
+def allocate_and_read(reader: FrameReader, frame: Frame, alloc: Optional[Callable[[List[int]], List[memoryview]]] = None):
+    """Receive a frame's buffers into memory from ``alloc`` (default: plain bytearrays)."""
+    if not frame.buffer_lengths:
+        return []
+    if alloc is None:
+        dests = [memoryview(bytearray(n)) for n in frame.buffer_lengths]
+    else:
+        dests = alloc(frame.buffer_lengths)
+    reader.read_buffers(dests)
+    return dests

@@ -1,0 +1,78 @@
+"""Datasets and helpers importable by both the tests and the worker processes."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+
+class RangeDataset(Dataset):
+    """Sample i is (a float tensor filled with i, the label i)."""
+
+    def __init__(self, n: int, width: int = 3):
+        self.n = n
+        self.width = width
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return torch.full((self.width,), float(i)), i
+
+
+class DictDataset(Dataset):
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"x": np.arange(4, dtype=np.float32) + i, "name": f"s{i}", "t": (i, torch.tensor([i, -i]))}
+
+
+class FailingDataset(RangeDataset):
+    """Raises on the indices given."""
+
+    def __init__(self, n: int, bad):
+        super().__init__(n)
+        self.bad = set(bad)
+
+    def __getitem__(self, i):
+        if i in self.bad:
+            raise KeyError(f"sample {i} is corrupt")
+        return super().__getitem__(i)
+
+
+class SleepDataset(RangeDataset):
+    """Each item sleeps; workers whose pid file says 'slow' sleep `factor` times longer."""
+
+    def __init__(self, n: int, seconds: float, slow_pid_factor: dict | None = None, with_pid: bool = False):
+        super().__init__(n)
+        self.seconds = seconds
+        self.slow = slow_pid_factor or {}
+        self.with_pid = with_pid
+
+    def __getitem__(self, i):
+        time.sleep(self.seconds * self.slow.get(os.getpid(), 1))
+        x, y = super().__getitem__(i)
+        return (x, y, os.getpid()) if self.with_pid else (x, y)
+
+
+def deep_equal(a, b) -> bool:
+    """Structure, types, dtypes and values all equal."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(deep_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return type(a) is type(b) and a.keys() == b.keys() and all(deep_equal(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
