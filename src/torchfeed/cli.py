@@ -35,6 +35,8 @@ def _add_worker_parser(sub) -> None:
                    help="worker processes to start (one Python process uses one core); 'auto' = CPUs")
     p.add_argument("--address-file", help="also append each address line to this file (under a lock)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker process (default 1)")
+    p.add_argument("--handshake-timeout", type=float, default=10.0,
+                   help="seconds a new connection has to authenticate (default 10)")
     p.add_argument("--log-level", default="WARNING")
 
 
@@ -45,14 +47,15 @@ def _run_workers(args) -> int:
         from .worker import run_worker
 
         run_worker(args.host, args.port, args.timeout, args.parallel, address_file=args.address_file,
-                   torch_threads=args.threads)
+                   torch_threads=args.threads, handshake_timeout=args.handshake_timeout)
         return 0
     # One child per process; each prints (and files) its own address line.
     children = []
     for i in range(args.procs):
         cmd = [sys.executable, "-m", "torchfeed", "worker", "--host", args.host,
                "--port", str(args.port + i if args.port else 0), "--timeout", str(args.timeout),
-               "--parallel", str(args.parallel), "--threads", str(args.threads), "--log-level", args.log_level]
+               "--parallel", str(args.parallel), "--threads", str(args.threads), "--log-level", args.log_level,
+               "--handshake-timeout", str(args.handshake_timeout)]
         if args.address_file:
             cmd += ["--address-file", args.address_file]
         children.append(subprocess.Popen(cmd))

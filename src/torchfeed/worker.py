@@ -125,7 +125,7 @@ class ServerConnection:
     # -- reader thread -----------------------------------------------------
     def serve(self) -> None:
         try:
-            self.sock.settimeout(HANDSHAKE_TIMEOUT)
+            self.sock.settimeout(self.server.handshake_timeout)
             if not auth.server_handshake(self.sock, self.reader, self.server.secret):
                 log.warning("rejected client %s: wrong secret (it got AUTH_FAIL)", self.peer)
                 return
@@ -208,13 +208,14 @@ class WorkerServer:
     """A listening worker. ``serve_forever`` blocks; ``start`` serves from a thread."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout: float = 120.0, parallel: int = 1,
-                 *, secret: auth.SecretLike = None):
+                 *, secret: auth.SecretLike = None, handshake_timeout: float = HANDSHAKE_TIMEOUT):
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self.secret = auth.load_secret(secret)
         self.timeout = float(timeout)
+        self.handshake_timeout = float(handshake_timeout)
         self.parallel = parallel
         self.registry = Registry()
         self.tasks: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -296,10 +297,10 @@ class WorkerServer:
 
     def _keeper(self) -> None:
         """Drop peers that never finish the handshake or fall silent (half-open)."""
-        while not self._stopping.wait(min(1.0, self.timeout / 4)):
+        while not self._stopping.wait(min(1.0, self.timeout / 4, self.handshake_timeout / 4)):
             now = time.monotonic()
             for conn in self.connections():
-                limit = self.timeout if conn.authenticated else HANDSHAKE_TIMEOUT
+                limit = self.timeout if conn.authenticated else self.handshake_timeout
                 if now - conn.last_rx > limit:
                     log.warning("closing silent connection from %s (nothing received for %.0f s)",
                                 conn.peer, now - conn.last_rx)
@@ -323,7 +324,7 @@ def announce(address: str, address_file: Optional[str] = None) -> None:
 
 def run_worker(host: str, port: int, timeout: float = 120, parallel: int = 1, *,
                secret: auth.SecretLike = None, address_file: Optional[str] = None,
-               torch_threads: Optional[int] = 1) -> None:
+               torch_threads: Optional[int] = 1, handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:
     """Start listening and serving remote calls until SIGTERM/SIGINT.
 
     Parameters
@@ -343,12 +344,14 @@ def run_worker(host: str, port: int, timeout: float = 120, parallel: int = 1, *,
         Also append the address line to this file, under an exclusive lock.
     torch_threads : int or None
         ``torch.set_num_threads`` for this process (1, like DataLoader workers; None keeps torch's default).
+    handshake_timeout : float
+        Seconds a new connection has to authenticate before it is dropped.
     """
     if torch_threads is not None:
         import torch
 
         torch.set_num_threads(torch_threads)
-    server = WorkerServer(host, port, timeout, parallel, secret=secret)
+    server = WorkerServer(host, port, timeout, parallel, secret=secret, handshake_timeout=handshake_timeout)
     in_main = threading.current_thread() is threading.main_thread()
     if in_main:
         def _stop(signum, _frame):
