@@ -8,6 +8,7 @@ request deadlines and declares a worker lost when it stops answering.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import os
@@ -332,17 +333,22 @@ class _Pool:
             if self._conns.get(key) is conn:
                 del self._conns[key]
 
-    def close_all(self) -> None:
+    def close_all(self, join_timeout: float = 1.0) -> None:
         with self._lock:
             conns = list(self._conns.values())
             self._conns.clear()
         for c in conns:
             c.close()
+        deadline = time.monotonic() + join_timeout
+        for c in conns:  # let reader threads leave torch code before the interpreter exits
+            if c._thread is not threading.current_thread():
+                c._thread.join(max(0.0, deadline - time.monotonic()))
 
 
 _pool = _Pool()
 connect = _pool.get
 close_all = _pool.close_all
+atexit.register(close_all)
 
 
 class RemoteRef:

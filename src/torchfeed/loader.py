@@ -18,9 +18,15 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
-from torch.utils.data._utils.collate import default_collate, default_convert
+from torch.utils.data._utils.collate import (
+    collate,
+    collate_tensor_fn,
+    default_collate,
+    default_collate_fn_map,
+    default_convert,
+)
 
-from . import client, wire
+from . import buffers, client, wire
 from .auth import SecretLike
 from .errors import RemoteError, Timeout, TorchfeedError, WorkerLost
 from .scheduler import Scheduler
@@ -34,12 +40,30 @@ def _build(factory: Callable, args: tuple, kwargs: dict):
     return factory(*args, **kwargs)
 
 
+def _stack_into_pool(batch, *, collate_fn_map=None):
+    """torch's tensor collation, stacking into pooled memory (reused once the batch is sent)."""
+    elem = batch[0]
+    if (elem.layout == torch.strided and not elem.is_nested and elem.device.type == "cpu"
+            and all(t.dtype == elem.dtype and t.shape == elem.shape for t in batch)):
+        out = buffers.empty_tensor((len(batch), *elem.shape), elem.dtype)
+        return torch.stack(batch, 0, out=out)
+    return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+
+
+_POOLED_COLLATE_MAP = {**default_collate_fn_map, torch.Tensor: _stack_into_pool}
+
+
+def pooled_default_collate(batch):
+    """Same result as ``default_collate``; large stacked tensors reuse worker memory."""
+    return collate(batch, collate_fn_map=_POOLED_COLLATE_MAP)
+
+
 class _Fetcher:
     """Worker-side: turn a batch of indices into a collated batch (like torch's fetcher)."""
 
     def __init__(self, dataset, collate_fn: Callable, auto_collation: bool):
         self.dataset = dataset
-        self.collate_fn = collate_fn
+        self.collate_fn = pooled_default_collate if collate_fn is default_collate else collate_fn
         self.auto_collation = auto_collation
 
     def __call__(self, index):

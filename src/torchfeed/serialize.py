@@ -25,6 +25,8 @@ import cloudpickle
 import numpy as np
 import torch
 
+from . import buffers
+
 ALIGN = 64  # every buffer starts on a 64-byte boundary of the receive block
 
 _state = threading.local()
@@ -128,8 +130,10 @@ def allocate(lengths: Sequence[int], pin: bool = False) -> List[memoryview]:
     for n in lengths:
         offsets.append(total)
         total += (n + ALIGN - 1) // ALIGN * ALIGN
-    pinned = pin and _cuda_pinnable()
-    block = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pinned)
+    if pin and _cuda_pinnable():
+        block = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)  # torch caches these
+    else:
+        block = buffers.empty_bytes(max(total, 1))
     arr = block.numpy()
     return [memoryview(arr[o : o + n]) for o, n in zip(offsets, lengths)]
 

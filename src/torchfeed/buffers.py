@@ -1,0 +1,94 @@
+"""Reusable memory blocks for large messages and batches.
+
+Fresh large allocations are expensive: the kernel must map and zero every page (about
+18 ms for a 38.5 MB batch here, against 4 ms to fill memory already mapped). Both ends
+of the data plane allocate such blocks for every batch: the worker when it stacks a
+batch, the trainer when it receives one. A :class:`BlockPool` hands out views of cached
+blocks and takes a block back automatically when the last tensor or array using it is
+garbage collected, so steady-state batches land in memory that is already mapped.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Dict, List
+
+import numpy as np
+import torch
+
+MIN_POOLED = 1 << 20  # smaller allocations are cheap enough for malloc
+_GRAIN = 1 << 16  # block sizes are rounded up to this, so similar sizes share blocks
+
+
+class BlockPool:
+    """Cache of uint8 blocks, keyed by rounded size.
+
+    Parameters
+    ----------
+    max_cached_bytes : int
+        Free blocks beyond this total are released to the system.
+    """
+
+    def __init__(self, max_cached_bytes: int = 1 << 30):
+        self.max_cached_bytes = max_cached_bytes
+        self._free: Dict[int, List[np.ndarray]] = {}
+        self._cached = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def lease(self, nbytes: int) -> np.ndarray:
+        """A fresh uint8 array of ``nbytes`` whose block returns to the pool when it dies.
+
+        The caller must derive every tensor and array from the returned object (for
+        example with ``torch.from_numpy``) and never from its ``.base``.
+        """
+        size = -(-max(nbytes, 1) // _GRAIN) * _GRAIN
+        with self._lock:
+            blocks = self._free.get(size)
+            if blocks:
+                block = blocks.pop()
+                self._cached -= size
+                self.hits += 1
+            else:
+                block = None
+                self.misses += 1
+        if block is None:
+            block = np.empty(size, dtype=np.uint8)
+        view = block[:nbytes]
+        weakref.finalize(view, self._give_back, block)
+        return view
+
+    def _give_back(self, block: np.ndarray) -> None:
+        with self._lock:
+            if self._cached + block.nbytes > self.max_cached_bytes:
+                return  # dropped: freed by numpy
+            self._free.setdefault(block.nbytes, []).append(block)
+            self._cached += block.nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._cached = 0
+
+
+pool = BlockPool()
+
+
+def empty_bytes(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes``, pooled when large."""
+    if nbytes < MIN_POOLED:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    return torch.from_numpy(pool.lease(nbytes))
+
+
+def empty_tensor(shape, dtype: torch.dtype) -> torch.Tensor:
+    """Like ``torch.empty(shape, dtype=dtype)``, with pooled memory when large."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = numel * dtype.itemsize
+    if nbytes < MIN_POOLED:
+        return torch.empty(shape, dtype=dtype)
+    return empty_bytes(nbytes).view(dtype).view(shape)
