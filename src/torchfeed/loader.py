@@ -217,6 +217,8 @@ class RemoteDataLoader:
         Called once on every worker with its worker id before the first batch.
     num_workers, persistent_workers, multiprocessing_context, pin_memory_device
         Accepted for compatibility and ignored: the remote workers do the loading.
+    in_order : bool
+        Only ``True`` (the default) is supported.
     """
 
     def __init__(
@@ -243,6 +245,10 @@ class RemoteDataLoader:
         pin_memory_device: str = "",
         in_order: bool = True,
     ):
+        if not in_order:
+            raise ValueError("in_order=False is not supported: RemoteDataLoader always delivers batches in "
+                             "sampler order (slow workers are given later batches instead, so order costs "
+                             "little); remove the argument")
         if not isinstance(dataset, RemoteDataset):
             if workers is None:
                 raise TypeError(
