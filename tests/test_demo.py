@@ -1,0 +1,74 @@
+"""``torchfeed demo`` end to end: local workers feed a CNN that learns the digits."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sklearn")
+
+from torchfeed.demo import AugmentedDigits, load_digits_split, normalize, random_affine  # noqa: E402
+
+
+def _rate(pattern: str, text: str) -> float:
+    match = re.search(pattern + r".*?([\d,]+) samples/s", text)
+    assert match, f"no line matching {pattern!r} in the demo's output:\n{text}"
+    return float(match.group(1).replace(",", ""))
+
+
+@pytest.mark.timeout(60)
+def test_demo_trains_and_compares_loaders():
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", "torchfeed", "demo", "--epochs", "2"], env=env,
+                          capture_output=True, text=True, timeout=55)
+    out = proc.stdout
+    assert proc.returncode == 0, f"demo exited with {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr}"
+    assert re.search(r"workers: 127\.0\.0\.1:\d+, 127\.0\.0\.1:\d+", out), out
+    assert len(re.findall(r"^epoch [12]/2 ", out, re.MULTILINE)) == 2, out
+    match = re.search(r"test accuracy: ([\d.]+)%", out)
+    assert match, out
+    assert float(match.group(1)) > 50.0, out
+    assert _rate(r"torchfeed\.RemoteDataLoader", out) > 0
+    assert _rate(r"torch DataLoader\(num_workers=2\)", out) > 0
+    assert re.search(r"ratio torchfeed / torch\s+[\d.]+x", out), out
+
+
+def test_augmentation_is_seeded_per_sample_and_epoch():
+    train_x, train_y, test_x, test_y = load_digits_split(0)
+    assert (len(train_y), len(test_y)) == (1497, 300)
+    assert np.array_equal(load_digits_split(0)[3], test_y)  # the split is deterministic
+    ds = AugmentedDigits(train_x, train_y, seed=0)
+    x, y = ds[5]
+    assert x.shape == (1, 8, 8) and str(x.dtype) == "torch.float32" and y == int(train_y[5])
+    again = AugmentedDigits(train_x, train_y, seed=0)
+    assert np.array_equal(again[5][0].numpy(), x.numpy())  # same (seed, epoch, index): same sample
+    again.set_epoch(1)
+    assert not np.array_equal(again[5][0].numpy(), x.numpy())  # another epoch: another warp
+    plain = AugmentedDigits(test_x, test_y, augment=False)
+    assert np.allclose(plain[7][0].numpy()[0], normalize(test_x[7] / 16.0))
+
+
+class _Draws:
+    """Stands in for a numpy Generator: random() returns fixed values (mapped to [-1, 1))."""
+
+    def __init__(self, *u):
+        self.u = np.asarray(u, dtype=float)
+
+    def random(self, n):
+        return (self.u[:n] + 1) / 2
+
+
+def test_random_affine_geometry():
+    image = np.random.default_rng(1).random((8, 8))
+    assert np.allclose(random_affine(image, _Draws(0, 0, 0, 0)), image)  # identity
+    down = random_affine(image, _Draws(0, 0, 1, 0))  # one pixel down
+    assert np.allclose(down[1:], image[:-1]) and np.allclose(down[0], 0)
+    left = random_affine(image, _Draws(0, 0, 0, -1))  # one pixel left
+    assert np.allclose(left[:, :-1], image[:, 1:]) and np.allclose(left[:, -1], 0)
+    quarter = random_affine(image, _Draws(1, 0, 0, 0), max_degrees=90)  # a quarter turn
+    assert np.allclose(quarter, np.rot90(image)) or np.allclose(quarter, np.rot90(image, -1))
