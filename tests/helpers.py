@@ -76,3 +76,22 @@ def deep_equal(a, b) -> bool:
     if isinstance(a, dict):
         return type(a) is type(b) and a.keys() == b.keys() and all(deep_equal(a[k], b[k]) for k in a)
     return type(a) is type(b) and a == b
+
+
+class RandomAugmentDataset(Dataset):
+    """Uses Python's, numpy's and torch's global generators in __getitem__ (and sleeps a bit)."""
+
+    def __init__(self, n: int, delay: float = 0.0):
+        self.n = n
+        self.delay = delay
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import random
+
+        if self.delay:
+            time.sleep(self.delay)
+        return torch.tensor([float(i), random.random(), float(np.random.rand()), float(torch.rand(()))],
+                            dtype=torch.float64)

@@ -18,15 +18,10 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
-from torch.utils.data._utils.collate import (
-    collate,
-    collate_tensor_fn,
-    default_collate,
-    default_collate_fn_map,
-    default_convert,
-)
+from torch.utils.data._utils.collate import default_collate, default_convert
 
-from . import buffers, client, wire
+from . import client, resume, wire
+from .fetch import Fetcher
 from .auth import SecretLike
 from .errors import RemoteError, Timeout, TorchfeedError, WorkerLost
 from .scheduler import Scheduler
@@ -38,41 +33,6 @@ log = logging.getLogger("torchfeed.loader")
 
 def _build(factory: Callable, args: tuple, kwargs: dict):
     return factory(*args, **kwargs)
-
-
-def _stack_into_pool(batch, *, collate_fn_map=None):
-    """torch's tensor collation, stacking into pooled memory (reused once the batch is sent)."""
-    elem = batch[0]
-    if (elem.layout == torch.strided and not elem.is_nested and elem.device.type == "cpu"
-            and all(t.dtype == elem.dtype and t.shape == elem.shape for t in batch)):
-        out = buffers.empty_tensor((len(batch), *elem.shape), elem.dtype)
-        return torch.stack(batch, 0, out=out)
-    return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
-
-
-_POOLED_COLLATE_MAP = {**default_collate_fn_map, torch.Tensor: _stack_into_pool}
-
-
-def pooled_default_collate(batch):
-    """Same result as ``default_collate``; large stacked tensors reuse worker memory."""
-    return collate(batch, collate_fn_map=_POOLED_COLLATE_MAP)
-
-
-class _Fetcher:
-    """Worker-side: turn a batch of indices into a collated batch (like torch's fetcher)."""
-
-    def __init__(self, dataset, collate_fn: Callable, auto_collation: bool):
-        self.dataset = dataset
-        self.collate_fn = pooled_default_collate if collate_fn is default_collate else collate_fn
-        self.auto_collation = auto_collation
-
-    def __call__(self, index):
-        if self.auto_collation:
-            getitems = getattr(self.dataset, "__getitems__", None)
-            data = getitems(index) if getitems else [self.dataset[i] for i in index]
-        else:
-            data = self.dataset[index]
-        return self.collate_fn(data)
 
 
 # -- trainer side ---------------------------------------------------------------
@@ -210,6 +170,12 @@ class RemoteDataLoader:
         (0 waits without limit; dead workers are still detected by heartbeats).
     prefetch_factor : int
         Requests in flight per worker (the worker's credits).
+    seed : int, optional
+        Makes loading exactly reproducible: the shuffle order comes from (seed, epoch) and
+        every sample's ``__getitem__`` runs with Python's, numpy's and torch's global
+        generators seeded from (seed, epoch, index). Without it a base seed is drawn from
+        ``generator`` (or torch's global generator) each pass, as torch's DataLoader does,
+        and samples are seeded from it.
     workers, args, kwargs
         The seed's other form: ``RemoteDataLoader(workers=[...], dataset=Cls, kwargs={...})``
         builds the :class:`RemoteDataset` itself.
@@ -235,6 +201,7 @@ class RemoteDataLoader:
         *,
         prefetch_factor: Optional[int] = 2,
         generator: Optional[torch.Generator] = None,
+        seed: Optional[int] = None,
         worker_init_fn: Optional[Callable] = None,
         workers: Optional[Sequence[str]] = None,
         args: Sequence = (),
@@ -276,8 +243,17 @@ class RemoteDataLoader:
         elif batch_size is None and drop_last:
             raise ValueError("batch_size=None option disables auto-batching and is mutually exclusive "
                              "with drop_last")
+        if seed is not None and generator is not None:
+            raise ValueError("give seed= or generator=, not both: with seed the shuffle order and every "
+                             "sample's random draws come from (seed, epoch)")
+        self._shuffle_generator: Optional[torch.Generator] = None
         if sampler is None:
-            sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
+            if shuffle:
+                if seed is not None:  # reseeded from (seed, epoch) at the start of every pass
+                    self._shuffle_generator = torch.Generator()
+                sampler = RandomSampler(dataset, generator=self._shuffle_generator or generator)
+            else:
+                sampler = SequentialSampler(dataset)
         if batch_size is not None and batch_sampler is None:
             batch_sampler = BatchSampler(sampler, batch_size, drop_last)
 
@@ -287,6 +263,7 @@ class RemoteDataLoader:
         self.sampler = sampler
         self.batch_sampler = batch_sampler
         self.generator = generator
+        self.seed = seed
         self.pin_memory = pin_memory
         self.timeout = timeout
         self.prefetch_factor = prefetch_factor
@@ -299,6 +276,33 @@ class RemoteDataLoader:
         self._fetchers: Dict[str, client.RemoteRef] = {}
         self._fetchers_lock = threading.Lock()
         self._initialized_workers: set = set()
+        self._epoch = 0  # epoch of the next pass
+        self._progress: Optional[resume.Progress] = None  # the latest pass
+        self._resume_from: Optional[dict] = None
+
+    # -- epochs, state and resume -------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Epoch of the next pass (it then advances by one per pass), like DistributedSampler."""
+        self._epoch = int(epoch)
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next pass."""
+        return self._epoch
+
+    def state_dict(self) -> dict:
+        """Where loading stands: small plain data to store in a checkpoint.
+
+        Loaded into a new loader (same dataset, sampler settings and seed; any workers),
+        the next pass yields exactly the batches this pass had not yet yielded.
+        """
+        return resume.state_of(self._progress, self._epoch, self.seed)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict`: the next pass continues where that one stopped."""
+        resume._check(state, self)
+        self._epoch = state["epoch"]
+        self._resume_from = state if state["active"] else None
 
     @property
     def _auto_collation(self) -> bool:
@@ -330,7 +334,7 @@ class RemoteDataLoader:
                     client.rpc_async(w, self.worker_init_fn, args=(wid,), timeout=ds.timeout,
                                      secret=ds.secret).wait()
                     self._initialized_workers.add(w)
-                futs[w] = client.rpc_async(w, _Fetcher, args=(ds.ref(w), self.collate_fn, self._auto_collation),
+                futs[w] = client.rpc_async(w, Fetcher, args=(ds.ref(w), self.collate_fn, self._auto_collation),
                                            rref=True, timeout=ds.timeout, secret=ds.secret)
             failed = {}
             for w, v in _wait_all(futs, ds.timeout).items():
@@ -351,10 +355,11 @@ class _RemoteLoaderIter:
         self._pin = loader.pin_memory
         self._timeout = loader.timeout
         self._cond = threading.Condition(threading.RLock())
-        self._sampler_iter = iter(loader._index_sampler)
-        # Drawn exactly as torch's DataLoader draws it, so the same global seed gives the
-        # same shuffle order as torch (RandomSampler draws its own seed after this).
-        self._base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+        resume_from, loader._resume_from = loader._resume_from, None
+        self._sampler_iter, self._progress = resume.begin_pass(loader, loader._epoch, resume_from)
+        loader._epoch = self._progress.record.epoch + 1
+        loader._progress = self._progress
+        self._seed = self._progress.record.base_seed
         self._indices: Dict[int, Any] = {}
         self._results: Dict[int, tuple] = {}
         self._requests: Dict[int, tuple] = {}  # seq -> (address, request id)
@@ -406,7 +411,7 @@ class _RemoteLoaderIter:
     def _send(self, address: str, seq: int) -> None:
         fetcher = self._loader._fetchers[address]
         conn = fetcher._conn
-        meta = pickle.dumps((fetcher.ref_id, (self._indices[seq],), None), protocol=5)
+        meta = pickle.dumps((fetcher.ref_id, (self._indices[seq], self._seed), None), protocol=5)
         this = weakref.ref(self)
 
         def on_result(ok, value, _seq=seq, _address=address):
@@ -462,7 +467,8 @@ class _RemoteLoaderIter:
                 seq = sched.delivered
                 if seq in self._results:
                     ok, value = self._results.pop(seq)
-                    self._indices.pop(seq, None)
+                    self._progress.batches += 1
+                    self._progress.samples += len(_as_list(self._indices.pop(seq, None)))
                     sched.take_delivered()
                     self._dispatch()
                     break
@@ -470,6 +476,7 @@ class _RemoteLoaderIter:
                     self._close_locked()
                     raise self._fatal
                 if sched.finished():
+                    self._progress.finished = True
                     self._close_locked()
                     raise StopIteration
                 wait = None if deadline is None else deadline - time.monotonic()

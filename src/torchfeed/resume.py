@@ -1,0 +1,141 @@
+"""Starting a loader pass reproducibly, and the state that lets a new loader resume it.
+
+A pass is fully determined by what it starts from: the epoch and seed (or the base seed
+drawn like torch's DataLoader), the states of the random generators the samplers use,
+and the state of a torchfeed elastic sampler. ``begin_pass`` records these; a state dict
+is that record plus how many batches and samples were consumed. A new loader (in a new
+process, on other workers) replays the record, skips the consumed batches of indices
+(cheap: no data is loaded) and yields exactly the remaining batches. Elastic samplers
+skip by themselves, by global position, so the number of ranks may change.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .sampling import DistributedSampler, mix_seed
+
+FORMAT = "torchfeed.RemoteDataLoader/1"
+_SHUFFLE_TAG = 0x5F1E
+_INT63 = (1 << 63) - 1
+
+
+@dataclass
+class PassRecord:
+    epoch: int
+    seed: Optional[int]
+    base_seed: int
+    global_rng: Optional[bytes] = None
+    generators: Dict[str, bytes] = field(default_factory=dict)
+    sampler: Optional[Dict[str, int]] = None
+
+
+@dataclass
+class Progress:
+    """How far the current pass got (shared by a loader and its latest iterator)."""
+
+    record: PassRecord
+    batches: int = 0
+    samples: int = 0
+    finished: bool = False
+
+
+def _to_bytes(state: torch.Tensor) -> bytes:
+    return state.numpy().tobytes()
+
+
+def _from_bytes(raw: bytes) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
+
+
+def _generators(loader) -> Dict[str, torch.Generator]:
+    """The generators this loader's sampling draws from, by a stable name."""
+    found: Dict[str, torch.Generator] = {}
+    candidates = [("loader", loader.generator), ("sampler", getattr(loader.sampler, "generator", None))]
+    bs = loader.batch_sampler
+    if bs is not None:
+        candidates.append(("batch_sampler", getattr(bs, "generator", None)))
+        candidates.append(("batch_sampler.sampler", getattr(getattr(bs, "sampler", None), "generator", None)))
+    seen = set()
+    for name, g in candidates:
+        if isinstance(g, torch.Generator) and g is not loader._shuffle_generator and id(g) not in seen:
+            seen.add(id(g))
+            found[name] = g
+    return found
+
+
+def _elastic(loader) -> Optional[DistributedSampler]:
+    for s in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+        if isinstance(s, DistributedSampler):
+            return s
+    return None
+
+
+def _check(state: Dict[str, Any], loader) -> None:
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ValueError("this is not a RemoteDataLoader state (made by RemoteDataLoader.state_dict())")
+    if state["seed"] != loader.seed:
+        raise ValueError(f"the state was taken with seed={state['seed']}, this loader has seed={loader.seed}: "
+                         "create the loader with the same seed to resume")
+
+
+def begin_pass(loader, epoch: int, resume: Optional[Dict[str, Any]]) -> Tuple[Iterator, Progress]:
+    """Start a pass (or resume one); return the index iterator and its progress record."""
+    if resume is not None:
+        _check(resume, loader)
+    gens = _generators(loader)
+    elastic = _elastic(loader)
+    user_global = None
+    if resume is not None:
+        epoch = resume["epoch"]
+        for name, raw in resume["generators"].items():
+            if name in gens:
+                gens[name].set_state(_from_bytes(raw))
+        if resume["global_rng"] is not None:
+            user_global = torch.get_rng_state()
+            torch.set_rng_state(_from_bytes(resume["global_rng"]))
+        if elastic is not None and resume["sampler"] is not None:
+            elastic.load_state_dict({**resume["sampler"], "consumed_on_rank": resume["samples"]})
+    record = PassRecord(epoch=epoch, seed=loader.seed, base_seed=0,
+                        generators={n: _to_bytes(g.get_state()) for n, g in gens.items()},
+                        sampler=elastic.state_dict() if elastic is not None else None)
+    if loader.seed is not None:
+        if loader._shuffle_generator is not None:
+            loader._shuffle_generator.manual_seed(mix_seed(loader.seed, epoch, _SHUFFLE_TAG) & _INT63)
+        record.base_seed = mix_seed(loader.seed, epoch)
+        indices = iter(loader._index_sampler)
+    else:
+        record.global_rng = _to_bytes(torch.get_rng_state())
+        indices = iter(loader._index_sampler)
+        # drawn exactly as torch's DataLoader draws it (after iter(sampler), before the
+        # first index), so the same global seed gives the same shuffle order as torch
+        drawn = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+        record.base_seed = resume["base_seed"] if resume is not None else drawn & ((1 << 64) - 1)
+    progress = Progress(record)
+    if resume is not None:
+        skip = 0 if (elastic is not None and resume["sampler"] is not None) else resume["batches"]
+        for _ in itertools.islice(indices, skip):
+            pass
+        if user_global is not None:
+            # samplers draw from the global generator lazily: pull the first batch under
+            # the replayed state, then give the user back their own generator state
+            head = list(itertools.islice(indices, 1))
+            torch.set_rng_state(user_global)
+            indices = itertools.chain(head, indices)
+        progress.batches, progress.samples = resume["batches"], resume["samples"]
+    return indices, progress
+
+
+def state_of(progress: Optional[Progress], next_epoch: int, seed: Optional[int]) -> Dict[str, Any]:
+    """Plain-data state: small (bytes, ints), safe to put in a checkpoint."""
+    if progress is None or progress.finished:
+        return {"format": FORMAT, "epoch": next_epoch, "seed": seed, "active": False, "batches": 0,
+                "samples": 0, "base_seed": None, "global_rng": None, "generators": {}, "sampler": None}
+    rec = asdict(progress.record)
+    rec.update(format=FORMAT, active=True, batches=progress.batches, samples=progress.samples)
+    return rec
