@@ -14,7 +14,8 @@ from .errors import (
     TorchfeedError,
     WorkerLost,
 )
-from .loader import RemoteDataLoader, RemoteDataset
+from .loader import RemoteDataLoader
+from .remote_dataset import RemoteDataset
 from .local import LocalWorkers
 from .sampling import set_random_seeds
 from .worker import WorkerServer, run_worker

@@ -32,6 +32,18 @@ class WorkerLost(TorchfeedError):
         self.errors = dict(errors or {})
 
 
+class PoisonSampleError(TorchfeedError):
+    """Loading these samples killed worker processes again and again.
+
+    ``indices`` are the sample indices of the batch; ``workers`` the workers it killed.
+    """
+
+    def __init__(self, message: str, indices=None, workers=None):
+        super().__init__(message)
+        self.indices = list(indices or [])
+        self.workers = list(workers or [])
+
+
 class Timeout(TorchfeedError, TimeoutError):
     """An operation did not finish within its timeout."""
 

@@ -1,4 +1,4 @@
-"""RemoteDataset and RemoteDataLoader: torch's DataLoader, with remote workers.
+"""RemoteDataLoader: torch's DataLoader, with remote workers.
 
 The sampler runs in the trainer; batches of indices go to workers (least loaded first,
 see :mod:`torchfeed.scheduler`), which load the samples and collate them; collated
@@ -21,134 +21,14 @@ from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSam
 from torch.utils.data._utils.collate import default_collate, default_convert
 
 from . import client, resume, wire
+from .errors import PoisonSampleError, RemoteError, Timeout, WorkerLost
 from .fetch import Fetcher
-from .auth import SecretLike
-from .errors import RemoteError, Timeout, TorchfeedError, WorkerLost
+from .remote_dataset import RemoteDataset, wait_all
 from .scheduler import Scheduler
 
 log = logging.getLogger("torchfeed.loader")
 
-
-# -- code that runs on the workers --------------------------------------------
-
-def _build(factory: Callable, args: tuple, kwargs: dict):
-    return factory(*args, **kwargs)
-
-
-# -- trainer side ---------------------------------------------------------------
-
-def _wait_all(futures: Dict[str, torch.futures.Future], timeout: float) -> Dict[str, Any]:
-    """Wait for futures with one overall deadline; return address -> result or exception."""
-    deadline = time.monotonic() + timeout
-    out: Dict[str, Any] = {}
-    for addr, fut in futures.items():
-        while not fut.done() and time.monotonic() < deadline:
-            time.sleep(0.002)
-        if not fut.done():
-            out[addr] = Timeout(f"worker {addr} did not answer within {timeout:g} s")
-            continue
-        try:
-            out[addr] = fut.value()
-        except Exception as exc:  # noqa: BLE001 - sorted by the caller
-            out[addr] = exc
-    return out
-
-
-class RemoteDataset:
-    """A dataset built on remote workers.
-
-    ``RemoteDataset(workers, dataset, *args, **kwargs)`` calls ``dataset(*args, **kwargs)``
-    on every worker, concurrently, and keeps the instances there. ``dataset`` may be a
-    class or any callable returning a map-style dataset; it may be defined in
-    ``__main__`` or locally (it travels by value).
-
-    Parameters
-    ----------
-    workers : list of str
-        Worker addresses ``host:port``.
-    dataset : callable
-        Dataset class or factory.
-    *args, **kwargs
-        Passed to ``dataset`` on each worker.
-    """
-
-    timeout: float = 120.0  # seconds allowed to connect and build the dataset
-    secret: SecretLike = None
-
-    def __init__(self, workers: Sequence[str], dataset: Callable, *args, **kwargs):
-        if isinstance(workers, str):
-            workers = workers.split()
-        workers = [client.format_address(w) for w in workers]
-        if not workers:
-            raise ValueError("RemoteDataset needs at least one worker address (host:port)")
-        if len(set(workers)) != len(workers):
-            raise ValueError(f"worker addresses are repeated: {workers}")
-        self.workers: List[str] = workers
-        self.factory = dataset
-        self.args = args
-        self.kwargs = kwargs
-        self._refs: Dict[str, client.RemoteRef] = {}
-        self._length: Optional[int] = None
-        self._build_on(workers)
-
-    def _build_on(self, workers: Sequence[str]) -> None:
-        futs = {w: client.rpc_async(w, _build, args=(self.factory, self.args, self.kwargs), rref=True,
-                                    timeout=self.timeout, secret=self.secret) for w in workers}
-        built = _wait_all(futs, self.timeout)
-        errors = {w: v for w, v in built.items() if isinstance(v, BaseException)}
-        if errors:
-            first = next(iter(errors.values()))
-            if isinstance(first, RemoteError):
-                raise first
-            raise WorkerLost(
-                "could not build the dataset on "
-                + ", ".join(f"{w} ({e})" for w, e in errors.items()),
-                {w: repr(e) for w, e in errors.items()},
-            ) from first
-        lengths = _wait_all({w: client.rpc_async(w, len, args=(ref,), timeout=self.timeout, secret=self.secret)
-                             for w, ref in built.items()}, self.timeout)
-        for w, n in lengths.items():
-            if isinstance(n, BaseException):
-                raise n
-        distinct = set(lengths.values())
-        if self._length is not None:
-            distinct.add(self._length)
-        if len(distinct) != 1:
-            raise ValueError(f"workers built datasets of different lengths {lengths}: every worker must "
-                             "see the same data (same files, same arguments)")
-        self._length = distinct.pop()
-        self._refs.update(built)
-
-    def ref(self, address: str) -> client.RemoteRef:
-        return self._refs[address]
-
-    def alive_workers(self) -> List[str]:
-        return [w for w in self.workers if w in self._refs and not self._refs[w]._conn.closed]
-
-    def __len__(self) -> int:
-        return self._length
-
-    def __getitem__(self, index):
-        """Fetch one sample (handy for inspection; the loader fetches whole batches)."""
-        for w in self.alive_workers():
-            return client.rpc_async(w, lambda ds, i: ds[i], args=(self._refs[w], index),
-                                    timeout=self.timeout, secret=self.secret).wait()
-        raise WorkerLost(f"no worker of this dataset is reachable: {self.workers}")
-
-    def run_on_workers(self, fn: Callable, *args, pass_worker_id: bool = False) -> Dict[str, Any]:
-        """Run ``fn(*args)`` once on every worker (``fn(*args, worker_id)`` if asked); return results."""
-        futs = {w: client.rpc_async(w, fn, args=(*args, i) if pass_worker_id else args,
-                                    timeout=self.timeout, secret=self.secret)
-                for i, w in enumerate(self.workers)}
-        results = _wait_all(futs, self.timeout)
-        for v in results.values():
-            if isinstance(v, BaseException):
-                raise v
-        return results
-
-    def __repr__(self) -> str:
-        name = getattr(self.factory, "__qualname__", repr(self.factory))
-        return f"RemoteDataset({name}, workers={self.workers}, len={self._length})"
+_POLL = 0.05  # seconds between straggler checks while the consumer waits
 
 
 class RemoteDataLoader:
@@ -181,6 +61,13 @@ class RemoteDataLoader:
         builds the :class:`RemoteDataset` itself.
     worker_init_fn : callable, optional
         Called once on every worker with its worker id before the first batch.
+    max_retries : int
+        A batch whose loading killed a worker process is retried on at most this many
+        other workers, then :class:`PoisonSampleError` names its samples.
+    straggler_factor : float or None
+        A batch needed soon that runs longer than this many times the typical batch time
+        (and at least ``straggler_min_seconds``) is duplicated on a worker with a free
+        credit; the first result wins. ``None`` disables duplication.
     num_workers, persistent_workers, multiprocessing_context, pin_memory_device
         Accepted for compatibility and ignored: the remote workers do the loading.
     in_order : bool
@@ -203,6 +90,9 @@ class RemoteDataLoader:
         generator: Optional[torch.Generator] = None,
         seed: Optional[int] = None,
         worker_init_fn: Optional[Callable] = None,
+        max_retries: int = 2,
+        straggler_factor: Optional[float] = 4.0,
+        straggler_min_seconds: float = 0.05,
         workers: Optional[Sequence[str]] = None,
         args: Sequence = (),
         kwargs: Optional[dict] = None,
@@ -264,6 +154,9 @@ class RemoteDataLoader:
         self.batch_sampler = batch_sampler
         self.generator = generator
         self.seed = seed
+        self.max_retries = max_retries
+        self.straggler_factor = straggler_factor
+        self.straggler_min_seconds = straggler_min_seconds
         self.pin_memory = pin_memory
         self.timeout = timeout
         self.prefetch_factor = prefetch_factor
@@ -275,7 +168,6 @@ class RemoteDataLoader:
         self.collate_fn = collate_fn
         self._fetchers: Dict[str, client.RemoteRef] = {}
         self._fetchers_lock = threading.Lock()
-        self._initialized_workers: set = set()
         self._epoch = 0  # epoch of the next pass
         self._progress: Optional[resume.Progress] = None  # the latest pass
         self._resume_from: Optional[dict] = None
@@ -329,15 +221,14 @@ class RemoteDataLoader:
                 return {}
             futs = {}
             for i, w in enumerate(missing):
-                if self.worker_init_fn is not None and w not in self._initialized_workers:
+                if self.worker_init_fn is not None:  # a new fetcher: a new or restarted worker
                     wid = ds.workers.index(w) if w in ds.workers else i
                     client.rpc_async(w, self.worker_init_fn, args=(wid,), timeout=ds.timeout,
                                      secret=ds.secret).wait()
-                    self._initialized_workers.add(w)
                 futs[w] = client.rpc_async(w, Fetcher, args=(ds.ref(w), self.collate_fn, self._auto_collation),
                                            rref=True, timeout=ds.timeout, secret=ds.secret)
             failed = {}
-            for w, v in _wait_all(futs, ds.timeout).items():
+            for w, v in wait_all(futs, ds.timeout).items():
                 if isinstance(v, RemoteError):
                     raise v
                 if isinstance(v, BaseException):
@@ -352,6 +243,7 @@ class _RemoteLoaderIter:
 
     def __init__(self, loader: RemoteDataLoader):
         self._loader = loader
+        self._dataset = loader.dataset
         self._pin = loader.pin_memory
         self._timeout = loader.timeout
         self._cond = threading.Condition(threading.RLock())
@@ -362,24 +254,26 @@ class _RemoteLoaderIter:
         self._seed = self._progress.record.base_seed
         self._indices: Dict[int, Any] = {}
         self._results: Dict[int, tuple] = {}
-        self._requests: Dict[int, tuple] = {}  # seq -> (address, request id)
+        self._requests: Dict[int, Dict[str, int]] = {}  # seq -> {address: request id}
         self._errors: Dict[str, str] = {}
         self._fatal: Optional[BaseException] = None
         self._closed = False
-        workers = loader.dataset.alive_workers()
+        self._stalled_since: Optional[float] = None  # when the last serving worker was lost
+        workers = self._dataset.alive_workers()
         failed = loader._ensure_fetchers(workers)
         for w, exc in failed.items():
             self._errors[w] = repr(exc)
-            warnings.warn(f"torchfeed: worker {w} is unreachable and is skipped: {exc}", stacklevel=3)
+            self._dataset.worker_lost(w, exc)
+            warnings.warn(f"torchfeed: worker {w} is unreachable and is skipped for now: {exc}", stacklevel=3)
         workers = [w for w in workers if w not in failed]
-        if not workers:
-            raise WorkerLost("no worker of the dataset is reachable: "
-                             + ", ".join(f"{w}: {e}" for w, e in self._errors.items()), self._errors)
-        n = len(workers)
         credits = loader.prefetch_factor
         # reorder slack beyond the credits, so one slow worker does not stall the rest
+        n = max(len(workers), len(self._dataset.workers), 1)
         self._sched = Scheduler(workers, credits=credits, window=max(2 * credits * n, n + 2 * credits))
+        self._dataset._subscribe(self)
         with self._cond:
+            if not workers:
+                self._stalled_since = time.monotonic()
             self._dispatch()
 
     def __iter__(self):
@@ -391,7 +285,7 @@ class _RemoteLoaderIter:
     # -- dispatch (called with the lock held) ---------------------------------
     def _dispatch(self) -> None:
         sched = self._sched
-        while True:
+        while not self._closed:
             while sched.wants_more():
                 try:
                     idx = next(self._sampler_iter)
@@ -402,59 +296,100 @@ class _RemoteLoaderIter:
             choice = sched.next_dispatch()
             if choice is None:
                 return
-            address, seq = choice
-            try:
-                self._send(address, seq)
-            except (WorkerLost, OSError, KeyError) as exc:
-                self._lose_worker(address, exc)
+            self._send(*choice)
+
+    def _hedge(self) -> None:
+        factor = self._loader.straggler_factor
+        if factor is None or self._closed:
+            return
+        for address, seq in self._sched.hedge(factor, self._loader.straggler_min_seconds):
+            log.info("batch %d is overdue; duplicating it on %s", seq, address)
+            self._send(address, seq)
 
     def _send(self, address: str, seq: int) -> None:
-        fetcher = self._loader._fetchers[address]
-        conn = fetcher._conn
-        meta = pickle.dumps((fetcher.ref_id, (self._indices[seq], self._seed), None), protocol=5)
-        this = weakref.ref(self)
+        try:
+            fetcher = self._loader._fetchers[address]
+            meta = pickle.dumps((fetcher.ref_id, (self._indices[seq], self._seed), None), protocol=5)
+            this = weakref.ref(self)
 
-        def on_result(ok, value, _seq=seq, _address=address):
-            it = this()
-            if it is not None:
-                it._on_result(_address, _seq, ok, value)
+            def on_result(ok, value, _seq=seq, _address=address):
+                it = this()
+                if it is not None:
+                    it._on_result(_address, _seq, ok, value)
 
-        rid = conn.request(wire.CALL_REF, meta, callback=on_result, pin=self._pin)
-        self._requests[seq] = (address, rid)
+            rid = fetcher._conn.request(wire.CALL_REF, meta, callback=on_result, pin=self._pin)
+        except (WorkerLost, OSError, KeyError) as exc:
+            self._lose_worker(address, exc)
+            return
+        self._requests.setdefault(seq, {})[address] = rid
 
     def _lose_worker(self, address: str, exc: BaseException) -> None:
-        requeued = self._sched.worker_lost(address)
-        if address not in self._errors or requeued:
-            self._errors[address] = repr(exc)
-            warnings.warn(f"torchfeed: lost worker {address} ({exc}); its {len(requeued)} batch(es) "
-                          "go to the other workers", stacklevel=2)
+        state = self._sched.workers.get(address)
+        if state is None or state.status == "lost":
+            return  # every pending request of a dead connection reports it: act once
+        requeued, blamed = self._sched.worker_lost(address)
+        self._errors[address] = repr(exc)
+        self._dataset.worker_lost(address, exc)
         for seq in requeued:
-            self._requests.pop(seq, None)
-        if not self._sched.alive_workers():
-            self._fatal = WorkerLost(
-                "all workers are lost: " + "; ".join(f"{w}: {e}" for w, e in self._errors.items()),
-                self._errors,
-            )
+            self._requests.get(seq, {}).pop(address, None)
+        warnings.warn(f"torchfeed: lost worker {address} ({exc}); its {len(requeued)} batch(es) go to "
+                      "the other workers", stacklevel=2)
+        if blamed is not None and self._sched.losses.get(blamed, 0) > self._loader.max_retries:
+            indices = _as_list(self._indices.get(blamed))
+            self._fatal = PoisonSampleError(
+                f"loading samples {_short(indices)} (batch {blamed}) killed {self._sched.losses[blamed]} worker "
+                f"processes in a row (the last: {address}); giving up after max_retries="
+                f"{self._loader.max_retries}. Fix or exclude these samples.", indices, [address])
+        if not self._sched.serving_workers() and self._stalled_since is None:
+            self._stalled_since = time.monotonic()
+
+    # -- membership changes (from the dataset) -----------------------------------------
+    def _worker_joined(self, address: str) -> None:
+        if self._closed:
+            return
+        failed = self._loader._ensure_fetchers([address])
+        if failed:
+            return
+        with self._cond:
+            if self._closed:
+                return
+            self._sched.add_worker(address)
+            self._stalled_since = None
+            self._dispatch()
+            self._cond.notify_all()
+
+    def _worker_removed(self, address: str) -> None:
+        with self._cond:
+            self._sched.drain_worker(address)
+            self._cond.notify_all()
 
     # -- reader threads ------------------------------------------------------------
     def _on_result(self, address: str, seq: int, ok: bool, value: Any) -> None:
         with self._cond:
             if self._closed:
                 return
-            if ok:
-                if self._sched.completed(address, seq):
-                    self._results[seq] = (True, value)
-                    self._requests.pop(seq, None)
-            elif isinstance(value, WorkerLost):
+            if not ok and isinstance(value, WorkerLost):
                 self._lose_worker(address, value)
             else:
-                if isinstance(value, RemoteError):
-                    value = value.with_indices(_as_list(self._indices.get(seq)))
-                self._sched.failed(address, seq)
-                self._requests.pop(seq, None)
-                self._results[seq] = (False, value)
+                if ok:
+                    accepted, others = self._sched.completed(address, seq)
+                else:
+                    accepted = seq not in self._sched.done
+                    others = self._sched.failed(address, seq) if accepted else []
+                    if isinstance(value, RemoteError):
+                        value = value.with_indices(_as_list(self._indices.get(seq)))
+                requests = self._requests.pop(seq, {}) if accepted else {}
+                if accepted:
+                    self._results[seq] = (ok, value)
+                self._cancel({a: requests[a] for a in others if a in requests})
             self._dispatch()
             self._cond.notify_all()
+
+    def _cancel(self, requests: Dict[str, int]) -> None:
+        for address, rid in requests.items():
+            fetcher = self._loader._fetchers.get(address)
+            if fetcher is not None:
+                fetcher._conn.cancel([rid])
 
     # -- consumer ------------------------------------------------------------------
     def __next__(self):
@@ -479,11 +414,18 @@ class _RemoteLoaderIter:
                     self._progress.finished = True
                     self._close_locked()
                     raise StopIteration
-                wait = None if deadline is None else deadline - time.monotonic()
-                if wait is not None and wait <= 0:
-                    holder = self._requests.get(seq, ("(not dispatched)",))[0]
+                now = time.monotonic()
+                if self._stalled_since is not None and now - self._stalled_since > (self._timeout or 120.0):
+                    self._close_locked()
+                    raise WorkerLost("no worker is left after waiting "
+                                     f"{self._timeout or 120.0:g} s for one to come back or join: "
+                                     + "; ".join(f"{w}: {e}" for w, e in self._errors.items()), self._errors)
+                if deadline is not None and now >= deadline:
+                    holders = ", ".join(sched.holders(seq)) or "no worker (not dispatched yet)"
                     raise Timeout(f"batch {seq} (indices {_short(self._indices.get(seq))}) did not arrive "
-                                  f"within timeout={self._timeout:g} s; it is held by worker {holder}")
+                                  f"within timeout={self._timeout:g} s; it is held by {holders}")
+                self._hedge()
+                wait = _POLL if deadline is None else min(_POLL, deadline - now)
                 self._cond.wait(wait)
         if not ok:
             raise value
@@ -495,8 +437,9 @@ class _RemoteLoaderIter:
             return
         self._closed = True
         by_worker: Dict[str, list] = {}
-        for address, rid in self._requests.values():
-            by_worker.setdefault(address, []).append(rid)
+        for requests in self._requests.values():
+            for address, rid in requests.items():
+                by_worker.setdefault(address, []).append(rid)
         self._requests.clear()
         self._results.clear()
         for address, rids in by_worker.items():

@@ -16,7 +16,12 @@ workers.
 * **Window.** No batch beyond ``delivered + window`` is dispatched, which bounds the
   memory held by results waiting for an earlier batch.
 * **Loss.** The batches of a lost worker return to the pending set, where they are the
-  lowest and so are dispatched first.
+  lowest and so are dispatched first. The oldest of them (the one the worker was most
+  likely executing) is blamed; a batch blamed for too many deaths is a poison batch.
+* **Draining.** A worker being removed gets no new batches; its in-flight ones finish.
+* **Hedging.** A batch needed soon that has been running much longer than the typical
+  batch is duplicated on a worker with a free credit; the first result wins and the
+  other request is cancelled.
 """
 
 from __future__ import annotations
@@ -37,7 +42,11 @@ class WorkerState:
     seconds_per_batch: Optional[float] = None
     last_done: float = 0.0
     completed: int = 0
-    alive: bool = True
+    status: str = "alive"  # alive | draining | lost
+
+    @property
+    def alive(self) -> bool:
+        return self.status == "alive"
 
 
 class Scheduler:
@@ -54,27 +63,45 @@ class Scheduler:
         self.exhausted = False  # no more batches will be added
         self.delivered = 0  # batches below this were handed to the consumer
         self.done: Set[int] = set()  # completed, not yet delivered
+        self.losses: Dict[int, int] = {}  # seq -> worker deaths blamed on it
+        self.hedged: Set[int] = set()  # seqs that were duplicated once
 
     # -- membership ---------------------------------------------------------
     def add_worker(self, address: str) -> None:
         state = self.workers.get(address)
-        if state is None or not state.alive:
+        if state is None or state.status == "lost":
             self.workers[address] = WorkerState(address)
+        else:
+            state.status = "alive"
 
     def alive_workers(self) -> List[str]:
         return [w.address for w in self.workers.values() if w.alive]
 
-    def worker_lost(self, address: str) -> List[int]:
-        """Mark a worker dead; return its in-flight batches, now pending again."""
+    def serving_workers(self) -> List[str]:
+        """Workers that are alive or still finishing their batches."""
+        return [w.address for w in self.workers.values() if w.status != "lost"]
+
+    def drain_worker(self, address: str) -> None:
         state = self.workers.get(address)
-        if state is None or not state.alive:
-            return []
-        state.alive = False
-        seqs = [s for s in state.in_flight if s not in self.done]
+        if state is not None and state.status == "alive":
+            state.status = "draining"
+
+    def worker_lost(self, address: str) -> Tuple[List[int], Optional[int]]:
+        """Mark a worker dead. Return its batches now pending again, and the blamed one."""
+        state = self.workers.get(address)
+        if state is None or state.status == "lost":
+            return [], None
+        state.status = "lost"
+        running = {s: t for s, t in state.in_flight.items() if s not in self.done}
         state.in_flight.clear()
-        for s in seqs:
+        blamed = min(running, key=running.get) if running else None
+        if blamed is not None:
+            self.losses[blamed] = self.losses.get(blamed, 0) + 1
+        held_elsewhere = {s for w in self.workers.values() for s in w.in_flight}
+        requeued = [s for s in running if s not in held_elsewhere]
+        for s in requeued:
             bisect.insort(self._pending, s)
-        return seqs
+        return requeued, blamed
 
     # -- batches ------------------------------------------------------------
     def add_batch(self) -> int:
@@ -90,8 +117,8 @@ class Scheduler:
     def pending_count(self) -> int:
         return len(self._pending)
 
-    def outstanding(self) -> int:
-        return sum(len(w.in_flight) for w in self.workers.values())
+    def holders(self, seq: int) -> List[str]:
+        return [w.address for w in self.workers.values() if seq in w.in_flight]
 
     def finished(self) -> bool:
         return self.exhausted and self.delivered >= self.known
@@ -135,12 +162,16 @@ class Scheduler:
         worker.in_flight[seq] = time.monotonic() if now is None else now
         return worker.address, seq
 
-    def completed(self, address: str, seq: int, now: Optional[float] = None) -> bool:
-        """Record a finished batch; False if it was not expected from this worker."""
+    def completed(self, address: str, seq: int, now: Optional[float] = None) -> Tuple[bool, List[str]]:
+        """Record a finished batch.
+
+        Returns whether this result is the one to deliver (False for a late duplicate or
+        an unexpected result) and the other workers still holding the batch (to cancel).
+        """
         now = time.monotonic() if now is None else now
         state = self.workers.get(address)
-        if state is None or seq not in state.in_flight:
-            return False
+        if state is None or seq not in state.in_flight or seq in self.done:
+            return False, []
         started = state.in_flight.pop(seq)
         # time this request had the worker to itself (requests queue behind each other)
         sample = now - max(started, state.last_done)
@@ -150,14 +181,57 @@ class Scheduler:
             prev = state.seconds_per_batch
             state.seconds_per_batch = sample if prev is None else (1 - _ALPHA) * prev + _ALPHA * sample
         self.done.add(seq)
-        return True
+        return True, self._forget(seq)
 
-    def failed(self, address: str, seq: int) -> None:
+    def failed(self, address: str, seq: int) -> List[str]:
         """A request ended without a usable result (its error is delivered in order)."""
         state = self.workers.get(address)
         if state is not None:
             state.in_flight.pop(seq, None)
         self.done.add(seq)
+        return self._forget(seq)
+
+    def _forget(self, seq: int) -> List[str]:
+        others = []
+        for w in self.workers.values():
+            if w.in_flight.pop(seq, None) is not None:
+                others.append(w.address)
+        return others
+
+    # -- stragglers -----------------------------------------------------------
+    def typical_batch_seconds(self) -> Optional[float]:
+        times = sorted(w.seconds_per_batch for w in self.workers.values()
+                       if w.alive and w.seconds_per_batch)
+        return times[len(times) // 2] if times else None
+
+    def hedge(self, factor: float, min_seconds: float, now: Optional[float] = None) -> List[Tuple[str, int]]:
+        """Duplicate overdue batches that are needed soon onto workers with a free credit."""
+        typical = self.typical_batch_seconds()
+        if typical is None:
+            return []
+        now = time.monotonic() if now is None else now
+        limit = max(factor * typical, min_seconds)
+        out = []
+        horizon = self.delivered + max(len(self.alive_workers()), 1)
+        for seq in range(self.delivered, min(horizon, self.known)):
+            if seq in self.done or seq in self.hedged:
+                continue
+            holders = [w for w in self.workers.values() if seq in w.in_flight]
+            if len(holders) != 1:
+                continue
+            holder = holders[0]
+            began = max(holder.in_flight[seq], holder.last_done)  # requests run one after another
+            if now - began <= limit:
+                continue
+            free = [w for w in self.workers.values()
+                    if w.alive and w is not holder and len(w.in_flight) < self.credits]
+            if not free:
+                break
+            target = min(free, key=lambda w: (len(w.in_flight), w.seconds_per_batch or typical))
+            target.in_flight[seq] = now
+            self.hedged.add(seq)
+            out.append((target.address, seq))
+        return out
 
     def take_delivered(self) -> None:
         self.done.discard(self.delivered)

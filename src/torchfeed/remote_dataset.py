@@ -1,0 +1,354 @@
+"""RemoteDataset: a dataset whose instances live on workers, with changing membership.
+
+Workers can join (``add_workers``, or lines appended to a watched workers file), leave
+(``remove_workers``: drained, nothing lost), die and come back: a lost worker is retried
+with backoff, and when a worker answers again at that address the dataset is rebuilt
+there and every running loader pass starts using it, within the same epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import warnings
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from . import client
+from .auth import SecretLike
+from .errors import RemoteError, Timeout, WorkerLost
+
+log = logging.getLogger("torchfeed.dataset")
+
+_BACKOFF_FIRST = 0.5
+_BACKOFF_MAX = 10.0
+_TICK = 0.25
+
+
+def _build(factory: Callable, args: tuple, kwargs: dict):
+    """Runs on the worker: construct the dataset."""
+    return factory(*args, **kwargs)
+
+
+def wait_all(futures: Dict[str, torch.futures.Future], timeout: float) -> Dict[str, Any]:
+    """Wait for futures with one overall deadline; return address -> result or exception."""
+    deadline = time.monotonic() + timeout
+    out: Dict[str, Any] = {}
+    for addr, fut in futures.items():
+        while not fut.done() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        if not fut.done():
+            out[addr] = Timeout(f"worker {addr} did not answer within {timeout:g} s")
+            continue
+        try:
+            out[addr] = fut.value()
+        except Exception as exc:  # noqa: BLE001 - sorted by the caller
+            out[addr] = exc
+    return out
+
+
+def read_workers_file(path: str) -> List[str]:
+    try:
+        with open(path) as f:
+            lines = [ln.strip() for ln in f]
+    except FileNotFoundError:
+        return []
+    seen, out = set(), []
+    for ln in lines:
+        if ln and not ln.startswith("#") and ln not in seen:
+            seen.add(ln)
+            out.append(client.format_address(ln))
+    return out
+
+
+class RemoteDataset:
+    """A dataset built on remote workers.
+
+    ``RemoteDataset(workers, dataset, *args, **kwargs)`` calls ``dataset(*args, **kwargs)``
+    on every worker, concurrently, and keeps the instances there. ``dataset`` may be a
+    class or any callable returning a map-style dataset; it may be defined in
+    ``__main__`` or locally (it travels by value).
+
+    Parameters
+    ----------
+    workers : list of str
+        Worker addresses ``host:port`` (or one space-separated string).
+    dataset : callable
+        Dataset class or factory.
+    *args, **kwargs
+        Passed to ``dataset`` on each worker.
+    """
+
+    timeout: float = 120.0  # seconds allowed to connect and build the dataset
+    secret: SecretLike = None
+
+    def __init__(self, workers: Sequence[str], dataset: Callable, *args, **kwargs):
+        if isinstance(workers, str):
+            workers = workers.split()
+        workers = [client.format_address(w) for w in workers]
+        if not workers:
+            raise ValueError("RemoteDataset needs at least one worker address (host:port)")
+        if len(set(workers)) != len(workers):
+            raise ValueError(f"worker addresses are repeated: {workers}")
+        self.factory = dataset
+        self.args = args
+        self.kwargs = kwargs
+        self.workers: List[str] = []
+        self._refs: Dict[str, client.RemoteRef] = {}
+        self._length: Optional[int] = None
+        self._lock = threading.RLock()
+        self._listeners: "weakref.WeakSet" = weakref.WeakSet()
+        self._lost: Dict[str, dict] = {}  # address -> {"error", "next_try", "delay"}
+        self._watch_path: Optional[str] = None
+        self._watch_stamp = None
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+        self._build_on(workers, strict=True)
+        self.workers = list(workers)
+
+    # -- building ---------------------------------------------------------------
+    def _build_on(self, workers: Sequence[str], strict: bool) -> Dict[str, BaseException]:
+        """Build on ``workers``; return the unreachable ones (raise if ``strict``)."""
+        futs = {w: client.rpc_async(w, _build, args=(self.factory, self.args, self.kwargs), rref=True,
+                                    timeout=self.timeout, secret=self.secret) for w in workers}
+        built = wait_all(futs, self.timeout)
+        errors = {w: v for w, v in built.items() if isinstance(v, BaseException)}
+        for v in errors.values():
+            if isinstance(v, RemoteError):
+                raise v  # the dataset itself fails: retrying elsewhere cannot help
+        if errors and strict:
+            first = next(iter(errors.values()))
+            raise WorkerLost("could not build the dataset on "
+                             + ", ".join(f"{w} ({e})" for w, e in errors.items()),
+                             {w: repr(e) for w, e in errors.items()}) from first
+        built = {w: v for w, v in built.items() if w not in errors}
+        lengths = wait_all({w: client.rpc_async(w, len, args=(ref,), timeout=self.timeout, secret=self.secret)
+                            for w, ref in built.items()}, self.timeout)
+        for n in lengths.values():
+            if isinstance(n, BaseException):
+                raise n
+        with self._lock:
+            distinct = set(lengths.values())
+            if self._length is not None:
+                distinct.add(self._length)
+            if len(distinct) > 1:
+                raise ValueError(f"workers built datasets of different lengths {lengths} (expected "
+                                 f"{self._length}): every worker must see the same data")
+            if distinct:
+                self._length = distinct.pop()
+            self._refs.update(built)
+        return errors
+
+    # -- membership ----------------------------------------------------------------
+    def add_workers(self, workers: Sequence[str]) -> List[str]:
+        """Build the dataset on new workers; running loader passes start using them.
+
+        Unreachable ones are retried in the background. Returns the workers added now.
+        """
+        new = [client.format_address(w) for w in workers]
+        with self._lock:
+            new = [w for w in dict.fromkeys(new) if w not in self.workers]
+            self.workers.extend(new)
+        if not new:
+            return []
+        failed = self._build_on(new, strict=False)
+        for w, exc in failed.items():
+            self._mark_lost(w, exc)
+        joined = [w for w in new if w not in failed]
+        for w in joined:
+            self._notify("_worker_joined", w)
+        return joined
+
+    def remove_workers(self, workers: Sequence[str]) -> None:
+        """Stop using these workers: running passes drain them (their batches finish)."""
+        gone = [client.format_address(w) for w in workers]
+        with self._lock:
+            self.workers = [w for w in self.workers if w not in gone]
+            for w in gone:
+                self._lost.pop(w, None)
+                self._refs.pop(w, None)
+        for w in gone:
+            self._notify("_worker_removed", w)
+
+    def worker_lost(self, address: str, error: BaseException) -> None:
+        """Called by loaders when a worker's connection failed: retry it with backoff."""
+        with self._lock:
+            if address in self.workers and address not in self._lost:
+                self._mark_lost(address, error)
+
+    def _mark_lost(self, address: str, error: BaseException) -> None:
+        with self._lock:
+            self._lost[address] = {"error": repr(error), "next_try": time.monotonic() + _BACKOFF_FIRST,
+                                   "delay": _BACKOFF_FIRST}
+            self._refs.pop(address, None)
+        self._ensure_thread()
+
+    def lost_workers(self) -> Dict[str, str]:
+        """Workers being retried, with their last error."""
+        with self._lock:
+            return {w: v["error"] for w, v in self._lost.items()}
+
+    def _notify(self, method: str, address: str) -> None:
+        for it in list(self._listeners):
+            try:
+                getattr(it, method)(address)
+            except Exception:
+                log.exception("a loader could not take worker %s into account", address)
+
+    def _subscribe(self, iterator) -> None:
+        self._listeners.add(iterator)
+
+    # -- workers file ----------------------------------------------------------------
+    @classmethod
+    def from_file(cls, path: str, dataset: Callable, *args, min_workers: int = 1,
+                  wait_timeout: float = 300.0, **kwargs) -> "RemoteDataset":
+        """Build on the workers listed in ``path`` (one ``host:port`` per line) and watch it.
+
+        Waits until at least ``min_workers`` addresses are listed; addresses appended later
+        (for example by ``torchfeed worker --address-file path`` started by Slurm or Dask)
+        join, addresses deleted from the file are drained.
+        """
+        deadline = time.monotonic() + wait_timeout
+        while len(read_workers_file(path)) < min_workers:
+            if time.monotonic() > deadline:
+                raise Timeout(f"{path} lists {len(read_workers_file(path))} workers after {wait_timeout:g} s, "
+                              f"expected at least {min_workers}: are the workers started with "
+                              f"`torchfeed worker --address-file {path}`?")
+            time.sleep(0.1)
+        ds = cls(read_workers_file(path), dataset, *args, **kwargs)
+        ds._watch_path = path
+        ds._watch_stamp = ds._stamp()
+        ds._ensure_thread()
+        return ds
+
+    def _stamp(self):
+        try:
+            st = os.stat(self._watch_path)
+            return st.st_mtime_ns, st.st_size
+        except FileNotFoundError:
+            return None
+
+    def _poll_file(self) -> None:
+        stamp = self._stamp()
+        if stamp == self._watch_stamp:
+            return
+        self._watch_stamp = stamp
+        listed = read_workers_file(self._watch_path)
+        gone = [w for w in self.workers if w not in listed]
+        if gone:
+            self.remove_workers(gone)
+        fresh = [w for w in listed if w not in self.workers]
+        if fresh:
+            self.add_workers(fresh)
+
+    # -- background: watch the file, bring lost workers back -------------------------------
+    def _ensure_thread(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=_membership_loop, args=(weakref.ref(self),),
+                                                name="torchfeed-membership", daemon=True)
+                self._thread.start()
+
+    def _retry_lost(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            due = [w for w, v in self._lost.items() if v["next_try"] <= now]
+        for w in due:
+            host, port = client.parse_address(w)
+            try:  # cheap probe first: a build waits for the full timeout
+                socket.create_connection((host, port), timeout=2.0).close()
+                failed = self._build_on([w], strict=False)
+            except Exception as exc:  # noqa: BLE001 - any failure means: try later
+                failed = {w: exc}
+            with self._lock:
+                entry = self._lost.get(w)
+                if entry is None:
+                    continue  # removed meanwhile
+                if w in failed:
+                    entry["error"] = repr(failed[w])
+                    entry["delay"] = min(entry["delay"] * 2, _BACKOFF_MAX)
+                    entry["next_try"] = time.monotonic() + entry["delay"]
+                    continue
+                del self._lost[w]
+            log.warning("worker %s is back; the dataset was rebuilt there", w)
+            self._notify("_worker_joined", w)
+
+    def _tick(self) -> None:
+        """One round of background work."""
+        if self._closed:
+            return
+        if self._watch_path is not None:
+            try:
+                self._poll_file()
+            except Exception as exc:  # noqa: BLE001 - keep watching
+                warnings.warn(f"torchfeed: could not use the workers file {self._watch_path}: {exc}")
+        self._retry_lost()
+
+    def close(self) -> None:
+        """Stop watching the workers file and retrying lost workers."""
+        self._closed = True
+
+    # -- dataset protocol ----------------------------------------------------------------
+    def ref(self, address: str) -> client.RemoteRef:
+        return self._refs[address]
+
+    def alive_workers(self) -> List[str]:
+        with self._lock:
+            return [w for w in self.workers if w in self._refs and not self._refs[w]._conn.closed]
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index):
+        """Fetch one sample (handy for inspection; the loader fetches whole batches)."""
+        for w in self.alive_workers():
+            return client.rpc_async(w, lambda ds, i: ds[i], args=(self._refs[w], index),
+                                    timeout=self.timeout, secret=self.secret).wait()
+        raise WorkerLost(f"no worker of this dataset is reachable: {self.workers}")
+
+    def run_on_workers(self, fn: Callable, *args, pass_worker_id: bool = False,
+                       pass_dataset: bool = False) -> Dict[str, Any]:
+        """Run ``fn`` once on every reachable worker; return address -> result.
+
+        ``fn`` gets ``*args``, then the worker's dataset instance if ``pass_dataset``,
+        then the worker id (its index in ``workers``) if ``pass_worker_id``.
+        """
+        futs = {}
+        for w in self.alive_workers():
+            call_args = list(args)
+            if pass_dataset:
+                call_args.append(self._refs[w])
+            if pass_worker_id:
+                call_args.append(self.workers.index(w))
+            futs[w] = client.rpc_async(w, fn, args=tuple(call_args), timeout=self.timeout, secret=self.secret)
+        results = wait_all(futs, self.timeout)
+        for v in results.values():
+            if isinstance(v, BaseException):
+                raise v
+        return results
+
+    def __repr__(self) -> str:
+        name = getattr(self.factory, "__qualname__", repr(self.factory))
+        return f"RemoteDataset({name}, workers={self.workers}, len={self._length})"
+
+
+def _membership_loop(ref: "weakref.ref[RemoteDataset]") -> None:
+    while True:
+        time.sleep(_TICK)
+        ds = ref()
+        if ds is None:
+            return
+        try:
+            ds._tick()
+        except Exception:
+            log.exception("torchfeed membership thread")
+        with ds._lock:  # decide under the lock that _mark_lost takes before _ensure_thread
+            if ds._closed or not (ds._watch_path or ds._lost):
+                ds._thread = None
+                return
+        del ds
