@@ -95,3 +95,33 @@ class RandomAugmentDataset(Dataset):
             time.sleep(self.delay)
         return torch.tensor([float(i), random.random(), float(np.random.rand()), float(torch.rand(()))],
                             dtype=torch.float64)
+
+
+class PidDataset(RangeDataset):
+    """Sample i is (i, pid of the worker that loaded it); optional per-item delay."""
+
+    def __init__(self, n: int, delay: float = 0.0, slow_pids: dict | None = None):
+        super().__init__(n)
+        self.delay = delay
+        self.slow = slow_pids or {}
+
+    def __getitem__(self, i):
+        if self.delay:
+            time.sleep(self.delay * self.slow.get(os.getpid(), 1))
+        return torch.tensor([i, os.getpid()])
+
+
+class PoisonDataset(RangeDataset):
+    """Loading sample `poison` kills the worker process (like a segfaulting decoder)."""
+
+    def __init__(self, n: int, poison: int, delay: float = 0.0):
+        super().__init__(n)
+        self.poison = poison
+        self.delay = delay
+
+    def __getitem__(self, i):
+        if i == self.poison:
+            os._exit(17)
+        if self.delay:
+            time.sleep(self.delay)
+        return super().__getitem__(i)

@@ -4,10 +4,11 @@ Start workers with ``torchfeed worker`` and replace ``torch.utils.data.DataLoade
 :class:`RemoteDataLoader` over a :class:`RemoteDataset`.
 """
 
-from .client import RemoteRef, rpc_async
+from .client import RemoteRef, rpc_async, set_heartbeat
 from .errors import (
     AuthenticationError,
     FrameTooLarge,
+    PoisonSampleError,
     ProtocolError,
     RemoteError,
     Timeout,
@@ -17,7 +18,7 @@ from .errors import (
 from .loader import RemoteDataLoader
 from .remote_dataset import RemoteDataset
 from .local import LocalWorkers
-from .sampling import set_random_seeds
+from .sampling import DistributedSampler, set_random_seeds
 from .worker import WorkerServer, run_worker
 
 # Names of the design this project grew from, kept importable forever.
@@ -28,8 +29,10 @@ __version__ = "0.1.0"
 
 __all__ = sorted([
     "AuthenticationError",
+    "DistributedSampler",
     "FrameTooLarge",
     "LocalWorkers",
+    "PoisonSampleError",
     "ProtocolError",
     "RPCDataloader",
     "RPCDataset",
@@ -43,5 +46,6 @@ __all__ = sorted([
     "WorkerServer",
     "rpc_async",
     "run_worker",
+    "set_heartbeat",
     "set_random_seeds",
 ])

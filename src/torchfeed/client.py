@@ -27,12 +27,32 @@ from .errors import ProtocolError, RemoteError, Timeout, TorchfeedError, WorkerL
 log = logging.getLogger("torchfeed.client")
 
 CLIENT_LIMITS = wire.Limits()
-HEARTBEAT_INTERVAL = 2.0  # seconds between pings on a quiet connection
-HEARTBEAT_TIMEOUT = 15.0  # no byte from a worker for this long while we wait on it: lost
+# seconds between pings on a quiet connection, and of silence from a worker we wait on
+# before it counts as lost (it hangs, or the network is cut); see set_heartbeat()
+HEARTBEAT_INTERVAL = float(os.environ.get("TORCHFEED_HEARTBEAT_INTERVAL", 2.0))
+HEARTBEAT_TIMEOUT = float(os.environ.get("TORCHFEED_HEARTBEAT_TIMEOUT", 15.0))
 _CHUNK = 8 << 20  # large receives are split so liveness can be tracked during them
 
 Address = Union[str, Tuple[str, int]]
 Callback = Callable[[bool, Any], None]
+
+
+def set_heartbeat(interval: float = 2.0, timeout: float = 15.0) -> None:
+    """Configure failure detection for this process's connections.
+
+    Parameters
+    ----------
+    interval : float
+        Seconds between heartbeats on a quiet connection.
+    timeout : float
+        A worker that sent nothing for this long while a request waits on it is lost:
+        its batches go to other workers. Workers answer heartbeats from a thread of their
+        own, so a long ``__getitem__`` does not count as silence. Must exceed ``interval``.
+    """
+    global HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
+    if not 0 < interval < timeout:
+        raise ValueError(f"need 0 < interval < timeout, got interval={interval}, timeout={timeout}")
+    HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT = float(interval), float(timeout)
 
 
 def parse_address(address: Address) -> Tuple[str, int]:

@@ -415,10 +415,12 @@ class _RemoteLoaderIter:
                     self._close_locked()
                     raise StopIteration
                 now = time.monotonic()
-                if self._stalled_since is not None and now - self._stalled_since > (self._timeout or 120.0):
+                stalled = self._stalled_since is not None
+                if stalled and (now - self._stalled_since > (self._timeout or 120.0)
+                                or (deadline is not None and now >= deadline)):
                     self._close_locked()
-                    raise WorkerLost("no worker is left after waiting "
-                                     f"{self._timeout or 120.0:g} s for one to come back or join: "
+                    raise WorkerLost(f"no worker is left (waited {now - self._stalled_since:.1f} s for one "
+                                     "to come back or join): "
                                      + "; ".join(f"{w}: {e}" for w, e in self._errors.items()), self._errors)
                 if deadline is not None and now >= deadline:
                     holders = ", ".join(sched.holders(seq)) or "no worker (not dispatched yet)"

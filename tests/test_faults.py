@@ -1,0 +1,310 @@
+"""Fault tolerance: workers die, hang, lose their network, join, leave, misbehave."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+
+import torchfeed
+from torchfeed import client
+from helpers import PidDataset, PoisonDataset, RangeDataset
+
+
+def collect(loader, on_batch=None):
+    """All batches of one pass as (index, pid) rows; on_batch(i) runs after batch i."""
+    rows = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, b in enumerate(loader):
+            rows.append(b)
+            if on_batch:
+                on_batch(i)
+    return torch.cat(rows), [str(w.message) for w in caught]
+
+
+@pytest.fixture
+def fast_heartbeat():
+    old = client.HEARTBEAT_INTERVAL, client.HEARTBEAT_TIMEOUT
+    torchfeed.set_heartbeat(0.2, 1.5)
+    yield
+    torchfeed.set_heartbeat(*old)
+
+
+@pytest.mark.parametrize("kills", [1, 2])
+def test_killed_workers_lose_nothing(fresh_workers, kills):
+    w = fresh_workers(4)
+    ds = torchfeed.RemoteDataset(w.addresses, PidDataset, 200, 0.002)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4)
+    victims = list(range(kills))
+
+    def kill(i):
+        if i == 5:
+            for v in victims:
+                w.kill(v)
+
+    rows, warned = collect(loader, kill)
+    assert rows[:, 0].tolist() == list(range(200))  # every sample once, in order
+    for v in victims:
+        assert any(w.addresses[v] in m for m in warned), warned
+    dead = {w.processes[v].pid for v in victims}
+    assert not dead & set(rows[60:, 1].tolist())
+
+
+def test_stopped_worker_detected_by_heartbeat(fresh_workers, fast_heartbeat):
+    w = fresh_workers(3)
+    ds = torchfeed.RemoteDataset(w.addresses, PidDataset, 120, 0.005)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4, straggler_factor=None)  # heartbeats alone
+    stopped = {}
+
+    def stop(i):
+        if i == 3:
+            w.kill(0, signal.SIGSTOP)
+            stopped["at"] = time.monotonic()
+
+    t0 = time.monotonic()
+    try:
+        rows, warned = collect(loader, stop)
+    finally:
+        w.kill(0, signal.SIGCONT)
+    assert rows[:, 0].tolist() == list(range(120))
+    assert any(w.addresses[0] in m for m in warned)
+    assert time.monotonic() - t0 < 10
+
+
+def test_long_getitem_is_not_a_hang(fresh_workers, fast_heartbeat):
+    w = fresh_workers(1)
+    ds = torchfeed.RemoteDataset(w.addresses, PidDataset, 2, 2.5)  # 2.5 s per item > 1.5 s timeout
+    rows, warned = collect(torchfeed.RemoteDataLoader(ds, batch_size=1))
+    assert rows[:, 0].tolist() == [0, 1]
+    assert not warned
+
+
+def _netns_available() -> str:
+    if shutil.which("ip") is None:
+        return "iproute2 (`ip`) is not installed"
+    probe = subprocess.run(["ip", "netns", "add", f"tfprobe{os.getpid()}"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"`ip netns` is not permitted here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", f"tfprobe{os.getpid()}"], capture_output=True)
+    return ""
+
+
+@pytest.fixture
+def netns_worker():
+    """A worker in its own network namespace, reached over a veth pair we can cut."""
+    reason = _netns_available()
+    if reason:
+        pytest.skip(reason)
+    tag = os.getpid() % 10000
+    ns, host_if, ns_if = f"tfns{tag}", f"tfh{tag}", f"tfw{tag}"
+    octet = 1 + tag % 250
+    host_ip, ns_ip = f"10.251.{octet}.1", f"10.251.{octet}.2"
+    cmds = [
+        ["ip", "netns", "add", ns],
+        ["ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if],
+        ["ip", "link", "set", ns_if, "netns", ns],
+        ["ip", "addr", "add", f"{host_ip}/30", "dev", host_if],
+        ["ip", "link", "set", host_if, "up"],
+        ["ip", "netns", "exec", ns, "ip", "addr", "add", f"{ns_ip}/30", "dev", ns_if],
+        ["ip", "netns", "exec", ns, "ip", "link", "set", ns_if, "up"],
+        ["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"],
+    ]
+    proc = None
+    try:
+        for c in cmds:
+            subprocess.run(c, check=True, capture_output=True)
+        proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "torchfeed", "worker",
+                                 "--host", ns_ip, "--port", "0"], stdout=subprocess.PIPE, text=True)
+        address = proc.stdout.readline().strip()
+        assert address.startswith(ns_ip), address
+        yield address, (lambda: subprocess.run(["ip", "link", "set", host_if, "down"], check=True))
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_network_cut_detected(fresh_workers, netns_worker, fast_heartbeat):
+    address, cut = netns_worker
+    w = fresh_workers(2)
+    ds = torchfeed.RemoteDataset([address, *w.addresses], PidDataset, 120, 0.005)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4, straggler_factor=None)  # heartbeats alone
+    t0 = time.monotonic()
+    rows, warned = collect(loader, lambda i: cut() if i == 3 else None)
+    assert rows[:, 0].tolist() == list(range(120))
+    assert any(address in m for m in warned), warned
+    assert time.monotonic() - t0 < 15
+
+
+def test_restarted_worker_is_used_again(fresh_workers):
+    w = fresh_workers(2)
+    ds = torchfeed.RemoteDataset(w.addresses, PidDataset, 300, 0.004)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=2)
+    old_pid = w.processes[0].pid
+    new_pid = {}
+
+    def restart(i):
+        if i == 4:
+            w.kill(0)
+            w.processes[0].wait()
+            w.restart(0)  # same port
+            new_pid["pid"] = w.processes[0].pid
+
+    rows, _ = collect(loader, restart)
+    assert rows[:, 0].tolist() == list(range(300))
+    pids = rows[:, 1].tolist()
+    assert old_pid in pids and new_pid["pid"] in pids  # the new process got work in the same epoch
+
+
+def test_add_workers_mid_epoch(fresh_workers):
+    first, later = fresh_workers(1), fresh_workers(2)
+    ds = torchfeed.RemoteDataset(first.addresses, PidDataset, 200, 0.004)
+    rows, _ = collect(torchfeed.RemoteDataLoader(ds, batch_size=2),
+                      lambda i: ds.add_workers(later.addresses) if i == 2 else None)
+    assert rows[:, 0].tolist() == list(range(200))
+    assert {p.pid for p in later.processes} <= set(rows[:, 1].tolist())
+
+
+def test_workers_file_is_watched(fresh_workers, tmp_path):
+    first, later = fresh_workers(1), fresh_workers(1)
+    path = tmp_path / "workers"
+    path.write_text(first.addresses[0] + "\n")
+    ds = torchfeed.RemoteDataset.from_file(str(path), PidDataset, 200, 0.004)
+
+    def register(i):
+        if i == 2:
+            with open(path, "a") as f:
+                f.write(later.addresses[0] + "\n")
+
+    rows, _ = collect(torchfeed.RemoteDataLoader(ds, batch_size=2), register)
+    assert rows[:, 0].tolist() == list(range(200))
+    assert later.processes[0].pid in rows[:, 1].tolist()
+    assert ds.workers == [first.addresses[0], later.addresses[0]]
+    ds.close()
+
+
+def test_remove_worker_drains_it(fresh_workers):
+    w = fresh_workers(2)
+    ds = torchfeed.RemoteDataset(w.addresses, PidDataset, 160, 0.004)
+    rows, _ = collect(torchfeed.RemoteDataLoader(ds, batch_size=2),
+                      lambda i: ds.remove_workers([w.addresses[0]]) if i == 3 else None)
+    assert rows[:, 0].tolist() == list(range(160))
+    assert w.processes[0].pid not in rows[40:, 1].tolist()
+
+
+def test_all_workers_gone_raises_after_timeout(fresh_workers):
+    w = fresh_workers(2)
+    ds = torchfeed.RemoteDataset(w.addresses, PidDataset, 400, 0.005)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=2, timeout=2)
+    t0 = time.monotonic()
+    with pytest.raises(torchfeed.WorkerLost) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i, _ in enumerate(loader):
+            if i == 2:
+                w.kill(0)
+                w.kill(1)
+    assert time.monotonic() - t0 < 10
+    for a in w.addresses:
+        assert a in str(info.value) and a in info.value.errors
+
+
+def test_poison_sample_gives_up_and_names_it(fresh_workers):
+    w = fresh_workers(4)
+    ds = torchfeed.RemoteDataset(w.addresses, PoisonDataset, 60, 21, 0.002)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4, max_retries=2)
+    with pytest.raises(torchfeed.PoisonSampleError) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        list(loader)
+    assert 21 in info.value.indices
+    assert "max_retries=2" in str(info.value)
+    assert sum(p.poll() is not None for p in w.processes) == 3  # tried on 3 workers, not more
+
+
+def test_python_exception_is_not_retried(fresh_workers):
+    from helpers import FailingDataset
+
+    w = fresh_workers(3)
+    ds = torchfeed.RemoteDataset(w.addresses, FailingDataset, 20, bad=[5])
+    with pytest.raises(torchfeed.RemoteError):
+        list(torchfeed.RemoteDataLoader(ds, batch_size=2))
+    assert all(p.poll() is None for p in w.processes)
+
+
+def test_straggler_is_duplicated_and_delivered_once(fresh_workers):
+    w = fresh_workers(3)
+    slow = w.processes[0].pid
+    ds = torchfeed.RemoteDataset(w.addresses, PidDataset, 90, 0.003, {slow: 400})  # 1.2 s per item there
+    t0 = time.monotonic()
+    rows, _ = collect(torchfeed.RemoteDataLoader(ds, batch_size=1, straggler_factor=3))
+    elapsed = time.monotonic() - t0
+    assert rows[:, 0].tolist() == list(range(90))
+    assert elapsed < 6, elapsed  # without duplication: each slow item holds everything up 1.2 s
+
+
+def test_worker_survives_bad_client_and_serves_others(fresh_workers):
+    import socket
+
+    w = fresh_workers(1)
+    host, port = client.parse_address(w.addresses[0])
+    for junk in [b"", b"GET / HTTP/1.0\r\n\r\n", os.urandom(4096)]:
+        s = socket.create_connection((host, port))
+        s.sendall(junk)
+        s.close()
+    assert torchfeed.rpc_async(w.addresses[0], lambda: 42).wait() == 42
+
+
+def _threads_fds():
+    return threading.active_count(), len(os.listdir("/proc/self/fd"))
+
+
+def test_hundred_loaders_leave_nothing_behind(workers2):
+    ds = torchfeed.RemoteDataset(workers2, RangeDataset, 64)
+    list(torchfeed.RemoteDataLoader(ds, batch_size=8))  # connections exist before the count
+    before = _threads_fds()
+    children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
+    for i in range(100):
+        loader = torchfeed.RemoteDataLoader(ds, batch_size=8, shuffle=True)
+        it = iter(loader)
+        next(it)
+        if i % 2:
+            list(it)
+        del it, loader
+    time.sleep(0.5)  # reference releases go out with the next heartbeat tick
+    assert _threads_fds() == before
+    after_children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
+    assert after_children == children
+
+
+def _rss_kb(pid) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_soak_ten_thousand_batches_memory_flat(fresh_workers):
+    w = fresh_workers(2)
+    ds = torchfeed.RemoteDataset(w.addresses, RangeDataset, 10**6, 64)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4, seed=0)
+    it = iter(loader)
+    pids = [os.getpid(), *(p.pid for p in w.processes)]
+    for _ in range(1500):  # warm-up: pools, caches, allocator arenas
+        next(it)
+    base = [_rss_kb(p) for p in pids]
+    for _ in range(10000):
+        next(it)
+    end = [_rss_kb(p) for p in pids]
+    for b, e, p in zip(base, end, pids):
+        assert e <= b * 1.10, f"process {p}: RSS grew from {b} kB to {e} kB"
