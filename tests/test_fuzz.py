@@ -1,0 +1,170 @@
+"""Property-based fuzzing of the frame parser and the worker's handshake (100,000+ inputs)."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import random
+import struct
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from torchfeed import auth, wire, worker
+from torchfeed.errors import ProtocolError
+
+# Hypothesis draws an input and a seed; each example then runs that input and VARIANTS-1
+# mutations of it (truncations, bit flips, insertions, extreme length fields), because
+# drawing is far slower than parsing: (3,500 + 1,500) x 20 = 100,000 generated inputs.
+VARIANTS = 20
+PARSER_EXAMPLES = 3_500
+HANDSHAKE_EXAMPLES = 1_500
+
+
+def variants(data: bytes, seed: int):
+    """The input and VARIANTS-1 deterministic mutations of it."""
+    rng = random.Random(seed)
+    yield data
+    for _ in range(VARIANTS - 1):
+        b = bytearray(data)
+        op = rng.randrange(5)
+        if op == 0 and b:
+            del b[rng.randrange(len(b)):]
+        elif op == 1 and b:
+            for _ in range(rng.randint(1, 4)):
+                b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+        elif op == 2:
+            pos = rng.randint(0, len(b))
+            b[pos:pos] = rng.randbytes(rng.randint(1, 16))
+        elif op == 3 and len(b) >= 28:  # extreme meta length / buffer count in a header
+            field = rng.choice([(16, 20), (20, 24)])
+            b[field[0]:field[1]] = rng.choice([b"\xff\xff\xff\xff", b"\x00\x00\x00\x80", b"\x01\x00\x00\x00"])
+        else:
+            b = b + b[: rng.randint(0, len(b))]
+        yield bytes(b)
+
+
+class FakeSocket:
+    """Feeds fixed bytes to the code under test, in small irregular pieces; records writes."""
+
+    def __init__(self, data: bytes):
+        self.data = memoryview(data)
+        self.pos = 0
+        self.written = 0
+
+    def recv_into(self, buf, nbytes=0, flags=0):
+        want = nbytes or len(buf)
+        piece = self.data[self.pos : self.pos + min(want, 7 + self.pos % 13 if not flags else want)]
+        buf[: len(piece)] = piece
+        self.pos += len(piece)
+        return len(piece)
+
+    def sendmsg(self, parts):
+        n = sum(memoryview(p).nbytes for p in parts)
+        self.written += n
+        return n
+
+    def settimeout(self, _):
+        pass
+
+    def shutdown(self, _):
+        pass
+
+    def close(self):
+        pass
+
+
+header = st.builds(
+    lambda kind, flags, rid, meta_len, lengths, tail, magic, version: (
+        struct.pack("<4sBBHQIII", magic, version, kind, flags, rid, meta_len, len(lengths), 0)
+        + b"".join(struct.pack("<Q", n) for n in lengths) + tail
+    ),
+    kind=st.integers(0, 255),
+    flags=st.integers(0, 2**16 - 1),
+    rid=st.integers(0, 2**64 - 1),
+    meta_len=st.one_of(st.integers(0, 64), st.integers(0, 2**32 - 1)),
+    lengths=st.lists(st.one_of(st.integers(0, 64), st.integers(0, 2**64 - 1)), max_size=6),
+    tail=st.binary(max_size=200),
+    magic=st.sampled_from([wire.MAGIC, wire.MAGIC, b"TFEX", b"\x00\x00\x00\x00"]),
+    version=st.sampled_from([wire.VERSION, wire.VERSION, 0, 255]),
+)
+inputs = st.one_of(st.binary(max_size=300), header)
+
+
+@settings(max_examples=PARSER_EXAMPLES, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(data=inputs, seed=st.integers(0, 2**32))
+def test_frame_parser_never_crashes_or_overallocates(data, seed):
+    for variant in variants(data, seed):
+        _parse_all(variant)
+
+
+def _parse_all(data: bytes) -> None:
+    reader = wire.FrameReader(FakeSocket(data))
+    limits = wire.Limits(max_meta=4096, max_buffers=8, max_buffer_bytes=1 << 16)
+    try:
+        while True:
+            frame = reader.read_frame(limits)
+            # whatever got through respects the limits before anything was allocated for it
+            assert len(frame.meta) <= limits.max_meta
+            assert len(frame.buffer_lengths) <= limits.max_buffers
+            assert sum(frame.buffer_lengths) <= limits.max_buffer_bytes
+            reader.skip_buffers(frame.buffer_lengths)
+    except (ProtocolError, ConnectionError):
+        pass
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = worker.WorkerServer(secret="fuzz-secret-0123456789").start()
+    quiet = logging.getLogger("torchfeed.worker")
+    level, quiet.level = quiet.level, logging.CRITICAL  # 50,000 rejected peers would be logged
+    yield s
+    quiet.setLevel(level)
+    s.stop()
+
+
+def _handshake_like():
+    nonce = st.binary(min_size=32, max_size=32)
+    auth_frame = st.builds(lambda body, tail: wire.pack_header(wire.AUTH, 0, len(body), []) + body + tail,
+                           body=st.one_of(st.binary(min_size=64, max_size=64), st.binary(max_size=600)),
+                           tail=st.binary(max_size=300))
+    call_after = st.builds(lambda a, b: a + wire.pack_header(wire.CALL, 1, len(b), []) + b,
+                           auth_frame, st.just(pickle.dumps(("never", "unpickled"))))
+    return st.one_of(st.binary(max_size=400), header, auth_frame, call_after, nonce)
+
+
+@settings(max_examples=HANDSHAKE_EXAMPLES, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(data=_handshake_like(), seed=st.integers(0, 2**32))
+def test_handshake_rejects_junk_without_unpickling(server, data, seed, monkeypatch_unpickle):
+    for variant in variants(data, seed):
+        conn = worker.ServerConnection(server, FakeSocket(variant), "fuzz")
+        conn.serve()  # must return (connection closed), never raise, never authenticate
+        assert not conn.authenticated
+    assert not monkeypatch_unpickle, "something was unpickled before authentication"
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_unpickle():
+    """Record any unpickling done by the worker's modules while the fuzzer runs."""
+    calls = []
+    real_loads, real_loads_call = pickle.loads, worker.serialize.loads_call
+
+    def spy(*a, **k):
+        calls.append(a)
+        return real_loads(*a, **k)
+
+    worker.pickle.loads = spy
+    worker.serialize.loads_call = lambda *a, **k: calls.append(a) or real_loads_call(*a, **k)
+    yield calls
+    worker.pickle.loads = real_loads
+    worker.serialize.loads_call = real_loads_call
+
+
+def test_server_still_serves_after_fuzzing(server):
+    import torchfeed
+
+    got = torchfeed.rpc_async(server.address, lambda: "alive", secret="fuzz-secret-0123456789").wait()
+    assert got == "alive"
