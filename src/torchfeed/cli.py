@@ -1,4 +1,4 @@
-"""The ``torchfeed`` command: ``torchfeed worker | demo | bench``."""
+"""The ``torchfeed`` command: ``torchfeed worker | demo | bench | slurm``."""
 
 from __future__ import annotations
 
@@ -48,7 +48,11 @@ def _run_workers(args) -> int:
 
         run_worker(args.host, args.port, args.timeout, args.parallel, address_file=args.address_file,
                    torch_threads=args.threads, handshake_timeout=args.handshake_timeout)
-        return 0
+        # Leave without interpreter finalization: daemon executor threads may still be
+        # inside torch code, and tearing torch down under them aborts the process.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     # One child per process; each prints (and files) its own address line.
     children = []
     for i in range(args.procs):
@@ -85,6 +89,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     b.add_argument("cases", nargs="*", default=[])
     b.add_argument("--workers", type=int, default=2)
     b.add_argument("--seconds", type=float, default=6.0, help="approximate time per measurement")
+    from .cluster import slurm
+
+    slurm.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "worker":
         return _run_workers(args)
@@ -96,6 +103,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .bench import run_bench
 
         return run_bench(args)
+    if args.command == "slurm":
+        return slurm.run(args)
     return 2
 
 

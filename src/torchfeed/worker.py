@@ -282,6 +282,13 @@ class WorkerServer:
         for _ in range(self.parallel):
             self.tasks.put(None)
 
+    def join(self, timeout: float = 5.0) -> None:
+        """Wait (bounded) for the executors to finish the requests they are running."""
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            if t.name.startswith("torchfeed-exec"):
+                t.join(max(0.0, deadline - time.monotonic()))
+
     # -- threads ----------------------------------------------------------
     def _executor(self) -> None:
         while True:
@@ -367,3 +374,4 @@ def run_worker(host: str, port: int, timeout: float = 120, parallel: int = 1, *,
         pass
     finally:
         server.stop()
+        server.join(timeout=5.0)
