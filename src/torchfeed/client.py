@@ -173,11 +173,6 @@ class Connection:
         return len(self._pending)
 
     # -- receiving -------------------------------------------------------
-    def _alloc(self, pin: bool):
-        def alloc(lengths):
-            return serialize.allocate(lengths, pin)
-        return alloc
-
     def _read_loop(self) -> None:
         reader = self.reader
         try:

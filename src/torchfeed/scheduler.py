@@ -114,9 +114,6 @@ class Scheduler:
         """Whether the loader should pull another batch from the sampler."""
         return not self.exhausted and self.known < self.delivered + self.window
 
-    def pending_count(self) -> int:
-        return len(self._pending)
-
     def holders(self, seq: int) -> List[str]:
         return [w.address for w in self.workers.values() if seq in w.in_flight]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import socket
 import struct
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import List, Sequence
 
 from .errors import FrameTooLarge, ProtocolError
 
@@ -240,15 +240,3 @@ class FrameReader:
                 k = min(n, len(scratch))
                 self.read_into(scratch[:k])
                 n -= k
-
-
-def allocate_and_read(reader: FrameReader, frame: Frame, alloc: Optional[Callable[[List[int]], List[memoryview]]] = None):
-    """Receive a frame's buffers into memory from ``alloc`` (default: plain bytearrays)."""
-    if not frame.buffer_lengths:
-        return []
-    if alloc is None:
-        dests = [memoryview(bytearray(n)) for n in frame.buffer_lengths]
-    else:
-        dests = alloc(frame.buffer_lengths)
-    reader.read_buffers(dests)
-    return dests
