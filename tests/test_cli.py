@@ -1,0 +1,316 @@
+"""The ``torchfeed worker`` command (and the seed's ``python -m torchfeed.launch``), run as
+real processes: address lines on stdout, --procs, --address-file, signals, --help."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import torchfeed
+from torchfeed import cli
+from helpers import RangeDataset, deep_equal
+
+pytestmark = pytest.mark.timeout(60)
+
+ADDRESS = re.compile(r"^127\.0\.0\.1:(\d{1,5})$")
+WORKER = [sys.executable, "-m", "torchfeed", "worker", "--host", "127.0.0.1", "--port", "0"]
+LAUNCH = [sys.executable, "-m", "torchfeed.launch", "--host", "127.0.0.1", "--port", "0"]
+
+
+# -- helpers ------------------------------------------------------------------------
+
+def child_env():
+    env = dict(os.environ)
+    env.pop("PYTHONUNBUFFERED", None)  # the address line must be flushed explicitly
+    return env
+
+
+class Command:
+    """A command under test, in its own session; reaped (with its children) at the end."""
+
+    def __init__(self, argv, tmp_path: Path):
+        self.stderr_path = tmp_path / f"stderr-{time.monotonic_ns()}"
+        self._stderr = open(self.stderr_path, "w")
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
+                                     env=child_env(), start_new_session=True)
+        self.pid = self.proc.pid
+
+    def read_lines(self, n: int, timeout: float = 30.0):
+        """The next ``n`` stdout lines (fails if they do not come within ``timeout``)."""
+        lines = []
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        try:
+            while len(lines) < n:
+                left = deadline - time.monotonic()
+                assert left > 0, f"got {lines} of {n} lines; stderr: {self.stderr()}"
+                if sel.select(timeout=min(left, 0.2)):
+                    line = self.proc.stdout.readline()
+                    assert line, f"stdout closed after {lines}; stderr: {self.stderr()}"
+                    lines.append(line.rstrip("\n"))
+        finally:
+            sel.close()
+        return lines
+
+    def stderr(self) -> str:
+        self._stderr.flush()
+        return self.stderr_path.read_text()[-3000:]
+
+    def children(self):
+        return children_of(self.pid)
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 10.0, group: bool = False):
+        """Send ``sig``; return (exit code, seconds it took to exit)."""
+        start = time.monotonic()
+        if group:
+            os.killpg(self.pid, sig)
+        else:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"no exit {timeout} s after {sig!r}; stderr: {self.stderr()}") from None
+        return code, time.monotonic() - start
+
+    def rest_of_stdout(self) -> str:
+        assert self.proc.poll() is not None
+        return self.proc.stdout.read()
+
+    def reap(self):
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        else:
+            try:  # children left behind by a failed test
+                os.killpg(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.proc.stdout.close()
+        self._stderr.close()
+
+
+@pytest.fixture
+def run(tmp_path):
+    made = []
+
+    def start(argv):
+        made.append(Command(argv, tmp_path))
+        return made[-1]
+
+    yield start
+    for c in made:
+        c.reap()
+
+
+def children_of(pid: int):
+    kids = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(k) for k in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            pass
+    return sorted(kids)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def serving_pid(address: str) -> int:
+    return torchfeed.rpc_async(address, os.getpid, timeout=20).wait()
+
+
+def check_addresses(lines, n: int):
+    assert len(lines) == n
+    for line in lines:
+        assert ADDRESS.match(line), f"not a host:port line: {line!r}"
+    assert len(set(lines)) == n, f"repeated addresses: {lines}"
+
+
+# -- one process ----------------------------------------------------------------------
+
+def test_single_workers_print_one_line_share_an_address_file_and_stop_on_signals(run, tmp_path):
+    """`torchfeed worker` and the seed's `python -m torchfeed.launch`, started at once and
+    appending to one address file; one stops on SIGTERM, the other on SIGINT."""
+    path = tmp_path / "workers.txt"
+    path.write_text("previous:1\n")  # appended to, never truncated
+    commands = {signal.SIGTERM: run(WORKER + ["--address-file", str(path)]),
+                signal.SIGINT: run(LAUNCH + ["--address-file", str(path)])}
+    printed = {}
+    for sig, cmd in commands.items():
+        [line] = cmd.read_lines(1)  # flushed: stdout is a pipe and PYTHONUNBUFFERED is unset
+        check_addresses([line], 1)
+        assert serving_pid(line) == cmd.pid  # ready when announced, and it is this process
+        assert torchfeed.rpc_async(line, lambda a: a + 1, args=(41,)).wait() == 42
+        printed[sig] = line
+
+    def file_lines():
+        return path.read_text().splitlines()
+
+    assert wait_for(lambda: len(file_lines()) >= 3)
+    assert path.read_text().endswith("\n")
+    lines = file_lines()
+    assert lines[0] == "previous:1"
+    check_addresses(lines[1:], 2)  # each line intact
+    assert sorted(lines[1:]) == sorted(printed.values())
+
+    for sig, cmd in commands.items():
+        code, took = cmd.stop(sig)
+        assert code == 0, cmd.stderr()
+        assert took < 5
+        assert cmd.rest_of_stdout() == "", "stdout must hold exactly one line"
+    assert len(file_lines()) == 3  # nothing else appended at exit
+
+
+_TGKILL = {"x86_64": 234, "aarch64": 131}.get(os.uname().machine)
+
+
+def signal_thread(pid: int, tid: int, sig: int) -> None:
+    """Send ``sig`` to one thread of another process (tgkill)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(_TGKILL, pid, tid, int(sig)) != 0:
+        raise OSError(ctypes.get_errno(), "tgkill failed")
+
+
+@pytest.mark.skipif(_TGKILL is None, reason="tgkill syscall number unknown on this machine")
+@pytest.mark.xfail(reason="BUG: worker.run_worker relies on a Python signal handler while the main thread "
+                          "blocks in listener.accept() (WorkerServer.serve_forever); when the kernel hands "
+                          "SIGTERM/SIGINT to another thread the handler never runs and the worker keeps "
+                          "running (seen as a hang of `torchfeed worker --procs N` on Ctrl-C)",
+                   strict=True)
+def test_worker_stops_whichever_thread_receives_the_signal(run):
+    """A process-directed signal may be delivered to any thread; emulate that with tgkill."""
+    cmd = run(WORKER)
+    [line] = cmd.read_lines(1)
+    assert serving_pid(line) == cmd.pid
+    others = sorted(int(t.name) for t in Path(f"/proc/{cmd.pid}/task").iterdir() if int(t.name) != cmd.pid)
+    assert others, "the worker has helper threads"
+    signal_thread(cmd.pid, others[-1], signal.SIGTERM)
+    assert wait_for(lambda: cmd.proc.poll() is not None, 3), "the worker ignored SIGTERM"
+    assert cmd.proc.returncode == 0
+
+
+# -- several processes ------------------------------------------------------------------
+
+def test_procs_three_and_sigterm(run):
+    cmd = run(WORKER + ["--procs", "3"])
+    lines = cmd.read_lines(3)
+    check_addresses(lines, 3)
+    kids = cmd.children()
+    assert len(kids) == 3
+    assert sorted(serving_pid(a) for a in lines) == kids
+    code, took = cmd.stop(signal.SIGTERM)
+    assert code == 0, cmd.stderr()
+    assert took < 8
+    assert wait_for(lambda: not any(alive(k) for k in kids), 5), "worker processes outlived the command"
+    assert cmd.rest_of_stdout() == ""
+
+
+def test_remote_data_loader_fed_by_procs_2_then_sigint(run):
+    cmd = run(WORKER + ["--procs", "2"])
+    addresses = cmd.read_lines(2)
+    check_addresses(addresses, 2)
+    kids = cmd.children()
+    assert sorted(serving_pid(a) for a in addresses) == kids
+    dataset = torchfeed.RemoteDataset(addresses, RangeDataset, 23)
+    for kw in [dict(batch_size=4), dict(batch_size=5, shuffle=True, drop_last=True)]:
+        torch.manual_seed(7)
+        remote = list(torchfeed.RemoteDataLoader(dataset, **kw))
+        torch.manual_seed(7)
+        expected = list(DataLoader(RangeDataset(23), **kw))
+        assert len(remote) == len(expected)
+        assert deep_equal(remote, expected)
+    code, took = cmd.stop(signal.SIGINT)
+    assert code == 0, cmd.stderr()
+    assert took < 8
+    assert wait_for(lambda: not any(alive(k) for k in kids), 5), "worker processes outlived the command"
+    assert cmd.rest_of_stdout() == ""
+
+
+def test_procs_auto_starts_one_process_per_usable_cpu(run):
+    n = len(os.sched_getaffinity(0))
+    if n > 8:
+        pytest.skip(f"{n} CPUs: too many worker processes for a quick test")
+    cmd = run(WORKER + ["--procs", "auto"])
+    lines = cmd.read_lines(n)
+    check_addresses(lines, n)
+    assert len(cmd.children()) == n
+    code, _ = cmd.stop()
+    assert code == 0, cmd.stderr()
+    assert cmd.rest_of_stdout() == ""
+
+
+@pytest.mark.xfail(reason="BUG: cli._run_workers returns max(child exit codes); a child killed by a "
+                          "signal has a negative code, so the command exits 0 although a worker died",
+                   strict=True)
+def test_procs_exit_code_reports_a_killed_worker(run):
+    cmd = run(WORKER + ["--procs", "2"])
+    cmd.read_lines(2)
+    kids = cmd.children()
+    os.kill(kids[0], signal.SIGKILL)
+    assert wait_for(lambda: not alive(kids[0]), 5)
+    code, _ = cmd.stop()
+    assert code != 0, "a worker process was killed, yet the command reports success"
+
+
+# -- help and usage errors -----------------------------------------------------------------
+
+def test_help_exits_0():
+    script = shutil.which("torchfeed")
+    argv = [script, "worker", "--help"] if script else [sys.executable, "-m", "torchfeed", "worker", "--help"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for option in ["--host", "--port", "--procs", "--address-file", "--handshake-timeout"]:
+        assert option in proc.stdout, f"`torchfeed worker --help` does not document {option}"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["worker", "--help"]])
+def test_help_in_process(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: torchfeed")
+    assert ("--procs" in out) if "worker" in argv else ("worker" in out)
+
+
+@pytest.mark.parametrize("extra", [["--procs", "0"], ["--procs", "many"], ["--port", "x"]])
+def test_bad_arguments_exit_2(extra, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["worker", "--host", "127.0.0.1", *extra])
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "usage:" in captured.err

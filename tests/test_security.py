@@ -1,0 +1,694 @@
+"""Security of the data plane, against real worker processes on 127.0.0.1.
+
+Covers mutual authentication (wrong secret, impostor worker, replay), the rule that
+nothing is unpickled before the peer proved the secret, robustness against malformed
+frames (the worker drops that connection, allocates nothing and keeps serving), the
+handshake timeout, and secret discovery.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import pickle
+import socket
+import stat
+import struct
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import torchfeed
+from torchfeed import auth, client, serialize, wire
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = os.environ["TORCHFEED_SECRET"]  # set by conftest.py for the whole session
+WRONG = "definitely-not-the-right-secret-0123"
+
+
+# -- helpers ------------------------------------------------------------------
+
+def split(address: str):
+    host, port = client.parse_address(address)
+    return host, port
+
+
+def raw_connect(address: str, timeout: float = 5.0) -> socket.socket:
+    sock = socket.create_connection(split(address), timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def raw_client(address: str, secret: str = SECRET, timeout: float = 5.0):
+    """A raw socket that completed the client handshake; returns (sock, reader)."""
+    sock = raw_connect(address, timeout)
+    reader = wire.FrameReader(sock)
+    auth.client_handshake(sock, reader, auth.load_secret(secret), address)
+    return sock, reader
+
+
+def mac(secret: str, role: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(secret.encode(), role + first + second, hashlib.sha256).digest()
+
+
+def read_hello(sock: socket.socket, reader: wire.FrameReader) -> bytes:
+    frame = reader.read_frame(wire.HANDSHAKE_LIMITS)
+    assert frame.kind == wire.HELLO and len(frame.meta) == auth.NONCE_BYTES
+    return frame.meta
+
+
+def wait_closed(sock: socket.socket, timeout: float = 5.0) -> bytes:
+    """Read until the peer closes the connection; return what was received.
+
+    Fails if the connection is still open after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    data = b""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"the worker kept the connection open for {timeout} s")
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            return data
+        except socket.timeout:
+            raise AssertionError(f"the worker kept the connection open for {timeout} s") from None
+        if not chunk:
+            return data
+        data += chunk
+
+
+def parse_frames(data: bytes):
+    """Split received bytes into (kind, meta) pairs (buffers are not expected here)."""
+    out = []
+    while len(data) >= wire.HEADER.size:
+        magic, _v, kind, _f, _rid, meta_len, nbuf, _ = wire.HEADER.unpack_from(data)
+        assert magic == wire.MAGIC
+        start = wire.HEADER.size + 8 * nbuf
+        out.append((kind, data[start : start + meta_len]))
+        data = data[start + meta_len :]
+    return out
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS line")
+
+
+def assert_serves(address: str, pid: int, secret: str = SECRET) -> None:
+    """The worker process ``pid`` at ``address`` still answers a normal client."""
+    assert torchfeed.rpc_async(address, os.getpid, timeout=10, secret=secret).wait() == pid
+    assert torchfeed.rpc_async(address, lambda a, b: a * b, args=(6, 7), timeout=10,
+                               secret=secret).wait() == 42
+
+
+def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+class Marker:
+    """Unpickling this creates the file at ``path`` (proof that something was unpickled)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def evil_call_meta(path: Path) -> bytes:
+    # Shaped like a real CALL payload: (func, args, kwargs), the func being the trap.
+    return pickle.dumps((Marker(str(path)), (), {}), protocol=5)
+
+
+SHARED_FILE_SECRET = "shared-file-secret-0123456789"
+
+
+@pytest.fixture(scope="module")
+def _workers(tmp_path_factory):
+    """Private workers, started concurrently: name -> (address, pid)."""
+    secret_file = tmp_path_factory.mktemp("secret") / "shared-secret"
+    write_secret(secret_file, SHARED_FILE_SECRET + "\n")
+    specs = {
+        "main": {},
+        # gives new connections one second to authenticate
+        "quick": {"extra_args": ["--handshake-timeout", "1"]},
+        # finds its secret through TORCHFEED_SECRET_FILE only
+        "file": {"env": {auth.ENV_SECRET: "", auth.ENV_SECRET_FILE: str(secret_file)}},
+    }
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = {name: pool.submit(torchfeed.LocalWorkers, 1, **kw) for name, kw in specs.items()}
+    started = {}
+    try:
+        for name, fut in futures.items():
+            started[name] = fut.result()
+        yield {name: (w.addresses[0], w.processes[0].pid) for name, w in started.items()}
+    finally:
+        running = [fut.result() for fut in futures.values() if fut.exception() is None]
+        for w in running:  # signal them all first: they shut down concurrently
+            for proc in w.processes:
+                if proc.poll() is None:
+                    proc.terminate()
+        for w in running:
+            w.close()
+
+
+@pytest.fixture
+def worker(_workers):
+    return _workers["main"]
+
+
+@pytest.fixture
+def quick_worker(_workers):
+    return _workers["quick"]
+
+
+@pytest.fixture
+def file_worker(_workers):
+    return _workers["file"]
+
+
+# -- authentication -----------------------------------------------------------
+
+def test_wrong_secret_is_rejected_with_a_hint(worker):
+    address, pid = worker
+    start = time.monotonic()
+    fut = torchfeed.rpc_async(address, os.getpid, secret=WRONG, timeout=10)
+    with pytest.raises(torchfeed.AuthenticationError) as info:
+        fut.wait()
+    assert time.monotonic() - start < 5
+    message = str(info.value)
+    assert "TORCHFEED_SECRET" in message
+    assert address in message
+    assert WRONG not in message  # the secret itself is never shown
+    # the low-level entry point raises directly
+    with pytest.raises(torchfeed.AuthenticationError, match="TORCHFEED_SECRET"):
+        client.connect(address, secret=WRONG.encode(), timeout=10)
+    assert_serves(address, pid)
+
+
+def test_wrong_secret_does_not_poison_the_right_connection(worker):
+    address, pid = worker
+    assert_serves(address, pid)
+    for _ in range(3):
+        with pytest.raises(torchfeed.AuthenticationError):
+            torchfeed.rpc_async(address, os.getpid, secret=WRONG, timeout=10).wait()
+        assert_serves(address, pid)
+
+
+class FakeWorker:
+    """A plain socket server speaking just enough of the protocol to impersonate a worker.
+
+    ``reply(sock, reader, wnonce, auth_meta)`` answers the client's AUTH message.
+    """
+
+    def __init__(self, reply):
+        self.reply = reply
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(8)
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.errors = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        try:
+            sock, _ = self.listener.accept()
+        except OSError:
+            return
+        with sock:
+            try:
+                reader = wire.FrameReader(sock)
+                wnonce = os.urandom(auth.NONCE_BYTES)
+                wire.send_frame(sock, wire.HELLO, meta=wnonce)
+                frame = reader.read_frame(wire.HANDSHAKE_LIMITS)
+                assert frame.kind == wire.AUTH
+                self.reply(sock, reader, wnonce, frame.meta)
+                sock.settimeout(5)
+                while sock.recv(4096):  # keep it open until the client hangs up
+                    pass
+            except Exception as exc:  # noqa: BLE001 - reported by the test
+                self.errors.append(exc)
+
+    def close(self):
+        self.listener.close()
+        self.thread.join(10)
+
+
+@pytest.fixture
+def fake_worker():
+    made = []
+
+    def make(reply):
+        made.append(FakeWorker(reply))
+        return made[-1]
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def test_impostor_worker_is_detected(fake_worker):
+    """A 'worker' that does not know the secret cannot produce a valid AUTH_OK."""
+    fake = fake_worker(lambda sock, r, wn, meta: wire.send_frame(sock, wire.AUTH_OK, meta=os.urandom(32)))
+    start = time.monotonic()
+    with pytest.raises(torchfeed.AuthenticationError) as info:
+        client.connect(fake.address, timeout=5)
+    assert time.monotonic() - start < 5
+    assert "could not prove" in str(info.value)
+    assert "TORCHFEED_SECRET" in str(info.value)
+    assert fake.address not in {c.address for c in client._pool._conns.values()}
+
+
+def test_impostor_worker_through_rpc_async(fake_worker):
+    fake = fake_worker(lambda sock, r, wn, meta: wire.send_frame(sock, wire.AUTH_OK, meta=os.urandom(32)))
+    with pytest.raises(torchfeed.AuthenticationError):
+        torchfeed.rpc_async(fake.address, os.getpid, timeout=5).wait()
+
+
+def test_worker_proof_is_bound_to_the_client_nonce(fake_worker):
+    """A worker that replays the client's own proof (reflection) is rejected."""
+    fake = fake_worker(lambda sock, r, wn, meta: wire.send_frame(sock, wire.AUTH_OK, meta=meta[auth.NONCE_BYTES:]))
+    with pytest.raises(torchfeed.AuthenticationError):
+        client.connect(fake.address, timeout=5)
+
+
+def test_worker_that_knows_the_secret_is_accepted_by_the_fake_setup(fake_worker):
+    """Control for the impostor tests: the same fake server with a correct proof passes."""
+
+    def honest(sock, reader, wnonce, meta):
+        cnonce = meta[: auth.NONCE_BYTES]
+        wire.send_frame(sock, wire.AUTH_OK, meta=mac(SECRET, b"worker", cnonce, wnonce))
+
+    fake = fake_worker(honest)
+    sock = raw_connect(fake.address)
+    try:
+        auth.client_handshake(sock, wire.FrameReader(sock), auth.load_secret(SECRET), fake.address)
+    finally:
+        sock.close()
+
+
+def test_auth_fail_from_worker_raises_authentication_error(fake_worker):
+    fake = fake_worker(lambda sock, r, wn, meta: wire.send_frame(sock, wire.AUTH_FAIL, meta=b"wrong secret"))
+    with pytest.raises(torchfeed.AuthenticationError, match="TORCHFEED_SECRET"):
+        client.connect(fake.address, timeout=5)
+
+
+def test_replayed_auth_message_is_rejected(worker):
+    """A recorded AUTH message is useless in a new session (fresh worker nonce)."""
+    address, pid = worker
+    sock = raw_connect(address)
+    reader = wire.FrameReader(sock)
+    wnonce = read_hello(sock, reader)
+    cnonce = os.urandom(32)
+    recorded = cnonce + mac(SECRET, b"client", wnonce, cnonce)
+    wire.send_frame(sock, wire.AUTH, meta=recorded)
+    assert reader.read_frame(wire.HANDSHAKE_LIMITS).kind == wire.AUTH_OK
+    sock.close()
+
+    sock = raw_connect(address)
+    reader = wire.FrameReader(sock)
+    read_hello(sock, reader)
+    wire.send_frame(sock, wire.AUTH, meta=recorded)
+    assert reader.read_frame(wire.HANDSHAKE_LIMITS).kind == wire.AUTH_FAIL
+    wait_closed(sock)
+    sock.close()
+    assert_serves(address, pid)
+
+
+# -- nothing is unpickled before authentication ---------------------------------
+
+def test_marker_payload_is_effective_after_authentication(worker, tmp_path):
+    """Control: the trap payload does create the file when a worker unpickles it."""
+    address, pid = worker
+    marker = tmp_path / "unpickled-after-auth"
+    sock, reader = raw_client(address)
+    try:
+        wire.send_frame(sock, wire.CALL, 1, meta=evil_call_meta(marker))
+        frame = reader.read_frame(wire.Limits())
+        assert frame.kind == wire.ERROR  # the "function" is a file object: not callable
+        assert frame.request_id == 1
+    finally:
+        sock.close()
+    assert wait_for(marker.exists)
+
+
+@pytest.mark.parametrize("padding", [0, 4096], ids=["small-meta", "oversized-meta"])
+def test_call_before_handshake_is_not_unpickled(worker, tmp_path, padding):
+    address, pid = worker
+    marker = tmp_path / "unpickled-before-auth"
+    meta = evil_call_meta(marker) + b"\x00" * padding
+    sock = raw_connect(address)
+    try:
+        wire.send_frame(sock, wire.CALL, 1, meta=meta)  # no handshake at all
+        wait_closed(sock)
+    finally:
+        sock.close()
+    assert_serves(address, pid)  # runs through the same executor after any queued work
+    assert not marker.exists()
+
+
+def test_call_after_wrong_secret_is_not_unpickled(worker, tmp_path):
+    address, pid = worker
+    marker = tmp_path / "unpickled-after-wrong-auth"
+    sock = raw_connect(address)
+    reader = wire.FrameReader(sock)
+    try:
+        wnonce = read_hello(sock, reader)
+        cnonce = os.urandom(32)
+        wire.send_frame(sock, wire.AUTH, meta=cnonce + mac(WRONG, b"client", wnonce, cnonce))
+        # pipelined: the CALL is sent before the verdict arrives
+        wire.send_frame(sock, wire.CALL, 1, meta=evil_call_meta(marker))
+        assert reader.read_frame(wire.HANDSHAKE_LIMITS).kind == wire.AUTH_FAIL
+        wait_closed(sock)
+    finally:
+        sock.close()
+    assert_serves(address, pid)
+    assert not marker.exists()
+
+
+def test_call_with_garbage_auth_is_not_unpickled(worker, tmp_path):
+    address, pid = worker
+    marker = tmp_path / "unpickled-after-garbage-auth"
+    sock = raw_connect(address)
+    reader = wire.FrameReader(sock)
+    try:
+        read_hello(sock, reader)
+        wire.send_frame(sock, wire.AUTH, meta=b"x" * 10)  # wrong length
+        wire.send_frame(sock, wire.CALL, 1, meta=evil_call_meta(marker))
+        wait_closed(sock)
+    finally:
+        sock.close()
+    assert_serves(address, pid)
+    assert not marker.exists()
+
+
+# -- malformed frames ------------------------------------------------------------
+
+H = wire.HEADER
+
+
+def header(kind=wire.CALL, meta_len=0, nbuf=0, magic=wire.MAGIC, version=wire.VERSION, rid=1):
+    return H.pack(magic, version, kind, 0, rid, meta_len, nbuf, 0)
+
+
+MALFORMED = {
+    "junk": os.urandom(4096),
+    "ascii-junk": b"GET / HTTP/1.1\r\nHost: example.org\r\nAccept: */*\r\n\r\n",
+    "bad-magic": header(magic=b"XXXX"),
+    "bad-version": header(version=wire.VERSION + 1),
+    "unknown-kind-0": header(kind=0),
+    "unknown-kind-99": header(kind=99),
+    "unknown-kind-255": header(kind=255),
+    "meta-2**32-1": header(meta_len=2**32 - 1),
+    "meta-over-limit": header(meta_len=wire.Limits().max_meta + 1),
+    "buffers-2**32-1": header(nbuf=2**32 - 1),
+    "buffers-over-limit": header(nbuf=wire.Limits().max_buffers + 1),
+    "buffer-len-2**64-1": header(nbuf=1) + struct.pack("<Q", 2**64 - 1),
+    "buffer-lens-sum-over-limit": header(nbuf=2) + struct.pack("<2Q", 2**63, 2**63),
+    "buffer-lens-many-large": header(nbuf=3) + struct.pack("<3Q", *[wire.Limits().max_buffer_bytes // 2] * 3),
+    "truncated-header": header()[:10],
+    "truncated-lengths": header(nbuf=4) + b"\x01\x00\x00",
+    "truncated-meta": header(meta_len=1000) + b"\x80\x05" + b"x" * 10,
+    "truncated-buffer": header(meta_len=4, nbuf=1) + struct.pack("<Q", 1 << 20) + b"abcd" + b"y" * 100,
+    "worker-kind-REPLY": header(kind=wire.REPLY),
+    "worker-kind-HELLO": header(kind=wire.HELLO, meta_len=32) + b"n" * 32,
+    "worker-kind-AUTH_OK": header(kind=wire.AUTH_OK, meta_len=32) + b"p" * 32,
+    "worker-kind-BYE": header(kind=wire.BYE),
+    "worker-kind-PONG": header(kind=wire.PONG),
+}
+
+# what must be answered with a BYE naming the problem (frame fully consumed: no RST)
+BYE_TEXT = {"bad-version": "version", "unknown-kind-99": "unknown message kind"}
+
+
+@pytest.mark.parametrize("authenticated", [False, True], ids=["before-auth", "after-auth"])
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_malformed_frame_drops_only_that_connection(worker, name, authenticated):
+    address, pid = worker
+    bystander = client.connect(address, timeout=10)  # an established client must survive
+    rss_before = rss_mb(pid)
+    if authenticated:
+        sock, reader = raw_client(address)
+    else:
+        sock = raw_connect(address)
+        reader = wire.FrameReader(sock)
+        read_hello(sock, reader)
+    try:
+        try:
+            sock.sendall(MALFORMED[name])
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the worker may already have hung up on the first bytes
+        if name.startswith("truncated"):
+            sock.shutdown(socket.SHUT_WR)  # the peer vanishes mid-frame
+        data = wait_closed(sock)
+    finally:
+        sock.close()
+    if name in BYE_TEXT and data:
+        frames = parse_frames(data)
+        assert frames[-1][0] == wire.BYE
+        assert BYE_TEXT[name] in frames[-1][1].decode()
+    assert rss_mb(pid) - rss_before < 100, "the worker allocated for a malformed frame"
+    assert not bystander.closed
+    assert_serves(address, pid)
+    assert client.connect(address) is bystander
+
+
+def test_bad_version_is_answered_with_bye(worker):
+    address, pid = worker
+    sock = raw_connect(address)
+    reader = wire.FrameReader(sock)
+    read_hello(sock, reader)
+    sock.sendall(header(version=wire.VERSION + 1))
+    frame = reader.read_frame(wire.HANDSHAKE_LIMITS)
+    assert frame.kind == wire.BYE
+    assert b"same torchfeed version" in frame.meta
+    wait_closed(sock)
+    sock.close()
+
+
+def test_unpicklable_call_after_auth_fails_that_request_only(worker):
+    address, pid = worker
+    sock, reader = raw_client(address)
+    try:
+        wire.send_frame(sock, wire.CALL, 7, meta=b"\x80\x05not a pickle at all")
+        frame = reader.read_frame(wire.Limits())
+        assert (frame.kind, frame.request_id) == (wire.ERROR, 7)
+        info = pickle.loads(frame.meta)
+        assert "Unpickling" in info["type"] or "pickle" in info["traceback"].lower()
+        # the same connection goes on working
+        meta, bufs = serialize.dumps((os.getpid, (), {}), by_value=True)
+        wire.send_frame(sock, wire.CALL, 8, meta=meta, buffers=bufs)
+        frame = reader.read_frame(wire.Limits())
+        assert (frame.kind, frame.request_id) == (wire.REPLY, 8)
+        assert serialize.loads(frame.meta) == pid
+        sock.settimeout(5)
+        wire.send_frame(sock, wire.PING, 9)
+        assert reader.read_frame(wire.Limits()).kind == wire.PONG
+    finally:
+        sock.close()
+
+
+def test_many_bad_peers_at_once(worker):
+    address, pid = worker
+    socks = [raw_connect(address) for _ in range(30)]
+    for i, s in enumerate(socks):
+        s.sendall(os.urandom(64) if i % 2 else header(kind=99))
+    for s in socks:
+        wait_closed(s)
+        s.close()
+    assert_serves(address, pid)
+
+
+# -- handshake timeout --------------------------------------------------------------
+
+def test_silent_peer_is_dropped_after_handshake_timeout(quick_worker):
+    address, pid = quick_worker
+    socks = [raw_connect(address) for _ in range(10)]
+    start = time.monotonic()
+    for s in socks:
+        data = wait_closed(s, timeout=5)
+        assert parse_frames(data)[0][0] == wire.HELLO
+    elapsed = time.monotonic() - start
+    assert 0.5 < elapsed < 3.5, elapsed
+    for s in socks:
+        s.close()
+    assert_serves(address, pid)
+
+
+def test_slow_handshake_is_dropped(quick_worker):
+    """A peer dribbling bytes never gets more than the handshake timeout."""
+    address, pid = quick_worker
+    sock = raw_connect(address)
+    reader = wire.FrameReader(sock)
+    read_hello(sock, reader)
+    start = time.monotonic()
+    frame = header(kind=wire.AUTH, meta_len=64) + b"z" * 64
+    closed = False
+    for byte in frame:
+        try:
+            sock.send(bytes([byte]))
+        except (BrokenPipeError, ConnectionResetError):
+            closed = True
+            break
+        sock.settimeout(0.3)
+        try:
+            if sock.recv(1) == b"":
+                closed = True
+                break
+        except socket.timeout:
+            continue
+        except ConnectionResetError:
+            closed = True
+            break
+        if time.monotonic() - start > 5:
+            break
+    sock.close()
+    assert closed, "the worker kept a dribbling peer for more than 5 s"
+    assert time.monotonic() - start < 3.5
+    assert_serves(address, pid)
+
+
+def test_authenticated_client_is_not_hit_by_handshake_timeout(quick_worker):
+    """The handshake timeout does not apply once the client is authenticated."""
+    address, pid = quick_worker
+    sock, reader = raw_client(address)
+    try:
+        time.sleep(1.6)  # longer than the handshake timeout: the point of the test
+        meta, bufs = serialize.dumps((os.getpid, (), {}), by_value=True)
+        wire.send_frame(sock, wire.CALL, 1, meta=meta, buffers=bufs)
+        frame = reader.read_frame(wire.Limits())
+        assert frame.kind == wire.REPLY
+        assert serialize.loads(frame.meta) == pid
+    finally:
+        sock.close()
+
+
+# -- secret discovery ------------------------------------------------------------------
+
+@pytest.fixture
+def clean_env(monkeypatch, tmp_path):
+    """No secret in the environment, an empty XDG_CONFIG_HOME and an empty discovery cache."""
+    monkeypatch.delenv(auth.ENV_SECRET, raising=False)
+    monkeypatch.delenv(auth.ENV_SECRET_FILE, raising=False)
+    config = tmp_path / "config"
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(config))
+    monkeypatch.setattr(auth, "_discovered", {})
+    return config
+
+
+def write_secret(path: Path, text: str, mode: int = 0o600) -> Path:
+    path.write_text(text)
+    os.chmod(path, mode)
+    return path
+
+
+def test_env_secret_wins_over_file(clean_env, monkeypatch, tmp_path):
+    monkeypatch.setenv(auth.ENV_SECRET, "from-the-environment-123456")
+    monkeypatch.setenv(auth.ENV_SECRET_FILE, str(write_secret(tmp_path / "s", "from-the-file-123456789")))
+    secret = auth.load_secret()
+    assert secret.value == b"from-the-environment-123456"
+    assert auth.ENV_SECRET in secret.source
+    # an unusable file does not matter when the variable is set
+    monkeypatch.setenv(auth.ENV_SECRET_FILE, str(tmp_path / "missing"))
+    assert auth.load_secret().value == b"from-the-environment-123456"
+    assert "from-the-environment" not in repr(secret)
+
+
+def test_secret_file_is_read(clean_env, monkeypatch, tmp_path):
+    path = write_secret(tmp_path / "secret", "  0123456789abcdef-file-secret \n")
+    monkeypatch.setenv(auth.ENV_SECRET_FILE, str(path))
+    secret = auth.load_secret()
+    assert secret.value == b"0123456789abcdef-file-secret"
+    assert str(path) in secret.source
+    assert not (clean_env / "torchfeed" / "secret").exists()  # no default file made
+
+
+def test_empty_env_secret_falls_back_to_the_file(clean_env, monkeypatch, tmp_path):
+    monkeypatch.setenv(auth.ENV_SECRET, "")
+    monkeypatch.setenv(auth.ENV_SECRET_FILE, str(write_secret(tmp_path / "s", "file-secret-0123456789")))
+    assert auth.load_secret().value == b"file-secret-0123456789"
+
+
+def test_default_file_is_created_private(clean_env):
+    old_umask = os.umask(0)  # even a permissive umask must not widen the mode
+    try:
+        secret = auth.load_secret()
+    finally:
+        os.umask(old_umask)
+    path = clean_env / "torchfeed" / "secret"
+    assert path.is_file()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) & 0o077 == 0
+    text = path.read_text().strip()
+    assert len(text) == 64 and int(text, 16) >= 0
+    assert secret.value == text.encode()
+    assert str(path) in secret.source
+    # found again (not regenerated) by a later discovery
+    auth._discovered.clear()
+    assert auth.load_secret().value == secret.value
+    assert auth.default_secret_path() == path
+
+
+def test_default_path_without_xdg(clean_env, monkeypatch, tmp_path):
+    monkeypatch.delenv("XDG_CONFIG_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert auth.default_secret_path() == tmp_path / "home" / ".config" / "torchfeed" / "secret"
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660, 0o666])
+def test_readable_secret_file_is_refused(clean_env, monkeypatch, tmp_path, mode):
+    path = write_secret(tmp_path / "secret", "a-perfectly-long-secret-value", mode)
+    monkeypatch.setenv(auth.ENV_SECRET_FILE, str(path))
+    with pytest.raises(torchfeed.AuthenticationError, match="chmod 600") as info:
+        auth.load_secret()
+    assert str(path) in str(info.value)
+
+
+def test_readable_default_file_is_refused(clean_env):
+    path = clean_env / "torchfeed" / "secret"
+    path.parent.mkdir(parents=True)
+    write_secret(path, "a-perfectly-long-secret-value", 0o644)
+    with pytest.raises(torchfeed.AuthenticationError, match="chmod 600"):
+        auth.load_secret()
+
+
+def test_missing_or_short_secret_file(clean_env, monkeypatch, tmp_path):
+    monkeypatch.setenv(auth.ENV_SECRET_FILE, str(tmp_path / "nope"))
+    with pytest.raises(torchfeed.AuthenticationError, match="does not exist"):
+        auth.load_secret()
+    monkeypatch.setenv(auth.ENV_SECRET_FILE, str(write_secret(tmp_path / "short", "abc")))
+    with pytest.raises(torchfeed.AuthenticationError, match="fewer than 16"):
+        auth.load_secret()
+
+
+def test_explicit_secret_types():
+    assert auth.load_secret("abc").value == b"abc"
+    assert auth.load_secret(b"abc").value == b"abc"
+    s = auth.Secret(b"xyz", "test")
+    assert auth.load_secret(s) is s
+    with pytest.raises(TypeError):
+        auth.load_secret(123)
+
+
+def test_worker_and_client_share_a_secret_file(file_worker):
+    """End to end: a worker reading TORCHFEED_SECRET_FILE talks only to holders of that secret."""
+    address, pid = file_worker
+    assert_serves(address, pid, secret=SHARED_FILE_SECRET)
+    with pytest.raises(torchfeed.AuthenticationError):
+        torchfeed.rpc_async(address, os.getpid, timeout=10).wait()  # the session's secret
