@@ -723,7 +723,7 @@ def test_timeout(addr):
     with pytest.raises(torchfeed.Timeout):
         fut.wait()
     elapsed = time.monotonic() - start
-    assert 0.9 <= elapsed < 2.0, elapsed
+    assert 0.9 <= elapsed < 2.25, elapsed  # timeout + the keeper's 0.25 s tick + slack
     # the late reply is dropped quietly; the connection goes on
     assert call(addr, lambda: "after timeout") == "after timeout"
     conn = client.connect(addr)
