@@ -205,11 +205,6 @@ def signal_thread(pid: int, tid: int, sig: int) -> None:
 
 
 @pytest.mark.skipif(_TGKILL is None, reason="tgkill syscall number unknown on this machine")
-@pytest.mark.xfail(reason="BUG: worker.run_worker relies on a Python signal handler while the main thread "
-                          "blocks in listener.accept() (WorkerServer.serve_forever); when the kernel hands "
-                          "SIGTERM/SIGINT to another thread the handler never runs and the worker keeps "
-                          "running (seen as a hang of `torchfeed worker --procs N` on Ctrl-C)",
-                   strict=True)
 def test_worker_stops_whichever_thread_receives_the_signal(run):
     """A process-directed signal may be delivered to any thread; emulate that with tgkill."""
     cmd = run(WORKER)
@@ -272,9 +267,6 @@ def test_procs_auto_starts_one_process_per_usable_cpu(run):
     assert cmd.rest_of_stdout() == ""
 
 
-@pytest.mark.xfail(reason="BUG: cli._run_workers returns max(child exit codes); a child killed by a "
-                          "signal has a negative code, so the command exits 0 although a worker died",
-                   strict=True)
 def test_procs_exit_code_reports_a_killed_worker(run):
     cmd = run(WORKER + ["--procs", "2"])
     cmd.read_lines(2)

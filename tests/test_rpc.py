@@ -139,10 +139,6 @@ def test_lambdas_local_functions_closures_args_kwargs(addr):
     assert call(addr, lambda: None) is None
 
 
-@pytest.mark.xfail(reason="BUG: replies are pickled with plain pickle (worker.execute -> serialize.dumps(result)), "
-                          "so a result whose class came to the worker by value (a local class, or a class "
-                          "from the trainer's __main__, e.g. a custom batch type returned by collate_fn) "
-                          "cannot be sent back", strict=True, raises=torchfeed.RemoteError)
 def test_result_may_be_an_instance_of_a_class_sent_by_value(addr):
     class Point:
         def __init__(self, x, y):
@@ -183,17 +179,6 @@ _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64
 
 def dtype_id(dtype) -> str:
     return str(dtype).split(".", 1)[1]
-
-
-def _copy_works(dtype) -> bool:
-    """Does torch itself implement copies (.contiguous()) of this dtype?"""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.empty((2, 2), dtype=dtype).t().contiguous()
-        return True
-    except Exception:
-        return False
 
 
 def random_tensor(shape, dtype, seed: int) -> torch.Tensor:
@@ -282,34 +267,8 @@ def check_arguments(address, make, dtype):
     check_tensors(echoed, expected)
 
 
-def _torch_pickles(dtype) -> bool:
-    """Does torch's own tensor pickling (used for calls, see the xfail below) handle this dtype?"""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return pickle.loads(pickle.dumps(torch.zeros(3, dtype=dtype))).dtype == dtype
-    except Exception:
-        return False
-
-
-COPY_BUG = ("BUG: serialize._reduce_tensor calls .contiguous(), not implemented by torch for this "
-            "dtype: non-contiguous tensors of it cannot be sent")
-CALL_REDUCER_BUG = ("BUG: serialize.dumps(by_value=True) ignores the tensor reducer (p.dispatch_table set "
-                    "after cloudpickle.Pickler.__init__ is not seen by the C pickler); call arguments "
-                    "use torch's own pickling, which fails for this dtype")
-
-
-def dtype_params(*bugs):
-    """DTYPES, each marked xfail(strict) with the first bug (predicate, reason) that hits it."""
-    params = []
-    for d in DTYPES:
-        marks = [pytest.mark.xfail(reason=reason, strict=True) for hit, reason in bugs if hit(d)][:1]
-        params.append(pytest.param(d, marks=marks, id=dtype_id(d)))
-    return params
-
-
-no_copy = (lambda d: not _copy_works(d), COPY_BUG)
-no_torch_pickle = (lambda d: not _torch_pickles(d), CALL_REDUCER_BUG)
+def dtype_params():
+    return [pytest.param(d, id=dtype_id(d)) for d in DTYPES]
 
 
 def test_dtype_list_is_complete():
@@ -325,23 +284,21 @@ def test_tensor_results_every_dtype(addr, dtype):
     check_results(addr, contiguous_variants, dtype)
 
 
-@pytest.mark.parametrize("dtype", dtype_params(no_copy))
+@pytest.mark.parametrize("dtype", dtype_params())
 def test_noncontiguous_tensor_results_every_dtype(addr, dtype):
     check_results(addr, noncontiguous_variants, dtype)
 
 
-@pytest.mark.parametrize("dtype", dtype_params(no_torch_pickle))
+@pytest.mark.parametrize("dtype", dtype_params())
 def test_tensor_arguments_every_dtype(addr, dtype):
     check_arguments(addr, contiguous_variants, dtype)
 
 
-@pytest.mark.parametrize("dtype", dtype_params(no_torch_pickle, no_copy))
+@pytest.mark.parametrize("dtype", dtype_params())
 def test_noncontiguous_tensor_arguments_every_dtype(addr, dtype):
     check_arguments(addr, noncontiguous_variants, dtype)
 
 
-@pytest.mark.xfail(reason=CALL_REDUCER_BUG.replace(", which fails for this dtype", " (in-band copies)"),
-                   strict=True)
 def test_call_arguments_carry_tensors_out_of_band():
     """Tensor arguments are sent from their memory, not copied into the pickle stream."""
     x = torch.arange(1 << 16, dtype=torch.float32)
@@ -608,9 +565,6 @@ def test_remote_refs_are_freed_when_the_client_disconnects(addr):
             proc.wait()
 
 
-@pytest.mark.xfail(reason="BUG: a RemoteRef passed to rpc_async is not kept alive until the call runs; "
-                          "its RELEASE overtakes the queued CALL (client.call / worker registry)",
-                   strict=True, raises=torchfeed.RemoteError)
 def test_remote_ref_dropped_right_after_passing_it(addr):
     """``rpc_async(w, f, args=(ref,)); del ref`` must still see the object on the worker."""
     ref = torchfeed.rpc_async(addr, LiveMarker, args=("temporary",), rref=True).wait()
@@ -623,10 +577,6 @@ def test_remote_ref_dropped_right_after_passing_it(addr):
     assert fut.wait() == "temporary"
 
 
-@pytest.mark.xfail(reason="BUG: client.Connection._read_loop keeps the last delivered request "
-                          "(pending -> future -> result) and its receive buffers referenced until the "
-                          "next reply arrives, so a dropped result (and RemoteRef) is not freed",
-                   strict=True)
 def test_dropped_results_are_not_retained_by_the_client(addr):
     t = torchfeed.rpc_async(addr, torch.zeros, args=(1000,)).wait()
     dead_tensor = weakref.ref(t)
@@ -698,9 +648,6 @@ def test_system_exit_in_user_code_is_a_remote_error(addr, worker):
     assert call(addr, os.getpid) == worker[1]
 
 
-@pytest.mark.xfail(reason="BUG: worker.ServerConnection.execute re-raises KeyboardInterrupt, which kills "
-                          "the executor thread; the request never gets a reply and the worker stops executing",
-                   strict=True, raises=torchfeed.Timeout)
 def test_keyboard_interrupt_in_user_code_is_a_remote_error(_workers):
     address, pid = _workers["victim"]
 

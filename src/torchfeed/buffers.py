@@ -39,10 +39,8 @@ class BlockPool:
         self.misses = 0
 
     def lease(self, nbytes: int) -> np.ndarray:
-        """A fresh uint8 array of ``nbytes`` whose block returns to the pool when it dies.
-
-        The caller must derive every tensor and array from the returned object (for
-        example with ``torch.from_numpy``) and never from its ``.base``.
+        """A uint8 array of ``nbytes`` whose block returns to the pool when the array,
+        and every array, tensor or memoryview derived from it, is gone.
         """
         size = -(-max(nbytes, 1) // _GRAIN) * _GRAIN
         with self._lock:
@@ -56,9 +54,12 @@ class BlockPool:
                 self.misses += 1
         if block is None:
             block = np.empty(size, dtype=np.uint8)
-        view = block[:nbytes]
-        weakref.finalize(view, self._give_back, block)
-        return view
+        lease = block[:nbytes]
+        weakref.finalize(lease, self._give_back, block)
+        # numpy points a slice's .base straight at the array that owns the memory (the
+        # block), skipping `lease`: slices would not keep the lease alive. An array over
+        # a memoryview of the lease stops that collapse, so everything cut from it holds it.
+        return np.frombuffer(memoryview(lease), dtype=np.uint8)
 
     def _give_back(self, block: np.ndarray) -> None:
         with self._lock:
@@ -76,11 +77,16 @@ class BlockPool:
 pool = BlockPool()
 
 
+def empty_array(nbytes: int) -> np.ndarray:
+    """A uint8 array of ``nbytes``, pooled when large."""
+    if nbytes < MIN_POOLED:
+        return np.empty(nbytes, dtype=np.uint8)
+    return pool.lease(nbytes)
+
+
 def empty_bytes(nbytes: int) -> torch.Tensor:
     """A uint8 tensor of ``nbytes``, pooled when large."""
-    if nbytes < MIN_POOLED:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    return torch.from_numpy(pool.lease(nbytes))
+    return torch.from_numpy(empty_array(nbytes))
 
 
 def empty_tensor(shape, dtype: torch.dtype) -> torch.Tensor:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import List, Optional
 
 
@@ -71,8 +72,12 @@ def _run_workers(args) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    codes = [c.wait() for c in children]
-    return max(codes, default=0)
+    while any(c.poll() is None for c in children):
+        time.sleep(0.2)  # short sleeps: a signal handled by another thread still gets to run
+    for c in children:  # the first failure decides; a signal death reads as 128 + signal
+        if c.returncode:
+            return c.returncode if c.returncode > 0 else 128 - c.returncode
+    return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:

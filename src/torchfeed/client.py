@@ -196,6 +196,7 @@ class Connection:
                         reader.read_into(view[start : start + _CHUNK])
                         self.last_rx = time.monotonic()
                 self._deliver(frame, buffers, pending)
+                del frame, buffers, pending  # an idle connection must not keep the last reply alive
         except BaseException as exc:  # noqa: BLE001 - the thread must fail every waiter
             self._fail(exc)
 
@@ -397,8 +398,12 @@ def call(address: Address, func: Callable, args=None, kwargs=None, *, rref: bool
     """Low-level asynchronous call: ``callback(ok, value)`` receives the outcome."""
     conn = connect(address, secret, timeout)
     meta, buffers = serialize.dumps((func, tuple(args or ()), dict(kwargs or {})), by_value=True)
+    # The arguments stay referenced until the reply: a RemoteRef argument dropped by the
+    # caller right away must not be released before the worker used it.
+    keep = [args, kwargs]
 
     def done(ok, value):
+        keep.clear()
         if ok and rref:
             value = RemoteRef(conn, value)
         callback(ok, value)

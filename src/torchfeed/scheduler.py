@@ -14,7 +14,9 @@ workers.
   rates; the batches it skips go to faster workers. With no measurements yet every
   worker takes the lowest pending batch.
 * **Window.** No batch beyond ``delivered + window`` is dispatched, which bounds the
-  memory held by results waiting for an earlier batch.
+  memory held by results waiting for an earlier batch. Once rates are measured the
+  window widens (up to ``max_window``) to cover what the other workers deliver while the
+  slowest one works through its queue, so its look-ahead batches are not clamped.
 * **Loss.** The batches of a lost worker return to the pending set, where they are the
   lowest and so are dispatched first. The oldest of them (the one the worker was most
   likely executing) is blamed; a batch blamed for too many deaths is a poison batch.
@@ -50,11 +52,12 @@ class WorkerState:
 
 
 class Scheduler:
-    def __init__(self, workers: Iterable[str], credits: int, window: int):
+    def __init__(self, workers: Iterable[str], credits: int, window: int, max_window: Optional[int] = None):
         if credits < 1:
             raise ValueError("credits must be >= 1")
         self.credits = credits
-        self.window = max(window, 1)
+        self.base_window = self.window = max(window, 1)
+        self.max_window = max(max_window or 4 * self.base_window, self.base_window)
         self.workers: Dict[str, WorkerState] = {}
         for w in workers:
             self.add_worker(w)
@@ -159,6 +162,15 @@ class Scheduler:
         worker.in_flight[seq] = time.monotonic() if now is None else now
         return worker.address, seq
 
+    def _resize_window(self) -> None:
+        alive = [w for w in self.workers.values() if w.alive]
+        if not alive or not all(w.seconds_per_batch for w in alive):
+            return
+        total_rate = sum(1.0 / w.seconds_per_batch for w in alive)
+        slowest_queue = self.credits * max(w.seconds_per_batch for w in alive)
+        needed = int(total_rate * slowest_queue) + len(alive) + self.credits
+        self.window = min(max(self.base_window, needed), self.max_window)
+
     def completed(self, address: str, seq: int, now: Optional[float] = None) -> Tuple[bool, List[str]]:
         """Record a finished batch.
 
@@ -178,6 +190,8 @@ class Scheduler:
             prev = state.seconds_per_batch
             state.seconds_per_batch = sample if prev is None else (1 - _ALPHA) * prev + _ALPHA * sample
         self.done.add(seq)
+        if state.completed % 8 == 1:
+            self._resize_window()
         return True, self._forget(seq)
 
     def failed(self, address: str, seq: int) -> List[str]:

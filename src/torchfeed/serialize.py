@@ -47,6 +47,10 @@ def _rebuild_tensor(buf, dtype_name: str, shape: Tuple[int, ...], requires_grad:
     return t
 
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_BIT_DTYPES = {getattr(torch, n) for n in [f"{p}int{b}" for p in ("", "u") for b in range(1, 8)] if hasattr(torch, n)}
+
+
 def _reduce_tensor(t: torch.Tensor):
     if t.layout != torch.strided or t.is_quantized or t.device.type == "meta" or t.is_nested:
         return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # rare kinds: torch's own way
@@ -54,7 +58,13 @@ def _reduce_tensor(t: torch.Tensor):
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.resolve_conj().resolve_neg().contiguous()
+    t = t.resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        # sub-byte integer dtypes (int1..uint7) have no contiguous(): copy as same-size ints
+        if t.dtype in _BIT_DTYPES:
+            t = t.view(_INT_OF_SIZE[t.element_size()]).contiguous().view(t.dtype)
+        else:
+            t = t.contiguous()
     raw = t.reshape(-1).view(torch.uint8).numpy()
     dtype_name = str(t.dtype).split(".", 1)[1]
     return _rebuild_tensor, (pickle.PickleBuffer(raw), dtype_name, tuple(t.shape), requires_grad)
@@ -74,8 +84,15 @@ def _reduce_ndarray(a: np.ndarray):
 
 
 _REDUCERS = {torch.Tensor: _reduce_tensor, np.ndarray: _reduce_ndarray}
-_PLAIN_TABLE = ChainMap(_REDUCERS, copyreg.dispatch_table)
-_CLOUD_TABLE = ChainMap(_REDUCERS, cloudpickle.Pickler.dispatch_table)
+
+
+# The C pickler reads ``dispatch_table`` once, in __init__: it must be a class attribute.
+class _Pickler(pickle.Pickler):
+    dispatch_table = ChainMap(_REDUCERS, copyreg.dispatch_table)
+
+
+class _CloudPickler(cloudpickle.Pickler):
+    dispatch_table = ChainMap(_REDUCERS, cloudpickle.Pickler.dispatch_table)
 
 
 def dumps(obj: Any, *, by_value: bool = False) -> Tuple[bytes, List[memoryview]]:
@@ -90,14 +107,21 @@ def dumps(obj: Any, *, by_value: bool = False) -> Tuple[bytes, List[memoryview]]
         return False  # out of band
 
     out = io.BytesIO()
-    if by_value:
-        p = cloudpickle.Pickler(out, protocol=5, buffer_callback=keep)
-        p.dispatch_table = _CLOUD_TABLE
-    else:
-        p = pickle.Pickler(out, protocol=5, buffer_callback=keep)
-        p.dispatch_table = _PLAIN_TABLE
-    p.dump(obj)
+    (_CloudPickler if by_value else _Pickler)(out, protocol=5, buffer_callback=keep).dump(obj)
     return out.getvalue(), buffers
+
+
+def dumps_reply(obj: Any) -> Tuple[bytes, List[memoryview]]:
+    """Serialize a result: plain pickle (fast), by value when it needs to be.
+
+    A result may be an instance of a class that reached the worker by value (defined in
+    the trainer's ``__main__`` or in a function): the trainer can only rebuild it if the
+    class travels back by value too.
+    """
+    try:
+        return dumps(obj)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        return dumps(obj, by_value=True)
 
 
 # -- receiving ---------------------------------------------------------------
@@ -131,10 +155,9 @@ def allocate(lengths: Sequence[int], pin: bool = False) -> List[memoryview]:
         offsets.append(total)
         total += (n + ALIGN - 1) // ALIGN * ALIGN
     if pin and _cuda_pinnable():
-        block = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)  # torch caches these
+        arr = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True).numpy()  # torch caches these
     else:
-        block = buffers.empty_bytes(max(total, 1))
-    arr = block.numpy()
+        arr = buffers.empty_array(max(total, 1))
     return [memoryview(arr[o : o + n]) for o, n in zip(offsets, lengths)]
 
 

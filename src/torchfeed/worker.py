@@ -25,7 +25,7 @@ import time
 import traceback
 from typing import Any, Dict, Optional
 
-from . import auth, serialize, wire
+from . import auth, sampling, serialize, wire
 from .errors import ProtocolError, TorchfeedError
 
 log = logging.getLogger("torchfeed.worker")
@@ -160,6 +160,7 @@ class ServerConnection:
                 reader.read_buffers(buffers)
                 self.last_rx = time.monotonic()
                 self.server.tasks.put((self, frame, buffers))
+                del buffers  # the task owns them now
             elif kind == wire.RELEASE:
                 self.server.registry.release(pickle.loads(frame.meta), self.id)
             elif kind == wire.CANCEL:
@@ -180,25 +181,26 @@ class ServerConnection:
             else:
                 ref_id, args, kwargs = payload
                 func = self.server.registry.get(ref_id, self.server.address)
+            if not getattr(func, "manages_rng", False):
+                sampling.restore_outside()  # seeded loading may have left its seeds behind
             result = func(*(args or ()), **(kwargs or {}))
-            if frame.flags & wire.FLAG_RREF:
+            flags = frame.flags & wire.FLAG_RREF
+            if flags:
                 meta, out = pickle.dumps(self.server.registry.put(result, self.id)), []
             else:
-                meta, out = serialize.dumps(result)
+                meta, out = serialize.dumps_reply(result)
             del result
-        except BaseException as exc:  # user code may raise anything, SystemExit included
-            if isinstance(exc, KeyboardInterrupt):
-                raise
+        except BaseException as exc:  # user code may raise anything, SystemExit and Ctrl-C included
             self._reply(wire.ERROR, rid, _describe_exception(exc), [])
             return
-        self._reply(wire.REPLY, rid, meta, out)
+        self._reply(wire.REPLY, rid, meta, out, flags)
 
-    def _reply(self, kind: int, rid: int, meta: bytes, buffers) -> None:
+    def _reply(self, kind: int, rid: int, meta: bytes, buffers, flags: int = 0) -> None:
         self.cancelled.discard(rid)
         if self.closed:
             return
         try:
-            self.send(kind, rid, meta, buffers)
+            self.send(kind, rid, meta, buffers, flags)
         except OSError as exc:
             log.info("could not reply to %s: %s", self.peer, exc)
             self.close()
@@ -227,6 +229,9 @@ class WorkerServer:
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.listener.bind((host, port))
         self.listener.listen(128)
+        # accept() wakes up regularly: a signal delivered to another thread only runs its
+        # Python handler once the main thread executes bytecode again
+        self.listener.settimeout(0.5)
         self.host = host
         self.port = self.listener.getsockname()[1]
         shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
@@ -251,10 +256,13 @@ class WorkerServer:
             while not self._stopping.is_set():
                 try:
                     sock, peer = self.listener.accept()
+                except socket.timeout:
+                    continue
                 except OSError:
                     if self._stopping.is_set():
                         break
                     raise
+                sock.settimeout(None)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
                 conn = ServerConnection(self, sock, f"{peer[0]}:{peer[1]}")
