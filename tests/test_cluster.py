@@ -30,9 +30,12 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RA
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    """os.environ without any launcher variable."""
+    """os.environ without any launcher variable; whatever a test sets is removed afterwards."""
+    for name in LAUNCH_VARS:  # registered with monkeypatch even when absent, so teardown removes them
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     for name in list(os.environ):
-        if name in LAUNCH_VARS or name.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL")):
+        if name.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL")):
             monkeypatch.delenv(name)
     return monkeypatch
 
@@ -124,6 +127,17 @@ def test_dask_worker(clean_env):
 
     clean_env.setitem(sys.modules, "distributed", types.SimpleNamespace(get_worker=outside))
     assert environment().source == "single"
+
+
+def test_dask_local_cluster(clean_env):
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(n_workers=2, processes=False, threads_per_worker=1, dashboard_address=None) as lc, \
+            distributed.Client(lc) as client:
+        addresses = sorted(client.scheduler_info()["workers"])
+        envs = [client.submit(environment, pure=False, workers=[a]).result(timeout=30) for a in addresses]
+    assert [(e.source, e.rank, e.world_size) for e in envs] == [("dask", 0, 2), ("dask", 1, 2)]
+    assert [(e.local_rank, e.local_world_size, e.node_rank) for e in envs] == [(0, 2, 0), (1, 2, 0)]
+    assert len({(e.master_addr, e.master_port, e.job_id) for e in envs}) == 1
 
 
 # -- ports ---------------------------------------------------------------------------
@@ -268,8 +282,6 @@ def test_busy_master_port_is_reported(clean_env):
         env = Environment(0, 0, 2, 2, 0, "127.0.0.1", port, "slurm", "1")
         with pytest.raises(TorchfeedError, match=f"127.0.0.1:{port} .*already in use.*MASTER_PORT"):
             init_distributed(env=env, timeout=5)
-        for name in LAUNCH_VARS:  # _export wrote them into this process
-            clean_env.delenv(name, raising=False)
 
 
 def test_ddp_over_a_model_split_across_two_devices(clean_env, tmp_path):

@@ -161,6 +161,9 @@ def _job(tmp: Path, command, **kw) -> SlurmJob:
 def jobs(slurm, tmp_path_factory):
     """Submit the jobs together (the cluster has room for all): they run while the tests wait."""
     root = tmp_path_factory.mktemp("jobs")
+    launcher_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                     "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHFEED_WORKERS")
+    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}  # whatever other tests left
     args = ["--samples", str(SAMPLES), "--batch-size", str(BATCH), "--epochs", str(EPOCHS)]
     submitted = {}
     for name, job in {
@@ -169,7 +172,7 @@ def jobs(slurm, tmp_path_factory):
         "torchrun": _job(root, [*TRAIN, *args], torchrun=True),
         "fails": _job(root, [sys.executable, "-c", "import sys; sys.exit(3)"]),
     }.items():
-        job_id = job.submit(root / f"{name}.sbatch")
+        job_id = job.submit(root / f"{name}.sbatch", env=env)
         submitted[name] = (job_id, Path(str(job.job_dir).replace("%j", job_id)))
     return submitted
 

@@ -253,7 +253,8 @@ def _from_dask(environ: Mapping[str, str]) -> Optional[Environment]:
     except TypeError:  # older distributed: no n_workers argument, every worker is listed
         info = client.scheduler_info()
     addresses = sorted(info["workers"])
-    hosts = [a.split("://")[-1].rsplit(":", 1)[0] for a in addresses]
+    host_of = getattr(getattr(distributed, "comm", None), "get_address_host", None)
+    hosts = [host_of(a) if host_of else a.split("://")[-1].rsplit(":", 1)[0] for a in addresses]
     rank = addresses.index(me.address)
     host = hosts[rank]
     node_hosts = sorted(set(hosts))

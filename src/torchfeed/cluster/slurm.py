@@ -21,7 +21,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import TorchfeedError
 
@@ -221,6 +221,8 @@ class SlurmJob:
             *self._directives(),
             "",
             "set -u",
+            "# per-process values inherited from the submitting shell would mislead the tasks",
+            "unset RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK NODE_RANK TORCHELASTIC_RUN_ID",
             f"PYTHON={_q(self.python)}",
             f"JOB_DIR={job_dir}  # secret, worker addresses and logs, checkpoints",
             "mkdir -p \"$JOB_DIR\"",
@@ -294,14 +296,19 @@ class SlurmJob:
         path.chmod(0o755)
         return path
 
-    def submit(self, path: Optional[os.PathLike] = None, *, sbatch: str = "sbatch") -> str:
-        """Write the script and submit it with ``sbatch``; return the job id."""
-        exe = shutil.which(sbatch)
+    def submit(self, path: Optional[os.PathLike] = None, *, sbatch: str = "sbatch",
+               env: Optional[Mapping[str, str]] = None) -> str:
+        """Write the script and submit it with ``sbatch``; return the job id.
+
+        ``env`` is the environment sbatch runs with, and so the job's (default: this process's).
+        """
+        exe = shutil.which(sbatch, path=(env or os.environ).get("PATH"))
         if exe is None:
             raise TorchfeedError(f"{sbatch} not found: submit from a Slurm login node, or write the script "
                                  f"with `torchfeed slurm` (no --submit) and run `sbatch` on it there")
         script = self.write(path)
-        done = subprocess.run([exe, "--parsable", str(script)], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([exe, "--parsable", str(script)], capture_output=True, text=True, timeout=120,
+                              env=None if env is None else dict(env))
         if done.returncode != 0:
             raise TorchfeedError(f"sbatch refused {script}: {done.stderr.strip() or done.stdout.strip()}")
         return done.stdout.strip().split(";")[0]
