@@ -149,7 +149,8 @@ def test_network_cut_detected(fresh_workers, netns_worker, fast_heartbeat):
 
 def test_restarted_worker_is_used_again(fresh_workers):
     w = fresh_workers(2)
-    ds = torchfeed.RemoteDataset(w.addresses, PidDataset, 300, 0.004)
+    n = 1000  # the epoch outlasts the restart (a few seconds) plus the reconnect backoff
+    ds = torchfeed.RemoteDataset(w.addresses, PidDataset, n, 0.004)
     loader = torchfeed.RemoteDataLoader(ds, batch_size=2)
     old_pid = w.processes[0].pid
     new_pid = {}
@@ -162,7 +163,7 @@ def test_restarted_worker_is_used_again(fresh_workers):
             new_pid["pid"] = w.processes[0].pid
 
     rows, _ = collect(loader, restart)
-    assert rows[:, 0].tolist() == list(range(300))
+    assert rows[:, 0].tolist() == list(range(n))
     pids = rows[:, 1].tolist()
     assert old_pid in pids and new_pid["pid"] in pids  # the new process got work in the same epoch
 

@@ -112,11 +112,16 @@ class SleepyDataset(Dataset):
     """
 
     def __init__(self, length: int, seconds: float = 0.002, slow_pids: Optional[Dict[int, float]] = None,
-                 slow_worker_ids: Optional[Dict[int, float]] = None):
+                 slow_worker_ids: Optional[Dict[int, float]] = None, stall_pids: Optional[Dict[int, tuple]] = None,
+                 stall_worker_ids: Optional[Dict[int, tuple]] = None):
         self.length = length
         self.seconds = seconds
         self.slow_pids = dict(slow_pids or {})
         self.slow_worker_ids = dict(slow_worker_ids or {})
+        # (every this many samples, stall this many seconds), by pid or torch worker id
+        self.stall_pids = dict(stall_pids or {})
+        self.stall_worker_ids = dict(stall_worker_ids or {})
+        self.loaded = 0  # samples loaded by this process's copy
 
     def __len__(self) -> int:
         return self.length
@@ -129,8 +134,20 @@ class SleepyDataset(Dataset):
                 f = self.slow_worker_ids.get(info.id)
         return f or 1.0
 
+    def stall(self) -> Optional[tuple]:
+        st = self.stall_pids.get(os.getpid())
+        if st is None and self.stall_worker_ids:
+            info = get_worker_info()
+            if info is not None:
+                st = self.stall_worker_ids.get(info.id)
+        return st
+
     def __getitem__(self, i: int):
         time.sleep(self.seconds * self.factor())
+        self.loaded += 1
+        st = self.stall()
+        if st is not None and self.loaded % st[0] == 0:
+            time.sleep(st[1])
         return torch.tensor(float(i)), i
 
 
@@ -409,11 +426,44 @@ def case_straggler(ctx: Context) -> Result:
                   cpu_ms=_cpu(runs))
 
 
+STALL_EVERY_BATCHES = 50
+STALL_SECONDS = 5.0
+
+
+def case_stall(ctx: Context) -> Result:
+    """Issue scenario: 4 workers, one 4x slower, one stalling 5 s every 50 of its batches."""
+    nw, slow = STRAGGLER_WORKERS, STRAGGLER_SLOWDOWN
+    single = _single_rate(min(1.5, max(0.3, ctx.seconds / 4)))
+    batch_seconds = STRAGGLER_BATCH / single
+    stall_share = STALL_EVERY_BATCHES * batch_seconds / (STALL_EVERY_BATCHES * batch_seconds + STALL_SECONDS)
+    ideal = single * (nw - 2 + 1 / slow + stall_share)  # each worker's own average rate, summed
+    pids = [p.pid for p in ctx.workers.processes[:nw]]
+    every = (STALL_EVERY_BATCHES * STRAGGLER_BATCH, STALL_SECONDS)
+    torch_ds = SleepyDataset(BIG, STRAGGLER_SLEEP, slow_worker_ids={0: slow}, stall_worker_ids={1: every})
+    sides = _pair(ctx, nw, torch_ds, SleepyDataset, (BIG, STRAGGLER_SLEEP),
+                  {"slow_pids": {pids[0]: slow}, "stall_pids": {pids[1]: every}}, STRAGGLER_BATCH)
+    long_ctx = Context(ctx.workers, ctx.n, max(ctx.seconds, 3 * STALL_SECONDS), ctx.repeats, ctx.log)
+    runs = _run_pair(long_ctx, sides)
+    best = {k: max(v) * STRAGGLER_BATCH for k, v in runs.rates.items()}
+    frac = {k: v / ideal for k, v in best.items()}
+    target = 0.9
+    notes = [f"{nw} workers, {STRAGGLER_SLEEP * 1e3:g} ms sleep per sample, batch {STRAGGLER_BATCH}: one worker "
+             f"{slow:g}x slower, one stalling {STALL_SECONDS:g} s every {STALL_EVERY_BATCHES} of its batches",
+             f"ideal = sum of each worker's average rate = {ideal:.0f} samples/s "
+             f"(single fast worker {single:.0f} samples/s)",
+             f"torch {best['torch']:.0f} samples/s, torchfeed {best['torchfeed']:.0f} samples/s"]
+    return Result("stall", "% of ideal", frac["torch"], frac["torchfeed"], target, f">= {target:.0%}",
+                  frac["torchfeed"] >= target, fraction=True, notes=notes,
+                  runs={k: [x * STRAGGLER_BATCH / ideal for x in v] for k, v in runs.rates.items()},
+                  cpu_ms=_cpu(runs))
+
+
 CASES: Dict[str, Tuple[Callable[[Context], Result], str]] = {
     "cpu": (case_cpu, "Pillow JPEG decode + random crop, batch 32: samples/s"),
     "transfer": (case_transfer, "ready 3x224x224 float32 tensors, batch 64 (38.5 MB): MB/s"),
     "overhead": (case_overhead, "tiny samples, batch_size=1: items/s"),
     "straggler": (case_straggler, "4 sleep-bound workers, one 4x slower: % of ideal rate"),
+    "stall": (case_stall, "4 sleep-bound workers, one 4x slower, one stalling 5 s every 50 batches"),
 }
 
 
@@ -456,7 +506,7 @@ def run_cases(names: Sequence[str] = (), workers: int = 2, seconds: float = 6.0,
         raise ValueError("workers and repeats must be >= 1 and seconds > 0")
     # Trainer and workers share a secret; a throw-away one unless the user set their own.
     os.environ.setdefault("TORCHFEED_SECRET", secrets.token_hex(32))
-    pool = max(workers, STRAGGLER_WORKERS if "straggler" in names else 1)
+    pool = max(workers, STRAGGLER_WORKERS if {"straggler", "stall"} & set(names) else 1)
     results = []
     log(f"starting {pool} local torchfeed worker processes")
     with LocalWorkers(pool) as lw, warnings.catch_warnings():

@@ -382,6 +382,7 @@ class _RemoteLoaderIter:
                 if accepted:
                     self._results[seq] = (ok, value)
                 self._cancel({a: requests[a] for a in others if a in requests})
+            self._hedge()  # a freed credit goes to an overdue batch before new work
             self._dispatch()
             self._cond.notify_all()
 
