@@ -8,6 +8,9 @@ import subprocess
 import sys
 
 import numpy as np
+import torch
+
+import torchfeed
 import pytest
 
 pytest.importorskip("sklearn")
@@ -38,19 +41,21 @@ def test_demo_trains_and_compares_loaders():
     assert re.search(r"ratio torchfeed / torch\s+[\d.]+x", out), out
 
 
-def test_augmentation_is_seeded_per_sample_and_epoch():
+def test_augmentation_follows_the_loader_seed(workers2):
     train_x, train_y, test_x, test_y = load_digits_split(0)
     assert (len(train_y), len(test_y)) == (1497, 300)
     assert np.array_equal(load_digits_split(0)[3], test_y)  # the split is deterministic
-    ds = AugmentedDigits(train_x, train_y, seed=0)
+    ds = AugmentedDigits(train_x, train_y)
     x, y = ds[5]
     assert x.shape == (1, 8, 8) and str(x.dtype) == "torch.float32" and y == int(train_y[5])
-    again = AugmentedDigits(train_x, train_y, seed=0)
-    assert np.array_equal(again[5][0].numpy(), x.numpy())  # same (seed, epoch, index): same sample
-    again.set_epoch(1)
-    assert not np.array_equal(again[5][0].numpy(), x.numpy())  # another epoch: another warp
     plain = AugmentedDigits(test_x, test_y, augment=False)
     assert np.allclose(plain[7][0].numpy()[0], normalize(test_x[7] / 16.0))
+    # on workers, the loader's seed makes the augmentation exact; epochs differ
+    remote = torchfeed.RemoteDataset(workers2, AugmentedDigits, train_x[:64], train_y[:64])
+    one = torchfeed.RemoteDataLoader(remote, batch_size=16, seed=3)
+    first, second = torch.cat([b[0] for b in one]), torch.cat([b[0] for b in one])
+    again = torch.cat([b[0] for b in torchfeed.RemoteDataLoader(remote, batch_size=16, seed=3)])
+    assert torch.equal(first, again) and not torch.equal(first, second)
 
 
 class _Draws:

@@ -2,9 +2,10 @@
 
 The training set lives on the workers (``RemoteDataset``); each worker augments its
 samples (a random affine warp: shift up to 1 pixel, small rotation and scale, then
-gaussian noise) and collates them into batches that ``RemoteDataLoader`` streams to the
-trainer. Augmentation is seeded per sample from ``(seed, epoch, index)``, so a run is
-reproducible whichever worker happens to load which batch. After training, the demo
+gaussian noise) with numpy's global generator and collates them into batches that
+``RemoteDataLoader`` streams to the trainer. The loader's ``seed=`` seeds every sample
+from ``(seed, epoch, index)``, so a run is reproducible whichever worker happens to
+load which batch. After training, the demo
 measures how fast the same augmented dataset loads through ``RemoteDataLoader`` and
 through torch's own ``DataLoader``.
 
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from .client import parse_address, rpc_async
+from .client import parse_address
 from .loader import RemoteDataLoader, RemoteDataset
 from .local import LocalWorkers
 
@@ -64,7 +65,7 @@ def normalize(images: np.ndarray) -> np.ndarray:
     return ((images - PIXEL_MEAN) / PIXEL_STD).astype(np.float32)
 
 
-def random_affine(image: np.ndarray, rng: np.random.Generator, max_shift: float = 1.0,
+def random_affine(image: np.ndarray, rng, max_shift: float = 1.0,
                   max_degrees: float = 12.0, max_zoom: float = 0.1) -> np.ndarray:
     """Warp an 8x8 image by a random shift, rotation and scale (bilinear, zero outside).
 
@@ -97,25 +98,17 @@ class AugmentedDigits(Dataset):
     images : array of shape (n, 8, 8)
         Pixel values 0..16.
     labels : array of shape (n,)
-    seed : int
-        Augmentation of sample ``i`` in epoch ``e`` is drawn from ``(seed, e, i)``.
     augment : bool
         Warp and add noise (training) or return the images as they are (testing).
     noise : float
         Standard deviation of the gaussian noise, in units of full brightness.
     """
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray, seed: int = 0, augment: bool = True,
-                 noise: float = 0.05):
+    def __init__(self, images: np.ndarray, labels: np.ndarray, augment: bool = True, noise: float = 0.05):
         self.images = np.asarray(images, dtype=np.float64) / 16.0
         self.labels = np.asarray(labels, dtype=np.int64)
-        self.seed = int(seed)
         self.augment = augment
         self.noise = noise
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -123,21 +116,9 @@ class AugmentedDigits(Dataset):
     def __getitem__(self, index: int) -> Tuple[torch.Tensor, int]:
         image = self.images[index]
         if self.augment:
-            rng = np.random.default_rng((self.seed, self.epoch, int(index)))
-            image = random_affine(image, rng) + rng.normal(0.0, self.noise, size=(8, 8))
+            # numpy's global generator: RemoteDataLoader(seed=...) seeds it for each sample
+            image = random_affine(image, np.random) + np.random.normal(0.0, self.noise, size=(8, 8))
         return torch.from_numpy(normalize(image)).unsqueeze(0), int(self.labels[index])
-
-
-def _set_epoch(dataset: AugmentedDigits, epoch: int) -> None:
-    dataset.set_epoch(epoch)
-
-
-def set_epoch_on_workers(remote: RemoteDataset, epoch: int) -> None:
-    """Call ``set_epoch(epoch)`` on the dataset instance of every worker."""
-    futures = [rpc_async(w, _set_epoch, args=(remote.ref(w), epoch), timeout=remote.timeout,
-                         secret=remote.secret) for w in remote.workers]
-    for fut in futures:
-        fut.wait()
 
 
 # -- model -------------------------------------------------------------------------
@@ -216,7 +197,7 @@ def _say(text: str = "") -> None:
 
 # -- the demo ------------------------------------------------------------------------
 
-def _train(model: nn.Module, loader: RemoteDataLoader, remote: RemoteDataset, epochs: int,
+def _train(model: nn.Module, loader: RemoteDataLoader, epochs: int,
            test_x: torch.Tensor, test_y: torch.Tensor) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=epochs * len(loader),
@@ -224,8 +205,7 @@ def _train(model: nn.Module, loader: RemoteDataLoader, remote: RemoteDataset, ep
     loss_fn = nn.CrossEntropyLoss()
     test_acc = 0.0
     width = len(str(epochs))
-    for epoch in range(epochs):
-        set_epoch_on_workers(remote, epoch)
+    for epoch in range(epochs):  # the loader's epoch advances with each pass
         model.train()
         bar = ProgressBar(len(loader.dataset), f"epoch {epoch + 1:>{width}}/{epochs}")
         loss_sum, correct, seen = 0.0, 0, 0
@@ -330,20 +310,19 @@ def run_demo(args) -> int:
                 threads_before = torch.get_num_threads()
                 torch.set_num_threads(max(1, _cpu_count() - on_this_machine))
                 stack.callback(torch.set_num_threads, threads_before)
-            remote = RemoteDataset(addresses, AugmentedDigits, train_x, train_y, seed=seed)
+            remote = RemoteDataset(addresses, AugmentedDigits, train_x, train_y)
             _say(f"each worker holds the training set and augments it (shift <= 1 px, rotation <= 12 deg, "
                  f"scale 0.9-1.1, noise)\n")
 
             model = SmallCNN()
-            generator = torch.Generator().manual_seed(seed)
-            loader = RemoteDataLoader(remote, batch_size=args.batch_size, shuffle=True, generator=generator)
+            loader = RemoteDataLoader(remote, batch_size=args.batch_size, shuffle=True, seed=seed)
             t0 = time.perf_counter()
-            test_acc = _train(model, loader, remote, epochs, test_images, test_labels)
+            test_acc = _train(model, loader, epochs, test_images, test_labels)
             train_seconds = time.perf_counter() - t0
             _say(f"\ntest accuracy: {100 * test_acc:.1f}% on {len(test_labels)} held-out digits "
                  f"(training took {train_seconds:.1f} s)")
 
-            local = AugmentedDigits(train_x, train_y, seed=seed)
+            local = AugmentedDigits(train_x, train_y)
             remote_rate, torch_rate = _compare_loading(remote, local, args, THROUGHPUT_SECONDS)
         except KeyboardInterrupt:
             print("\ninterrupted; stopping the workers", file=sys.stderr)
