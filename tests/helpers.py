@@ -65,6 +65,16 @@ class SleepDataset(RangeDataset):
         return (x, y, os.getpid()) if self.with_pid else (x, y)
 
 
+def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` seconds pass; return its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
 def deep_equal(a, b) -> bool:
     """Structure, types, dtypes and values all equal."""
     if isinstance(a, torch.Tensor):

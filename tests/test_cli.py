@@ -21,6 +21,11 @@ from torch.utils.data import DataLoader
 import torchfeed
 from torchfeed import cli
 from helpers import RangeDataset, deep_equal
+from helpers import wait_for as _wait_for
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    return _wait_for(predicate, timeout)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -139,13 +144,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 def serving_pid(address: str) -> int:

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import torchfeed
+from helpers import wait_for
 from torchfeed import client, serialize
 
 pytestmark = pytest.mark.timeout(60)
@@ -75,13 +76,6 @@ def call(address, func, *args, timeout=20, **kwargs):
     return torchfeed.rpc_async(address, func, args=args, kwargs=kwargs, timeout=timeout).wait()
 
 
-def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 # -- functions of every kind ----------------------------------------------------------

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 import torchfeed
+from helpers import wait_for
 from torchfeed import auth, client, serialize, wire
 
 pytestmark = pytest.mark.timeout(60)
@@ -111,13 +112,6 @@ def assert_serves(address: str, pid: int, secret: str = SECRET) -> None:
                                secret=secret).wait() == 42
 
 
-def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 class Marker:
