@@ -187,3 +187,21 @@ def test_several_trainer_processes_share_workers(workers2, tmp_path):
     outs = [p.communicate(timeout=60)[0].strip() for p in procs]
     assert outs == [str(sum(range(40)))] * 3
     assert all(p.returncode == 0 for p in procs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned host memory); CI has no GPU")
+def test_pin_memory_receives_into_pinned_memory(rds):
+    for x, y in torchfeed.RemoteDataLoader(rds, batch_size=8, pin_memory=True):
+        assert x.is_pinned() and y.is_pinned()
+        assert torch.equal(x.cuda(non_blocking=True).cpu(), x)
+
+
+def test_pin_memory_without_cuda_warns_and_works(rds):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: nothing to warn about")
+    from torchfeed import serialize
+
+    serialize._warned_pin = False
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        got = list(torchfeed.RemoteDataLoader(rds, batch_size=8, pin_memory=True))
+    assert deep_equal(got, list(DataLoader(RangeDataset(N), batch_size=8)))
