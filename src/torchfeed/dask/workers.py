@@ -1,0 +1,246 @@
+"""torchfeed worker processes next to Dask workers (:func:`start_workers`, :func:`stop_workers`)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import secrets
+import selectors
+import subprocess
+import sys
+import threading
+import time
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
+
+import distributed
+from distributed.comm.addressing import get_address_host
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from .. import auth
+
+PLUGIN_NAME = "torchfeed-workers"
+
+# Runs `torchfeed worker ...` and ends it (SIGTERM) when its standard input closes, i.e. when
+# the Dask worker that started it is gone, even if that one was killed with no chance to clean up.
+_BOOTSTRAP = """\
+import os, signal, sys, threading
+def _watch():
+    try:
+        while os.read(0, 4096):
+            pass
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)
+threading.Thread(target=_watch, daemon=True).start()
+from torchfeed.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+class _Process:
+    """One torchfeed worker process; its stderr goes on to this Dask worker's stderr, the tail is kept."""
+
+    def __init__(self, cmd: List[str], env: Dict[str, str]):
+        self.popen = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      env=env, text=True)
+        self.pid = self.popen.pid
+        self.tail: Deque[str] = collections.deque(maxlen=40)
+        self._forwarder = threading.Thread(target=self._forward, name=f"torchfeed-worker-{self.pid}-stderr",
+                                           daemon=True)
+        self._forwarder.start()
+
+    def _forward(self) -> None:
+        for line in self.popen.stderr:
+            self.tail.append(line)
+            sys.stderr.write(line)
+        self.popen.stderr.close()
+
+    def read_address(self, deadline: float) -> str:
+        stdout = self.popen.stdout
+        with selectors.DefaultSelector() as sel:
+            sel.register(stdout, selectors.EVENT_READ)
+            while time.monotonic() < deadline:
+                if sel.select(min(0.2, max(0.0, deadline - time.monotonic()))):
+                    line = stdout.readline()
+                    if line.strip():
+                        return line.strip()
+                if self.popen.poll() is not None:
+                    self._forwarder.join(2.0)
+                    raise RuntimeError(f"a torchfeed worker exited with code {self.popen.returncode} before "
+                                       f"printing its address; its stderr ends with:\n{''.join(self.tail)[-2000:]}")
+        raise TimeoutError("a torchfeed worker did not print its address in time")
+
+    def terminate(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+
+    def wait(self, timeout: float) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+        for stream in (self.popen.stdin, self.popen.stdout):
+            stream.close()
+        self._forwarder.join(1.0)
+
+
+class _WorkerProcesses(WorkerPlugin):
+    """Lives in each Dask worker: the torchfeed worker processes it started, stopped at teardown."""
+
+    idempotent = False
+
+    def __init__(self):
+        self.processes: List[_Process] = []
+        self.addresses: List[str] = []
+        self._saved_secret: Optional[Tuple[Optional[str]]] = None  # set when this plugin set the variable
+
+    def setup(self, worker) -> None:
+        pass
+
+    async def teardown(self, worker) -> None:
+        await asyncio.to_thread(self.stop)
+
+    def start(self, n: int, secret: auth.Secret, host: str, args: Sequence[str], timeout: float) -> List[str]:
+        value = secret.value.decode()
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{auth.ENV_SECRET: value})
+        cmd = [sys.executable, "-c", _BOOTSTRAP, "worker", "--host", host, "--port", "0", *args]
+        try:
+            for _ in range(n):
+                self.processes.append(_Process(cmd, env))
+            deadline = time.monotonic() + timeout
+            self.addresses = [p.read_address(deadline) for p in self.processes]
+        except BaseException:
+            self.stop()
+            raise
+        # tasks in this Dask worker (ranks started by run()) reach the workers with the same secret
+        if self._saved_secret is None:
+            self._saved_secret = (os.environ.get(auth.ENV_SECRET),)
+        os.environ[auth.ENV_SECRET] = value
+        return list(self.addresses)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        processes, self.processes, self.addresses = self.processes, [], []
+        for p in processes:
+            p.terminate()
+        deadline = time.monotonic() + timeout
+        for p in processes:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        if self._saved_secret is not None:
+            (previous,), self._saved_secret = self._saved_secret, None
+            if previous is None:
+                os.environ.pop(auth.ENV_SECRET, None)
+            else:
+                os.environ[auth.ENV_SECRET] = previous
+
+
+async def _start_on_worker(n: int, secret: auth.Secret, host: Optional[str], args: Sequence[str],
+                           timeout: float, dask_worker=None) -> List[str]:
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    if plugin is None:
+        raise RuntimeError("the torchfeed worker plugin is not installed on this Dask worker")
+    bind = host or get_address_host(dask_worker.address)
+    return await asyncio.to_thread(plugin.start, n, secret, bind, list(args), timeout)
+
+
+class WorkerAddresses(list):
+    """The ``host:port`` list of the torchfeed workers, with ``secret`` and ``by_dask_worker``.
+
+    Pickles as a plain list: the secret never travels with it.
+    """
+
+    secret: auth.Secret
+    by_dask_worker: Dict[str, List[str]]
+
+    def __reduce__(self):
+        return (list, (list(self),))
+
+
+_exported: Dict[str, Optional[str]] = {}  # "previous" and "ours": this process's TORCHFEED_SECRET
+
+
+def start_workers(client: "distributed.Client", procs_per_worker: int = 1, *, secret: auth.SecretLike = None,
+                  export_secret: bool = True, host: Optional[str] = None, parallel: int = 1, threads: int = 1,
+                  worker_args: Sequence[str] = (), start_timeout: float = 60.0) -> WorkerAddresses:
+    """Start torchfeed worker processes next to every Dask worker; return their addresses.
+
+    Each Dask worker starts ``procs_per_worker`` ``torchfeed worker`` processes with
+    ``subprocess`` (which Dask's daemonic worker processes may do, unlike
+    ``multiprocessing``), bound to the address Dask reaches that worker on. A Dask worker
+    plugin tracks them: they stop on :func:`stop_workers`, when their Dask worker closes,
+    and on their own if their Dask worker dies. Calling this again replaces them.
+
+    The secret reaches the workers through the Dask client (use Dask's TLS on untrusted
+    networks). By default a fresh random secret is made for these workers, and set as
+    ``TORCHFEED_SECRET`` in this process (``export_secret``, undone by :func:`stop_workers`)
+    and in the Dask worker processes (for ranks started by :func:`run`), so
+    ``RemoteDataset(addresses, ...)`` works as is in both places.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    procs_per_worker : int
+        torchfeed worker processes per Dask worker (one uses about one core).
+    secret : str or bytes, optional
+        Use this secret instead of a fresh one.
+    export_secret : bool
+        Set ``TORCHFEED_SECRET`` in this process (otherwise use ``.secret`` yourself).
+    host : str, optional
+        Interface the workers bind; default: the Dask worker's own address.
+    parallel, threads : int
+        ``--parallel`` and ``--threads`` of each worker.
+    worker_args : sequence of str
+        More ``torchfeed worker`` options, e.g. ``["--timeout", "300"]``.
+    start_timeout : float
+        Seconds for the workers to report ready.
+
+    Returns
+    -------
+    WorkerAddresses
+        A list of ``host:port`` strings, with ``.secret`` and ``.by_dask_worker``.
+    """
+    if procs_per_worker < 1:
+        raise ValueError(f"procs_per_worker must be >= 1, got {procs_per_worker}")
+    if secret is None:
+        sec = auth.Secret(secrets.token_hex(32).encode(), "generated by torchfeed.dask.start_workers")
+    else:
+        sec = auth.load_secret(secret)
+        try:
+            sec.value.decode()
+        except UnicodeDecodeError:
+            raise ValueError("the secret must be text (it is handed to the workers in an environment "
+                             "variable): use a str, e.g. secrets.token_hex(32)") from None
+    args = ["--parallel", str(parallel), "--threads", str(threads), *worker_args]
+    client.register_plugin(_WorkerProcesses(), name=PLUGIN_NAME)
+    results = client.run(_start_on_worker, procs_per_worker, sec, host, args, start_timeout, on_error="return")
+    failures = {w: r for w, r in results.items() if isinstance(r, BaseException)}
+    if failures or not results:
+        stop_workers(client)
+        if not results:
+            raise ValueError("the Dask cluster has no workers: start some, or wait with client.wait_for_workers(n)")
+        detail = "".join(f"\n- {w}: {type(e).__name__}: {str(e).rstrip()}" for w, e in failures.items())
+        raise RuntimeError(f"could not start torchfeed workers on {len(failures)} of {len(results)} Dask "
+                           f"workers:{detail}") from next(iter(failures.values()))
+    by_worker = {w: results[w] for w in sorted(results)}
+    addresses = WorkerAddresses(a for w in by_worker for a in by_worker[w])
+    addresses.secret = sec
+    addresses.by_dask_worker = by_worker
+    if export_secret:
+        _exported.setdefault("previous", os.environ.get(auth.ENV_SECRET))
+        _exported["ours"] = os.environ[auth.ENV_SECRET] = sec.value.decode()
+    return addresses
+
+
+def stop_workers(client: "distributed.Client") -> None:
+    """Stop the torchfeed workers started by :func:`start_workers` and undo its ``TORCHFEED_SECRET``."""
+    try:
+        client.unregister_worker_plugin(PLUGIN_NAME)
+    except ValueError:
+        pass  # none running
+    if _exported and os.environ.get(auth.ENV_SECRET) == _exported.get("ours"):
+        previous = _exported.get("previous")
+        if previous is None:
+            os.environ.pop(auth.ENV_SECRET, None)
+        else:
+            os.environ[auth.ENV_SECRET] = previous
+    _exported.clear()
