@@ -236,6 +236,16 @@ def test_address_file_from_real_workers(clean_env, tmp_path):
         assert out.returncode == 0 and out.stdout.split() == got
 
 
+def test_wait_workers_command_fails_fast_when_the_workers_died(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "torchfeed.cluster", "wait-workers", str(tmp_path / "none"), "2",
+                          "--timeout", "60", "--pid", str(dead.pid)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "stopped before registering: 0 of 2" in out.stderr
+    assert time.monotonic() - t0 < 30
+
+
 # -- device_group --------------------------------------------------------------------
 
 def test_device_group_cpu(clean_env):
