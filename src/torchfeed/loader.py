@@ -285,7 +285,7 @@ class _RemoteLoaderIter:
     # -- dispatch (called with the lock held) ---------------------------------
     def _dispatch(self) -> None:
         sched = self._sched
-        while not self._closed:
+        while not self._closed and self._fatal is None:  # a poison batch must not go out again
             while sched.wants_more():
                 try:
                     idx = next(self._sampler_iter)
