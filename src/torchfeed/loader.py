@@ -300,7 +300,7 @@ class _RemoteLoaderIter:
 
     def _hedge(self) -> None:
         factor = self._loader.straggler_factor
-        if factor is None or self._closed:
+        if factor is None or self._closed or self._fatal is not None:
             return
         for address, seq in self._sched.hedge(factor, self._loader.straggler_min_seconds):
             log.info("batch %d is overdue; duplicating it on %s", seq, address)
