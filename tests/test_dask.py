@@ -19,13 +19,15 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import torchfeed
 import torchfeed.dask as tfd
-from conftest import SECRET
 from helpers import RangeDataset
 from s3server import S3Server
 from test_datasets import make_tree, to_tensor
 from torchfeed.dask.ranks import _order_workers
 from torchfeed.datasets import ImageFolder
 
+# conftest's secret; not imported from conftest, whose import (in Dask workers unpickling this
+# module's functions) would set TORCHFEED_SECRET there again
+SECRET = os.environ.get("TORCHFEED_SECRET")
 RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -310,12 +312,12 @@ def test_torchfeed_workers_end_with_their_dask_worker(client):
         assert os.environ["TORCHFEED_SECRET"] == SECRET  # not exported
         assert torchfeed.rpc_async(addresses[1], os.getpid, secret=addresses.secret).wait() > 0
         pids = client.run(torchfeed_pids)
-        killed, retired = sorted(pids)
+        retired, killed = sorted(pids)
+        client.retire_workers([retired], close_workers=True)  # a clean close runs the plugin's teardown
+        wait_until(lambda: not any(alive(p) for p in pids[retired]), 20, "a closed worker's torchfeed workers")
+        assert all(alive(p) for p in pids[killed])
         dask_pid = client.run(os.getpid, workers=[killed])[killed]
         os.kill(dask_pid, signal.SIGKILL)  # no teardown runs: its workers notice their parent is gone
         wait_until(lambda: not any(alive(p) for p in pids[killed]), 20, "orphaned torchfeed workers to exit")
-        assert all(alive(p) for p in pids[retired])
-        client.retire_workers([retired], close_workers=True)  # a clean close runs the plugin's teardown
-        wait_until(lambda: not any(alive(p) for p in pids[retired]), 20, "a closed worker's torchfeed workers")
     finally:
         tfd.stop_workers(client)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import os
 import secrets
 import selectors
@@ -18,6 +19,8 @@ from distributed.comm.addressing import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from .. import auth
+
+log = logging.getLogger(__name__)
 
 PLUGIN_NAME = "torchfeed-workers"
 
@@ -237,6 +240,9 @@ def stop_workers(client: "distributed.Client") -> None:
         client.unregister_worker_plugin(PLUGIN_NAME)
     except ValueError:
         pass  # none running
+    except Exception as exc:  # noqa: BLE001 - a Dask worker leaving meanwhile; its workers stop with it
+        log.warning("stop_workers could not reach every Dask worker (%s: %s); torchfeed workers of a Dask "
+                    "worker that closes or dies stop on their own", type(exc).__name__, exc)
     if _exported and os.environ.get(auth.ENV_SECRET) == _exported.get("ours"):
         previous = _exported.get("previous")
         if previous is None:
