@@ -254,6 +254,11 @@ def test_imagefolder_over_s3(s3, s3_tree):
     for i in range(len(ds)):
         (img, t), (ref, rt) = ds[i], local[i]
         assert img.mode == "RGB" and np.array_equal(np.asarray(img), np.asarray(ref)) and t == rt
+    # the parent's S3 client (its event loop thread) does not survive a fork: the child opens its own
+    forked = torch.utils.data.DataLoader(ImageFolder(url, transform=to_tensor, storage_options=s3.storage_options),
+                                         batch_size=8, num_workers=1, multiprocessing_context="fork")
+    [(x, y)] = list(forked)
+    assert torch.equal(x[0], to_tensor(local[0][0])) and y.tolist() == local.targets
     records = FileDataset(url, "b/**/*.jp*g", storage_options=s3.storage_options)
     assert [f[len(url) + 1:] for f in records.files] == ["b/sub-x/d.jpg", "b/sub/deeper/e.jpeg", "b/z.jpg"]
     with open(os.path.join(local_root, "b", "z.jpg"), "rb") as f:
