@@ -403,31 +403,37 @@ def _single_rate(seconds: float, tries: int = 3) -> float:
     return max(rates)
 
 
+STALL_EVERY_BATCHES = 50
+STALL_SECONDS = 5.0
+
+
+def _fraction_of_ideal(name: str, ctx: Context, ideal: float, torch_ds: Dataset, remote_kwargs: dict,
+                       notes: List[str]) -> Result:
+    """Run both loaders on sleep-bound workers; report each rate as a fraction of ``ideal``."""
+    sides = _pair(ctx, STRAGGLER_WORKERS, torch_ds, SleepyDataset, (BIG, STRAGGLER_SLEEP), remote_kwargs,
+                  STRAGGLER_BATCH)
+    runs = _run_pair(ctx, sides)
+    best = {k: max(v) * STRAGGLER_BATCH for k, v in runs.rates.items()}
+    frac = {k: v / ideal for k, v in best.items()}
+    target = 0.9
+    notes = notes + [f"torch {best['torch']:.0f} samples/s, torchfeed {best['torchfeed']:.0f} samples/s"]
+    return Result(name, "% of ideal", frac["torch"], frac["torchfeed"], target, f">= {target:.0%}",
+                  frac["torchfeed"] >= target, fraction=True, notes=notes,
+                  runs={k: [x * STRAGGLER_BATCH / ideal for x in v] for k, v in runs.rates.items()},
+                  cpu_ms=_cpu(runs))
+
+
 def case_straggler(ctx: Context) -> Result:
     nw, slow = STRAGGLER_WORKERS, STRAGGLER_SLOWDOWN
     single = _single_rate(min(1.5, max(0.3, ctx.seconds / 4)))
     ideal = single * (nw - 1 + 1 / slow)
     slow_pid = ctx.workers.processes[0].pid
     torch_ds = SleepyDataset(BIG, STRAGGLER_SLEEP, slow_worker_ids={0: slow})
-    sides = _pair(ctx, nw, torch_ds, SleepyDataset, (BIG, STRAGGLER_SLEEP), {"slow_pids": {slow_pid: slow}},
-                  STRAGGLER_BATCH)
-    runs = _run_pair(ctx, sides)
-    best = {k: max(v) * STRAGGLER_BATCH for k, v in runs.rates.items()}
-    frac = {k: v / ideal for k, v in best.items()}
-    target = 0.9
     notes = [f"{nw} workers, {STRAGGLER_SLEEP * 1e3:g} ms sleep per sample, batch {STRAGGLER_BATCH}, "
              f"one worker {slow:g}x slower",
              f"single fast worker {single:.0f} samples/s (measured in-process), ideal = {nw - 1} + 1/{slow:g} "
-             f"of it = {ideal:.0f} samples/s",
-             f"torch {best['torch']:.0f} samples/s, torchfeed {best['torchfeed']:.0f} samples/s"]
-    return Result("straggler", "% of ideal", frac["torch"], frac["torchfeed"], target, f">= {target:.0%}",
-                  frac["torchfeed"] >= target, fraction=True, notes=notes,
-                  runs={k: [x * STRAGGLER_BATCH / ideal for x in v] for k, v in runs.rates.items()},
-                  cpu_ms=_cpu(runs))
-
-
-STALL_EVERY_BATCHES = 50
-STALL_SECONDS = 5.0
+             f"of it = {ideal:.0f} samples/s"]
+    return _fraction_of_ideal("straggler", ctx, ideal, torch_ds, {"slow_pids": {slow_pid: slow}}, notes)
 
 
 def case_stall(ctx: Context) -> Result:
@@ -440,22 +446,13 @@ def case_stall(ctx: Context) -> Result:
     pids = [p.pid for p in ctx.workers.processes[:nw]]
     every = (STALL_EVERY_BATCHES * STRAGGLER_BATCH, STALL_SECONDS)
     torch_ds = SleepyDataset(BIG, STRAGGLER_SLEEP, slow_worker_ids={0: slow}, stall_worker_ids={1: every})
-    sides = _pair(ctx, nw, torch_ds, SleepyDataset, (BIG, STRAGGLER_SLEEP),
-                  {"slow_pids": {pids[0]: slow}, "stall_pids": {pids[1]: every}}, STRAGGLER_BATCH)
-    long_ctx = Context(ctx.workers, ctx.n, max(ctx.seconds, 3 * STALL_SECONDS), ctx.repeats, ctx.log)
-    runs = _run_pair(long_ctx, sides)
-    best = {k: max(v) * STRAGGLER_BATCH for k, v in runs.rates.items()}
-    frac = {k: v / ideal for k, v in best.items()}
-    target = 0.9
     notes = [f"{nw} workers, {STRAGGLER_SLEEP * 1e3:g} ms sleep per sample, batch {STRAGGLER_BATCH}: one worker "
              f"{slow:g}x slower, one stalling {STALL_SECONDS:g} s every {STALL_EVERY_BATCHES} of its batches",
              f"ideal = sum of each worker's average rate = {ideal:.0f} samples/s "
-             f"(single fast worker {single:.0f} samples/s)",
-             f"torch {best['torch']:.0f} samples/s, torchfeed {best['torchfeed']:.0f} samples/s"]
-    return Result("stall", "% of ideal", frac["torch"], frac["torchfeed"], target, f">= {target:.0%}",
-                  frac["torchfeed"] >= target, fraction=True, notes=notes,
-                  runs={k: [x * STRAGGLER_BATCH / ideal for x in v] for k, v in runs.rates.items()},
-                  cpu_ms=_cpu(runs))
+             f"(single fast worker {single:.0f} samples/s)"]
+    long_ctx = Context(ctx.workers, ctx.n, max(ctx.seconds, 3 * STALL_SECONDS), ctx.repeats, ctx.log)
+    return _fraction_of_ideal("stall", long_ctx, ideal, torch_ds,
+                              {"slow_pids": {pids[0]: slow}, "stall_pids": {pids[1]: every}}, notes)
 
 
 CASES: Dict[str, Tuple[Callable[[Context], Result], str]] = {

@@ -22,6 +22,7 @@ import torch
 from . import client
 from .auth import SecretLike
 from .errors import RemoteError, Timeout, WorkerLost
+from .worker import read_address_file
 
 log = logging.getLogger("torchfeed.dataset")
 
@@ -53,17 +54,7 @@ def wait_all(futures: Dict[str, torch.futures.Future], timeout: float) -> Dict[s
 
 
 def read_workers_file(path: str) -> List[str]:
-    try:
-        with open(path) as f:
-            lines = [ln.strip() for ln in f]
-    except FileNotFoundError:
-        return []
-    seen, out = set(), []
-    for ln in lines:
-        if ln and not ln.startswith("#") and ln not in seen:
-            seen.add(ln)
-            out.append(client.format_address(ln))
-    return out
+    return [client.format_address(a) for a in read_address_file(path)]
 
 
 class RemoteDataset:

@@ -322,6 +322,16 @@ class WorkerServer:
                     conn.close()
 
 
+def read_address_file(path: str) -> list:
+    """The address lines of a file written by :func:`announce`: in order, no blanks or repeats."""
+    try:
+        with open(path) as f:
+            lines = [line.strip() for line in f]
+    except FileNotFoundError:
+        return []
+    return list(dict.fromkeys(line for line in lines if line and not line.startswith("#")))
+
+
 def announce(address: str, address_file: Optional[str] = None) -> None:
     """Print ``host:port`` (one line, flushed) and append it to ``address_file`` under a lock."""
     if address_file:

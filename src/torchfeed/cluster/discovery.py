@@ -11,6 +11,7 @@ import time
 from typing import List, Optional, Sequence
 
 from ..errors import Timeout, TorchfeedError
+from ..worker import read_address_file
 from .env import _int_var, environment
 
 ENV_WORKERS = "TORCHFEED_WORKERS"
@@ -18,14 +19,7 @@ ENV_ADDRESS_FILE = "TORCHFEED_ADDRESS_FILE"
 ENV_NUM_WORKERS = "TORCHFEED_NUM_WORKERS"
 
 
-def read_addresses(path: str) -> List[str]:
-    """Address lines of an address file, in order, without blanks or repeats."""
-    try:
-        with open(path) as f:
-            lines = [line.strip() for line in f]
-    except FileNotFoundError:
-        return []
-    return list(dict.fromkeys(line for line in lines if line and not line.startswith("#")))
+read_addresses = read_address_file  # the format is the worker's: it writes these files
 
 
 def wait_for_addresses(path: str, expected: int, timeout: float = 300.0, *, poll: float = 0.2,
