@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -63,6 +64,29 @@ class SleepDataset(RangeDataset):
         time.sleep(self.seconds * self.slow.get(os.getpid(), 1))
         x, y = super().__getitem__(i)
         return (x, y, os.getpid()) if self.with_pid else (x, y)
+
+
+@contextlib.contextmanager
+def named_workers(specs: dict):
+    """One LocalWorkers process per name, started concurrently: yields name -> (address, pid)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torchfeed import LocalWorkers
+
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = {name: pool.submit(LocalWorkers, 1, **kw) for name, kw in specs.items()}
+    running = [f.result() for f in futures.values() if f.exception() is None]
+    try:
+        for f in futures.values():
+            f.result()  # re-raise a failed start
+        yield {name: (f.result().addresses[0], f.result().processes[0].pid) for name, f in futures.items()}
+    finally:
+        for w in running:  # signal them all first: they shut down concurrently
+            for proc in w.processes:
+                if proc.poll() is None:
+                    proc.terminate()
+        for w in running:
+            w.close()
 
 
 def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02) -> bool:

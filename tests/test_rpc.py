@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import torchfeed
-from helpers import wait_for
+from helpers import named_workers, wait_for
 from torchfeed import client, serialize
 
 pytestmark = pytest.mark.timeout(60)
@@ -46,20 +46,8 @@ def _workers():
     harmless worker; victim: for the test that may break its executor.
     """
     specs = {"main": {"parallel": 2}, "spare": {}, "victim": {}}
-    with ThreadPoolExecutor(len(specs)) as pool:
-        futures = {name: pool.submit(torchfeed.LocalWorkers, 1, **kw) for name, kw in specs.items()}
-    running = [f.result() for f in futures.values() if f.exception() is None]
-    try:
-        for f in futures.values():
-            f.result()  # re-raise a failed start
-        yield {name: (f.result().addresses[0], f.result().processes[0].pid) for name, f in futures.items()}
-    finally:
-        for w in running:
-            for proc in w.processes:
-                if proc.poll() is None:
-                    proc.terminate()
-        for w in running:
-            w.close()
+    with named_workers(specs) as started:
+        yield started
 
 
 @pytest.fixture

@@ -17,13 +17,12 @@ import stat
 import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 import torchfeed
-from helpers import wait_for
+from helpers import named_workers, wait_for
 from torchfeed import auth, client, serialize, wire
 
 pytestmark = pytest.mark.timeout(60)
@@ -144,21 +143,8 @@ def _workers(tmp_path_factory):
         # finds its secret through TORCHFEED_SECRET_FILE only
         "file": {"env": {auth.ENV_SECRET: "", auth.ENV_SECRET_FILE: str(secret_file)}},
     }
-    with ThreadPoolExecutor(len(specs)) as pool:
-        futures = {name: pool.submit(torchfeed.LocalWorkers, 1, **kw) for name, kw in specs.items()}
-    started = {}
-    try:
-        for name, fut in futures.items():
-            started[name] = fut.result()
-        yield {name: (w.addresses[0], w.processes[0].pid) for name, w in started.items()}
-    finally:
-        running = [fut.result() for fut in futures.values() if fut.exception() is None]
-        for w in running:  # signal them all first: they shut down concurrently
-            for proc in w.processes:
-                if proc.poll() is None:
-                    proc.terminate()
-        for w in running:
-            w.close()
+    with named_workers(specs) as started:
+        yield started
 
 
 @pytest.fixture
