@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
-SECRET = "torchfeed-test-secret-0123456789"
+SECRET = "torchfeed-test-secret-0123456789-0123456789abcdef"
 
 # The trainer (this process) and every worker use the same secret; workers can import
 # the helper modules of tests/ (datasets defined there travel by reference).

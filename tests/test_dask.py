@@ -307,7 +307,7 @@ def test_start_workers_errors(client):
 
 def test_torchfeed_workers_end_with_their_dask_worker(client):
     """Last in this module: it kills one Dask worker and retires the other."""
-    addresses = tfd.start_workers(client, secret="explicit-secret-0123456789abcdef", export_secret=False)
+    addresses = tfd.start_workers(client, secret="explicit-secret-0123456789abcdef-0123456789", export_secret=False)
     try:
         assert os.environ["TORCHFEED_SECRET"] == SECRET  # not exported
         assert torchfeed.rpc_async(addresses[1], os.getpid, secret=addresses.secret).wait() > 0

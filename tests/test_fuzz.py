@@ -117,7 +117,7 @@ def _parse_all(data: bytes) -> None:
 
 @pytest.fixture(scope="module")
 def server():
-    s = worker.WorkerServer(secret="fuzz-secret-0123456789").start()
+    s = worker.WorkerServer(secret="fuzz-secret-0123456789-0123456789abcdefghijk").start()
     quiet = logging.getLogger("torchfeed.worker")
     level, quiet.level = quiet.level, logging.CRITICAL  # 50,000 rejected peers would be logged
     yield s
@@ -166,5 +166,5 @@ def monkeypatch_unpickle():
 def test_server_still_serves_after_fuzzing(server):
     import torchfeed
 
-    got = torchfeed.rpc_async(server.address, lambda: "alive", secret="fuzz-secret-0123456789").wait()
+    got = torchfeed.rpc_async(server.address, lambda: "alive", secret="fuzz-secret-0123456789-0123456789abcdefghijk").wait()
     assert got == "alive"

@@ -1,19 +1,34 @@
-"""Shared-secret discovery and the mutual HMAC challenge-response handshake.
+"""The shared secret, and the handshake that turns it into a sealed channel.
 
-Order of secret sources: ``TORCHFEED_SECRET`` (the value itself), then the file named by
-``TORCHFEED_SECRET_FILE``, then a per-user default file
-(``$XDG_CONFIG_HOME/torchfeed/secret`` or ``~/.config/torchfeed/secret``), created with
-mode 0600 and 32 random bytes when missing. On a cluster with a shared home directory,
-trainers and workers of one user therefore agree with no configuration at all.
+Secret sources, in order: ``TORCHFEED_SECRET`` (the value itself), the file named by
+``TORCHFEED_SECRET_FILE``, then a per-user default file (``$XDG_CONFIG_HOME/torchfeed/secret``
+or ``~/.config/torchfeed/secret``), created with 32 random bytes (hex) when missing. On a
+cluster with a shared home directory, trainers and workers of one user agree with no
+configuration at all. Every secret must be at least 32 bytes: the handshake gives an
+eavesdropper (or an impostor worker) material for an offline guessing attack, which only
+a long random secret makes hopeless. Secret files are opened without following symbolic
+links and must belong to the current user, be unreadable by others and sit in a
+directory others cannot write.
 
-Handshake (raw fixed-size frames, nothing is unpickled)::
+Handshake (fixed-size clear frames, nothing is unpickled)::
 
-    worker -> client  HELLO    worker nonce (32 bytes)
-    client -> worker  AUTH     client nonce (32) + HMAC(secret, "client" | wnonce | cnonce)
-    worker -> client  AUTH_OK  HMAC(secret, "worker" | cnonce | wnonce)   (or AUTH_FAIL)
+    worker -> client  HELLO    worker nonce (32) | worker policy (1)
+    client -> worker  AUTH     client nonce (32) | mode (1) | proof (32)
+    worker -> client  AUTH_OK  proof (32)                   (or AUTH_FAIL, reason text)
 
-Both sides prove knowledge of the secret without sending it; fresh nonces on both
-sides prevent replay; comparisons are constant time.
+with ``proof = HMAC-SHA256(K, role | HELLO meta | client nonce | mode)`` and ``K`` derived
+from the secret with HKDF-SHA256. Each side proves it holds the secret without sending
+it, over a transcript that includes both fresh nonces and the negotiated mode, so a
+recorded handshake cannot be replayed and the mode cannot be downgraded. Both sides then
+derive one AES-256-GCM key per direction with HKDF-SHA256 (salt: both nonces; info: the
+direction and the mode) and continue in :class:`torchfeed.channel.Channel`, where every
+record is authenticated and numbered. A relay that does not hold the secret can forward
+the handshake but can neither read nor alter nor inject anything after it.
+
+The mode is ``encrypted`` unless both sides opted into integrity-only traffic with the
+environment variable ``TORCHFEED_TRUSTED_NETWORK_NO_ENCRYPTION=1`` (and, for the worker,
+``--trusted-network-no-encryption``): records then travel in clear with their tags, for
+networks where no one else can listen.
 """
 
 from __future__ import annotations
@@ -23,17 +38,29 @@ import hmac
 import os
 import secrets
 import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Tuple, Union
+
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from . import wire
+from .channel import Channel
 from .errors import AuthenticationError, ProtocolError
 
 ENV_SECRET = "TORCHFEED_SECRET"
 ENV_SECRET_FILE = "TORCHFEED_SECRET_FILE"
+ENV_NO_ENCRYPTION = "TORCHFEED_TRUSTED_NETWORK_NO_ENCRYPTION"
 NONCE_BYTES = 32
 MAC_BYTES = 32
+MIN_SECRET_BYTES = 32
+HELLO_BYTES = NONCE_BYTES + 1
+AUTH_BYTES = NONCE_BYTES + 1 + MAC_BYTES
+MODE_ENCRYPTED = 0
+MODE_INTEGRITY_ONLY = 1
+MAKE_ONE = 'python -c "import secrets; print(secrets.token_hex(32))"'
 
 SecretLike = Union[str, bytes, "Secret", None]
 
@@ -54,37 +81,77 @@ def default_secret_path() -> Path:
     return Path(base) / "torchfeed" / "secret"
 
 
-def _read_secret_file(path: Path, *, check_mode: bool = True) -> bytes:
+def _checked(value: bytes, source: str) -> Secret:
+    if len(value) < MIN_SECRET_BYTES:
+        raise AuthenticationError(
+            f"the secret from {source} is {len(value)} bytes; torchfeed needs at least "
+            f"{MIN_SECRET_BYTES}, random: make one with `{MAKE_ONE}`"
+        )
+    return Secret(value, source)
+
+
+def _check_private_dir(path: Path) -> None:
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise AuthenticationError(f"{path} (the secret file's directory) is not a directory")
+    if st.st_uid not in (os.geteuid(), 0) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise AuthenticationError(
+            f"the secret file's directory {path} can be written by other users (mode "
+            f"{stat.S_IMODE(st.st_mode):o}, owner uid {st.st_uid}): they could replace the secret. "
+            f"Keep the secret in a private directory (`chmod 700 {path}`)"
+        )
+
+
+def read_secret_file(path: Path) -> bytes:
+    """The stripped content of a secret file, after checking who can read and replace it."""
     try:
-        st = path.stat()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         raise AuthenticationError(
-            f"secret file {path} does not exist: create it (for example "
-            f"`python -c 'import secrets;print(secrets.token_hex(32))' > {path}; chmod 600 {path}`) "
+            f"secret file {path} does not exist: create it (`{MAKE_ONE} > {path}; chmod 600 {path}`) "
             f"or unset {ENV_SECRET_FILE}"
         ) from None
-    if check_mode and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise AuthenticationError(
-            f"secret file {path} is readable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
-            f"anyone who reads it can run code on your workers. Fix it with `chmod 600 {path}`"
-        )
-    value = path.read_bytes().strip()
-    if len(value) < 16:
-        raise AuthenticationError(f"secret file {path} holds fewer than 16 bytes: use a longer secret")
+    except OSError as exc:
+        if os.path.islink(path):
+            raise AuthenticationError(
+                f"secret file {path} is a symbolic link: torchfeed does not follow links to secrets; "
+                "point to the file itself"
+            ) from None
+        raise AuthenticationError(f"cannot open secret file {path}: {exc}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise AuthenticationError(f"secret file {path} is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise AuthenticationError(
+                f"secret file {path} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}): "
+                "another user controls it. Use a secret file of your own"
+            )
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise AuthenticationError(
+                f"secret file {path} is readable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
+                f"anyone who reads it can run code on your workers. Fix it with `chmod 600 {path}`"
+            )
+        value = f.read(1 << 16).strip()
+    _check_private_dir(path.parent)
     return value
 
 
 def _create_default(path: Path) -> None:
+    """Create the default secret file atomically: concurrent first uses never see it half written."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    token = secrets.token_hex(32).encode()
+    fd, tmp = tempfile.mkstemp(prefix=".secret-", dir=path.parent)  # mode 0600
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return  # another process created it first; use theirs
-    try:
-        os.write(fd, token + b"\n")
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_hex(32).encode() + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)  # fails if another process got there first: use theirs
+        except FileExistsError:
+            pass
     finally:
-        os.close(fd)
+        os.unlink(tmp)
 
 
 def load_secret(secret: SecretLike = None) -> Secret:
@@ -93,14 +160,15 @@ def load_secret(secret: SecretLike = None) -> Secret:
     Parameters
     ----------
     secret : str, bytes, Secret or None
-        An explicit secret; ``None`` searches the environment and the default file.
+        An explicit secret (at least 32 bytes); ``None`` searches the environment and
+        the default file.
     """
     if isinstance(secret, Secret):
-        return secret
+        return _checked(secret.value, secret.source)
     if isinstance(secret, str):
-        return Secret(secret.encode(), "explicit argument")
+        return _checked(secret.encode(), "the secret= argument")
     if isinstance(secret, (bytes, bytearray)):
-        return Secret(bytes(secret), "explicit argument")
+        return _checked(bytes(secret), "the secret= argument")
     if secret is not None:
         raise TypeError(f"secret must be str, bytes or None, not {type(secret).__name__}")
     key = (os.environ.get(ENV_SECRET), os.environ.get(ENV_SECRET_FILE), str(default_secret_path()))
@@ -116,19 +184,20 @@ _discovered: dict = {}  # environment -> Secret; discovery reads files, calls ar
 def _discover() -> Secret:
     env = os.environ.get(ENV_SECRET)
     if env:
-        return Secret(env.encode(), f"environment variable {ENV_SECRET}")
+        return _checked(env.encode(), f"environment variable {ENV_SECRET}")
     file = os.environ.get(ENV_SECRET_FILE)
     if file:
         path = Path(file).expanduser()
-        return Secret(_read_secret_file(path), f"file {path} (from {ENV_SECRET_FILE})")
+        return _checked(read_secret_file(path), f"file {path} (from {ENV_SECRET_FILE})")
     path = default_secret_path()
-    if not path.exists():
+    if not os.path.lexists(path):
         _create_default(path)
-    return Secret(_read_secret_file(path), f"default file {path}")
+    return _checked(read_secret_file(path), f"default file {path}")
 
 
-def _mac(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
-    return hmac.new(secret, role + first + second, hashlib.sha256).digest()
+def integrity_only_requested() -> bool:
+    """Whether this process opted out of encryption (``TORCHFEED_TRUSTED_NETWORK_NO_ENCRYPTION=1``)."""
+    return os.environ.get(ENV_NO_ENCRYPTION, "") == "1"
 
 
 def fix_hint(secret: Secret) -> str:
@@ -139,43 +208,89 @@ def fix_hint(secret: Secret) -> str:
     )
 
 
-def client_handshake(sock, reader: "wire.FrameReader", secret: Secret, address: str) -> None:
-    """Run the client side of the handshake on a connected socket; raise on failure."""
+# -- key schedule -------------------------------------------------------------
+
+def _hkdf(secret: bytes, salt: bytes, info: bytes, length: int = 32) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt, info=info).derive(secret)
+
+
+def _proof(secret: bytes, role: bytes, hello: bytes, cnonce: bytes, mode: int) -> bytes:
+    key = _hkdf(secret, b"", b"torchfeed/2 handshake proof")
+    return hmac.new(key, role + hello + cnonce + bytes([mode]), hashlib.sha256).digest()
+
+
+@dataclass(frozen=True)
+class SessionKeys:
+    """The two directional keys of one connection, seen from one side."""
+
+    send: bytes
+    recv: bytes
+    encrypt: bool
+
+    def channel(self, sock, initial: bytes = b"") -> Channel:
+        return Channel(sock, self.send, self.recv, encrypt=self.encrypt, initial=initial)
+
+
+def _session(secret: bytes, hello: bytes, cnonce: bytes, mode: int, *, worker: bool) -> SessionKeys:
+    salt = hello[:NONCE_BYTES] + cnonce
+    tag = bytes([mode])
+    to_worker = _hkdf(secret, salt, b"torchfeed/2 client->worker " + tag)
+    to_client = _hkdf(secret, salt, b"torchfeed/2 worker->client " + tag)
+    encrypt = mode == MODE_ENCRYPTED
+    return SessionKeys(to_client, to_worker, encrypt) if worker else SessionKeys(to_worker, to_client, encrypt)
+
+
+# -- worker side (pure: the worker's doorman does the I/O without blocking) --------
+
+def hello_meta(allow_integrity_only: bool) -> bytes:
+    return secrets.token_bytes(NONCE_BYTES) + bytes([1 if allow_integrity_only else 0])
+
+
+def check_auth(secret: Secret, hello: bytes, auth_meta: bytes) -> Tuple[bool, bytes, SessionKeys]:
+    """Check a client's AUTH meta against our HELLO meta.
+
+    Returns ``(ok, reply meta, keys)``: on success the reply is the AUTH_OK proof, else
+    the AUTH_FAIL reason text (keys are then meaningless).
+    """
+    if len(auth_meta) != AUTH_BYTES:
+        raise ProtocolError(f"expected an AUTH message of {AUTH_BYTES} bytes, got {len(auth_meta)}")
+    cnonce, mode, proof = auth_meta[:NONCE_BYTES], auth_meta[NONCE_BYTES], auth_meta[NONCE_BYTES + 1 :]
+    if not hmac.compare_digest(proof, _proof(secret.value, b"client", hello, cnonce, mode)):
+        return False, b"wrong secret", SessionKeys(b"", b"", True)
+    if mode not in (MODE_ENCRYPTED, MODE_INTEGRITY_ONLY) or (mode == MODE_INTEGRITY_ONLY and not hello[-1]):
+        return False, b"this worker requires encryption (it was not started with --trusted-network-no-encryption)", \
+            SessionKeys(b"", b"", True)
+    reply = _proof(secret.value, b"worker", hello, cnonce, mode)
+    return True, reply, _session(secret.value, hello, cnonce, mode, worker=True)
+
+
+# -- client side (blocking) -----------------------------------------------------------
+
+def client_handshake(sock, secret: Secret, address: str, *, integrity_only: bool = False) -> Channel:
+    """Run the client side of the handshake on a connected socket; return the sealed channel."""
+    reader = wire.FrameReader(sock)
     frame = reader.read_frame(wire.HANDSHAKE_LIMITS)
     if frame.kind == wire.BYE:
         raise ProtocolError(f"worker {address} refused the connection: {frame.meta.decode(errors='replace')}")
-    if frame.kind != wire.HELLO or len(frame.meta) != NONCE_BYTES:
+    if frame.kind != wire.HELLO or len(frame.meta) != HELLO_BYTES:
         raise ProtocolError(f"worker {address} sent an unexpected greeting (kind {frame.kind})")
-    wnonce = frame.meta
+    hello = frame.meta
+    mode = MODE_INTEGRITY_ONLY if integrity_only and hello[-1] else MODE_ENCRYPTED
     cnonce = secrets.token_bytes(NONCE_BYTES)
-    proof = _mac(secret.value, b"client", wnonce, cnonce)
-    wire.send_frame(sock, wire.AUTH, meta=cnonce + proof)
+    wire.send_frame(sock, wire.AUTH, meta=cnonce + bytes([mode]) + _proof(secret.value, b"client", hello, cnonce, mode))
     frame = reader.read_frame(wire.HANDSHAKE_LIMITS)
     if frame.kind == wire.AUTH_FAIL:
-        raise AuthenticationError(
-            f"worker {address} rejected this client's secret ({frame.meta.decode(errors='replace')}); "
-            + fix_hint(secret)
-        )
+        reason = frame.meta.decode(errors="replace")
+        hint = fix_hint(secret) if reason == "wrong secret" else "see the worker's log"
+        raise AuthenticationError(f"worker {address} rejected this client ({reason}); {hint}")
+    if frame.kind == wire.BYE:
+        raise ProtocolError(f"worker {address} refused the connection: {frame.meta.decode(errors='replace')}")
     if frame.kind != wire.AUTH_OK or len(frame.meta) != MAC_BYTES:
         raise ProtocolError(f"worker {address} sent an unexpected handshake reply (kind {frame.kind})")
-    expected = _mac(secret.value, b"worker", cnonce, wnonce)
-    if not hmac.compare_digest(frame.meta, expected):
+    if not hmac.compare_digest(frame.meta, _proof(secret.value, b"worker", hello, cnonce, mode)):
         raise AuthenticationError(
             f"worker {address} could not prove it holds our secret (it may be an impostor or use "
             "another secret); " + fix_hint(secret)
         )
-
-
-def server_handshake(sock, reader: "wire.FrameReader", secret: Secret) -> bool:
-    """Run the worker side; return True when the client proved the secret."""
-    wnonce = secrets.token_bytes(NONCE_BYTES)
-    wire.send_frame(sock, wire.HELLO, meta=wnonce)
-    frame = reader.read_frame(wire.HANDSHAKE_LIMITS)
-    if frame.kind != wire.AUTH or len(frame.meta) != NONCE_BYTES + MAC_BYTES:
-        raise ProtocolError(f"expected an AUTH message, got kind {frame.kind} with {len(frame.meta)} bytes")
-    cnonce, proof = frame.meta[:NONCE_BYTES], frame.meta[NONCE_BYTES:]
-    if not hmac.compare_digest(proof, _mac(secret.value, b"client", wnonce, cnonce)):
-        wire.send_frame(sock, wire.AUTH_FAIL, meta=b"wrong secret")
-        return False
-    wire.send_frame(sock, wire.AUTH_OK, meta=_mac(secret.value, b"worker", cnonce, wnonce))
-    return True
+    keys = _session(secret.value, hello, cnonce, mode, worker=False)
+    return keys.channel(sock, reader.leftover())

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 import torch
 
 from . import auth, serialize, wire
-from .errors import ProtocolError, RemoteError, Timeout, TorchfeedError, WorkerLost
+from .errors import FrameTooLarge, ProtocolError, RemoteError, Timeout, TorchfeedError, WorkerLost
 
 log = logging.getLogger("torchfeed.client")
 
@@ -31,7 +31,6 @@ CLIENT_LIMITS = wire.Limits()
 # before it counts as lost (it hangs, or the network is cut); see set_heartbeat()
 HEARTBEAT_INTERVAL = float(os.environ.get("TORCHFEED_HEARTBEAT_INTERVAL", 2.0))
 HEARTBEAT_TIMEOUT = float(os.environ.get("TORCHFEED_HEARTBEAT_TIMEOUT", 15.0))
-_CHUNK = 8 << 20  # large receives are split so liveness can be tracked during them
 
 Address = Union[str, Tuple[str, int]]
 Callback = Callable[[bool, Any], None]
@@ -102,8 +101,8 @@ class Connection:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            self.reader = wire.FrameReader(sock)
-            auth.client_handshake(sock, self.reader, secret, self.address)
+            self.channel = auth.client_handshake(sock, secret, self.address,
+                                                 integrity_only=auth.integrity_only_requested())
             sock.settimeout(None)
         except socket.timeout as exc:
             sock.close()
@@ -127,7 +126,7 @@ class Connection:
     # -- sending ---------------------------------------------------------
     def _send(self, kind: int, request_id: int = 0, meta: bytes = b"", buffers=(), flags: int = 0) -> None:
         with self._send_lock:
-            wire.send_frame(self.sock, kind, request_id, meta, buffers, flags)
+            self.channel.send(kind, request_id, meta, buffers, flags)
             self.last_tx = time.monotonic()
 
     def request(self, kind: int, meta: bytes, buffers: Sequence = (), *, callback: Callback,
@@ -174,31 +173,44 @@ class Connection:
 
     # -- receiving -------------------------------------------------------
     def _read_loop(self) -> None:
-        reader = self.reader
+        channel = self.channel
         try:
             while True:
-                frame = reader.read_frame(CLIENT_LIMITS)
-                self.last_rx = time.monotonic()
-                if frame.kind == wire.PONG:
+                try:
+                    frame = channel.read_header(CLIENT_LIMITS)
+                except FrameTooLarge as exc:  # authentic but too big: fail that request only
+                    channel.skip(exc.frame)
+                    self._fail_request(exc.frame.request_id, exc)
                     continue
-                if frame.kind == wire.BYE:
-                    raise ProtocolError(f"worker closed the connection: {frame.meta.decode(errors='replace')}")
-                if frame.kind not in (wire.REPLY, wire.ERROR):
+                self.last_rx = time.monotonic()
+                if frame.kind not in (wire.REPLY, wire.ERROR, wire.PONG, wire.BYE):
                     raise ProtocolError(f"unexpected {wire.KIND_NAMES[frame.kind]} message from worker")
                 with self._pending_lock:
-                    pending = self._pending.pop(frame.request_id, None)
-                if pending is None:  # cancelled or expired: drain and drop
-                    reader.skip_buffers(frame.buffer_lengths)
+                    pending = self._pending.pop(frame.request_id, None) if frame.kind in (wire.REPLY, wire.ERROR) else None
+                if pending is None:  # a heartbeat, or cancelled or expired: drain and drop
+                    channel.read_meta(frame)
+                    channel.skip(frame, meta=False)
+                    if frame.kind == wire.BYE:
+                        raise ProtocolError(f"worker closed the connection: {frame.meta.decode(errors='replace')}")
                     continue
+                channel.read_meta(frame)
                 buffers = serialize.allocate(frame.buffer_lengths, pending.pin) if frame.buffer_lengths else []
                 for view in buffers:
-                    for start in range(0, max(view.nbytes, 1), _CHUNK):
-                        reader.read_into(view[start : start + _CHUNK])
+                    for _ in channel.read_buffer_chunks(view):
                         self.last_rx = time.monotonic()
                 self._deliver(frame, buffers, pending)
                 del frame, buffers, pending  # an idle connection must not keep the last reply alive
         except BaseException as exc:  # noqa: BLE001 - the thread must fail every waiter
             self._fail(exc)
+
+    def _fail_request(self, rid: int, exc: BaseException) -> None:
+        with self._pending_lock:
+            pending = self._pending.pop(rid, None)
+        if pending is not None:
+            try:
+                pending.callback(False, exc)
+            except Exception:
+                log.exception("a result callback failed")
 
     def _deliver(self, frame: wire.Frame, buffers, pending: _Pending) -> None:
         try:
@@ -266,7 +278,7 @@ class Connection:
                 self._send(wire.RELEASE, meta=pickle.dumps(releases))
             elif now - self.last_tx > HEARTBEAT_INTERVAL and self._send_lock.acquire(blocking=False):
                 try:
-                    wire.send_frame(self.sock, wire.PING)
+                    self.channel.send(wire.PING)
                     self.last_tx = now
                 finally:
                     self._send_lock.release()

@@ -102,3 +102,7 @@ class RemoteError(TorchfeedError):
             RemoteError,
             (self.address, self.remote_type, self.remote_message, self.remote_traceback, self.indices),
         )
+
+
+class LimitExceeded(TorchfeedError):
+    """A request went over a per-connection bound of the worker (see the message for the knob)."""

@@ -22,7 +22,7 @@ import torch
 from . import client
 from .auth import SecretLike
 from .errors import RemoteError, Timeout, WorkerLost
-from .worker import read_address_file
+from .addrfile import read_address_file
 
 log = logging.getLogger("torchfeed.dataset")
 

@@ -11,19 +11,23 @@ out-of-band payloads (tensor and array bytes). Every length is checked against a
 :class:`Limits` before anything is allocated, and buffers are received straight into
 memory supplied by the caller, so a reply lands in its final (possibly pinned) tensor.
 This module knows nothing about pickling or authentication.
+
+Only the handshake travels in this clear form (:func:`send_frame`, :class:`FrameReader`);
+after it, the same header and parts travel sealed by :mod:`torchfeed.channel`.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
+import time
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from .errors import FrameTooLarge, ProtocolError
 
 MAGIC = b"TFED"
-VERSION = 1
+VERSION = 2  # 2: sealed records after the handshake
 HEADER = struct.Struct("<4sBBHQIII")
 LENGTH = struct.Struct("<Q")
 
@@ -54,8 +58,8 @@ KIND_NAMES = {
 # flags
 FLAG_RREF = 1  # CALL / CALL_REF: keep the result on the worker, reply with a reference id
 
-_STAGING = 256 * 1024  # small reads go through a staging buffer to save syscalls
-_DIRECT = 64 * 1024  # reads at least this long go straight into the destination
+_STAGING = 4096  # small reads go through a staging buffer to save syscalls
+_DIRECT = _STAGING  # reads at least this long go straight into the destination
 _IOV_MAX = 512
 
 
@@ -69,6 +73,7 @@ class Limits:
     max_meta: int = 256 * 1024 * 1024
     max_buffers: int = 65536
     max_buffer_bytes: int = 64 * 1024**3  # sum of all buffer lengths of one message
+    knob: str = ""  # how to raise these limits, quoted in FrameTooLarge messages
 
 
 # Before authentication only handshake messages of a few bytes are acceptable.
@@ -82,10 +87,47 @@ class Frame:
     request_id: int
     meta: bytes
     buffer_lengths: List[int]
+    meta_len: int = 0
+
+
+def pack_fixed(kind: int, request_id: int, meta_len: int, nbuf: int, flags: int = 0) -> bytes:
+    """The fixed 28-byte header alone."""
+    return HEADER.pack(MAGIC, VERSION, kind, flags, request_id, meta_len, nbuf, 0)
+
+
+def parse_header(raw: bytes):
+    """Check a fixed header; return ``(kind, flags, request_id, meta_len, nbuf)``."""
+    magic, version, kind, flags, request_id, meta_len, nbuf, _ = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}: the peer is not a torchfeed endpoint")
+    if version != VERSION:
+        raise ProtocolError(
+            f"peer speaks torchfeed wire version {version}, this side speaks {VERSION}: "
+            "install the same torchfeed version on trainers and workers"
+        )
+    if kind not in KIND_NAMES:
+        raise ProtocolError(f"unknown message kind {kind}")
+    return kind, flags, request_id, meta_len, nbuf
+
+
+def check_limits(frame: Frame, limits: Limits) -> None:
+    """Raise :class:`FrameTooLarge` when ``frame`` announces more than ``limits`` allow."""
+    hint = f"; {limits.knob}" if limits.knob else ""
+    if frame.meta_len > limits.max_meta:
+        raise FrameTooLarge(
+            f"{KIND_NAMES[frame.kind]} message of {frame.meta_len:,} bytes of pickled data exceeds "
+            f"the limit of {limits.max_meta:,}{hint}"
+        )
+    total = sum(frame.buffer_lengths)
+    if total > limits.max_buffer_bytes:
+        raise FrameTooLarge(
+            f"{KIND_NAMES[frame.kind]} message of {total:,} bytes of buffers exceeds the limit of "
+            f"{limits.max_buffer_bytes:,}{hint}"
+        )
 
 
 def pack_header(kind: int, request_id: int, meta_len: int, buffer_lengths: Sequence[int], flags: int = 0) -> bytes:
-    head = HEADER.pack(MAGIC, VERSION, kind, flags, request_id, meta_len, len(buffer_lengths), 0)
+    head = pack_fixed(kind, request_id, meta_len, len(buffer_lengths), flags)
     if buffer_lengths:
         head += struct.pack(f"<{len(buffer_lengths)}Q", *buffer_lengths)
     return head
@@ -108,13 +150,24 @@ def send_frame(
     sendmsg_all(sock, parts)
 
 
-def sendmsg_all(sock: socket.socket, parts: List) -> None:
-    """Write every byte of ``parts`` (a list of bytes-like objects), handling partial writes."""
+def sendmsg_all(sock: socket.socket, parts: List, stall_timeout: Optional[float] = None) -> None:
+    """Write every byte of ``parts`` (a list of bytes-like objects), handling partial writes.
+
+    On a socket with a send timeout (``SO_SNDTIMEO``), a peer that reads nothing for
+    ``stall_timeout`` seconds raises :class:`TimeoutError`.
+    """
     views = [memoryview(p).cast("B") for p in parts]
     i = 0
+    progress = time.monotonic()
     while i < len(views):
         batch = views[i : i + _IOV_MAX]
-        sent = sock.sendmsg(batch)
+        try:
+            sent = sock.sendmsg(batch)
+        except BlockingIOError:
+            if stall_timeout is None or time.monotonic() - progress > stall_timeout:
+                raise TimeoutError(f"the peer read nothing for {stall_timeout} s") from None
+            continue
+        progress = time.monotonic()
         # advance over fully written parts, trim the partially written one
         while sent and i < len(views):
             n = len(views[i])
@@ -197,18 +250,7 @@ class FrameReader:
 
         The caller must then call :meth:`read_buffers` (or :meth:`skip_buffers`).
         """
-        magic, version, kind, flags, request_id, meta_len, nbuf, _ = HEADER.unpack(self._take(HEADER.size))
-        if magic != MAGIC:
-            raise ProtocolError(f"bad magic {magic!r}: the peer is not a torchfeed endpoint")
-        if version != VERSION:
-            raise ProtocolError(
-                f"peer speaks torchfeed wire version {version}, this side speaks {VERSION}: "
-                "install the same torchfeed version on trainers and workers"
-            )
-        if kind not in KIND_NAMES:
-            raise ProtocolError(f"unknown message kind {kind}")
-        if meta_len > limits.max_meta:
-            raise FrameTooLarge(f"meta part of {meta_len} bytes exceeds the limit of {limits.max_meta}")
+        kind, flags, request_id, meta_len, nbuf = parse_header(self._take(HEADER.size))
         if nbuf > limits.max_buffers:
             raise FrameTooLarge(f"{nbuf} buffers exceed the limit of {limits.max_buffers}")
         lengths: List[int] = []
@@ -216,22 +258,22 @@ class FrameReader:
             raw = bytearray(nbuf * 8)
             self.read_into(memoryview(raw))
             lengths = list(struct.unpack(f"<{nbuf}Q", raw))
-            total = sum(lengths)
-            if total > limits.max_buffer_bytes:
-                raise FrameTooLarge(
-                    f"buffers of {total} bytes exceed the limit of {limits.max_buffer_bytes}"
-                )
+        check_limits(Frame(kind, flags, request_id, b"", lengths, meta_len), limits)
         if meta_len <= _STAGING:
             meta = self._take(meta_len)
         else:
             meta_buf = bytearray(meta_len)
             self.read_into(memoryview(meta_buf))
             meta = bytes(meta_buf)
-        return Frame(kind, flags, request_id, meta, lengths)
+        return Frame(kind, flags, request_id, meta, lengths, meta_len)
 
     def read_buffers(self, dests: Sequence[memoryview]) -> None:
         for d in dests:
             self.read_into(d)
+
+    def leftover(self) -> bytes:
+        """Bytes received past the last frame read (handed on to the sealed channel)."""
+        return bytes(self._view[self._start : self._end])
 
     def skip_buffers(self, lengths: Sequence[int]) -> None:
         scratch = memoryview(bytearray(min(max(lengths, default=0), 1 << 20)))

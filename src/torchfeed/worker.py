@@ -1,37 +1,71 @@
 """The worker daemon: accepts trainers, authenticates them, runs their calls.
 
-One process serves many clients. Each connection has a reader thread that parses frames
-(and answers heartbeats at once, whatever user code is doing); calls run on a pool of
-``parallel`` executor threads shared by all connections; replies are written by the
-executor that produced them. Objects kept for clients (remote references: datasets,
-batch fetchers) live in a registry and are freed when released or when the owning
+NOTE [worker threads, queues and shutdown]
+One process serves many clients with these threads:
+
+* the **doorman** (the thread that calls ``serve_forever``): accepts connections and
+  runs every handshake without blocking (:mod:`torchfeed.doorman`); unauthenticated
+  peers get no thread of their own;
+* per authenticated connection, a **reader** (parses sealed frames, answers heartbeats
+  at once whatever user code is doing, puts calls on the shared task queue) and a
+  **writer** (sends the connection's replies from its outbox, in order). Executors only
+  append to an outbox, so a client that stops reading stalls its own writer and nobody
+  else; a writer that makes no progress for ``timeout`` seconds closes its connection;
+* ``parallel`` **executors**, shared by all connections, run user code;
+* the **keeper** drops connections silent for ``timeout`` seconds (half-open peers).
+
+Per connection, requests waiting for a reply, reply bytes not yet sent (the reader
+stops reading while over the bound: back pressure through TCP), the size of one call
+and the number of live remote references are bounded (:class:`ConnectionLimits`); going
+over a bound answers that request with a clear error. Objects kept for clients (remote
+references) live in a registry and are freed when released or when the owning
 connection closes. Nothing a client does can stop the process: bad frames, failed
 handshakes and exceptions in user code end that request or that connection only.
+Shutdown (``stop``): the stop event ends the doorman loop, every connection is closed
+(its reader and writer leave on the closed socket), and one ``None`` per executor ends
+the executors after the request they are running.
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import os
 import pickle
 import queue
+import resource
 import secrets
 import signal
 import socket
-import sys
+import struct
 import threading
 import time
 import traceback
+from collections import deque
+from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from . import auth, sampling, serialize, wire
-from .errors import ProtocolError, TorchfeedError
+from .addrfile import announce, read_address_file  # noqa: F401  (read_address_file: old import path)
+from .doorman import Doorman
+from .errors import FrameTooLarge, LimitExceeded, ProtocolError, TorchfeedError
 
 log = logging.getLogger("torchfeed.worker")
 
 HANDSHAKE_TIMEOUT = 10.0
-WORKER_LIMITS = wire.Limits()
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What one authenticated client may hold on a worker at once."""
+
+    max_queued_requests: int = 1024  # received, not yet answered
+    max_unsent_bytes: int = 1 << 30  # replies produced, not yet sent: reading pauses above this
+    max_call_bytes: int = 1 << 30  # pickled arguments plus buffers of one call
+    max_refs: int = 4096  # live remote references
+
+    def frame_limits(self) -> wire.Limits:
+        return wire.Limits(max_meta=self.max_call_bytes, max_buffers=65536, max_buffer_bytes=self.max_call_bytes,
+                           knob="raise it with `torchfeed worker --max-call-bytes N` or pass less data per call "
+                                "(build large objects inside the dataset on the worker)")
 
 
 class UnknownReference(TorchfeedError, KeyError):
@@ -45,8 +79,14 @@ class Registry:
         self._lock = threading.Lock()
         self._objects: Dict[int, tuple] = {}  # id -> (object, owner connection id)
 
-    def put(self, obj: Any, owner: int) -> int:
+    def put(self, obj: Any, owner: int, limit: Optional[int] = None) -> int:
         with self._lock:
+            if limit is not None and sum(1 for v in self._objects.values() if v[1] == owner) >= limit:
+                raise LimitExceeded(
+                    f"this client already holds {limit} remote references on the worker (the limit): "
+                    "release references you no longer need (RemoteRef.release()), or start the worker "
+                    "with a larger --max-refs"
+                )
             while True:
                 ref_id = secrets.randbits(63) or 1
                 if ref_id not in self._objects:
@@ -90,30 +130,43 @@ def _describe_exception(exc: BaseException) -> bytes:
 
 
 class ServerConnection:
-    """One authenticated client connection on the worker."""
+    """One authenticated client connection on the worker (see the NOTE above)."""
 
     _ids = iter(range(1, 1 << 62))
 
-    def __init__(self, server: "WorkerServer", sock: socket.socket, peer: str):
+    def __init__(self, server: "WorkerServer", sock: socket.socket, peer: str, channel):
         self.server = server
         self.sock = sock
         self.peer = peer
         self.id = next(self._ids)
-        self.reader = wire.FrameReader(sock)
-        self.send_lock = threading.Lock()
+        self.channel = channel
+        self.channel.send_stall_timeout = server.timeout
+        self.limits: ConnectionLimits = server.limits
         self.last_rx = time.monotonic()
-        self.authenticated = False
         self.cancelled: set = set()
         self.closed = False
+        self._cond = threading.Condition()
+        self._outbox: deque = deque()
+        self.unsent_bytes = 0
+        self.queued = 0  # calls received and not yet answered
 
-    def send(self, kind: int, request_id: int = 0, meta: bytes = b"", buffers=(), flags: int = 0) -> None:
-        with self.send_lock:
-            wire.send_frame(self.sock, kind, request_id, meta, buffers, flags)
+    def start(self) -> None:
+        """Start the writer, then the reader (either may fail: no threads left)."""
+        threading.Thread(target=self._write_loop, name=f"torchfeed-tx-{self.id}", daemon=True).start()
+        try:
+            threading.Thread(target=self.serve, name=f"torchfeed-rx-{self.id}", daemon=True).start()
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
+        with self._cond:
+            if self.closed:
+                return
+            self.closed = True
+            self._outbox.clear()
+            self.unsent_bytes = 0
+            self._cond.notify_all()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -122,45 +175,90 @@ class ServerConnection:
         self.server.registry.drop_owner(self.id)
         self.server.forget(self)
 
+    # -- writer thread -------------------------------------------------------
+    def send(self, kind: int, request_id: int = 0, meta: bytes = b"", buffers=(), flags: int = 0) -> None:
+        """Queue a message for the writer; never blocks."""
+        size = len(meta) + sum(memoryview(b).nbytes for b in buffers)
+        with self._cond:
+            if self.closed:
+                return
+            self._outbox.append((kind, request_id, meta, buffers, flags, size))
+            self.unsent_bytes += size
+            self._cond.notify_all()
+
+    def _write_loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._outbox and not self.closed:
+                        self._cond.wait()
+                    if self.closed:
+                        return
+                    kind, rid, meta, buffers, flags, size = self._outbox.popleft()
+                self.channel.send(kind, rid, meta, buffers, flags)
+                del meta, buffers
+                with self._cond:
+                    self.unsent_bytes -= size
+                    self._cond.notify_all()
+        except (OSError, TimeoutError) as exc:
+            if not self.closed:
+                log.info("could not write to client %s: %s", self.peer, exc)
+        except Exception:  # a bug here must cost one connection, never the worker
+            log.exception("unexpected error writing to %s", self.peer)
+        finally:
+            self.close()
+
+    def outbox_empty(self) -> bool:
+        return not self._outbox
+
     # -- reader thread -----------------------------------------------------
     def serve(self) -> None:
         try:
-            self.sock.settimeout(self.server.handshake_timeout)
-            if not auth.server_handshake(self.sock, self.reader, self.server.secret):
-                log.warning("rejected client %s: wrong secret (it got AUTH_FAIL)", self.peer)
-                return
-            self.sock.settimeout(None)  # idle peers are reaped by the server's keeper
-            self.authenticated = True
-            self.last_rx = time.monotonic()
             self._read_loop()
-        except (ConnectionError, socket.timeout, OSError) as exc:
+        except (ConnectionError, OSError) as exc:
             if not self.closed:
                 log.info("client %s disconnected: %s", self.peer, exc)
         except ProtocolError as exc:
             log.warning("dropping client %s: %s", self.peer, exc)
-            try:
-                self.send(wire.BYE, meta=str(exc).encode()[:400])
-            except OSError:
-                pass
         except Exception:  # a bug here must cost one connection, never the worker
             log.exception("unexpected error serving %s", self.peer)
         finally:
             self.close()
 
     def _read_loop(self) -> None:
-        reader = self.reader
-        while True:
-            frame = reader.read_frame(WORKER_LIMITS)
+        channel = self.channel
+        frame_limits = self.limits.frame_limits()
+        while not self.closed:
+            self._wait_for_room()
+            try:
+                frame = channel.read_header(frame_limits)
+            except FrameTooLarge as exc:  # authentic but too big: answer it, keep the connection
+                channel.skip(exc.frame)
+                self._refuse(exc.frame.request_id, exc)
+                continue
             self.last_rx = time.monotonic()
             kind = frame.kind
-            if kind == wire.PING:
-                self.send(wire.PONG, frame.request_id)
-            elif kind in (wire.CALL, wire.CALL_REF):
+            if kind in (wire.CALL, wire.CALL_REF):
+                if self.queued >= self.limits.max_queued_requests:
+                    channel.skip(frame)
+                    self._refuse(frame.request_id, LimitExceeded(
+                        f"this client has {self.queued} requests waiting on the worker (the limit is "
+                        f"{self.limits.max_queued_requests}): wait for replies before sending more, or "
+                        "start the worker with a larger --max-queued-requests"))
+                    continue
+                channel.read_meta(frame)
                 buffers = serialize.allocate(frame.buffer_lengths) if frame.buffer_lengths else []
-                reader.read_buffers(buffers)
+                channel.read_buffers(buffers)
                 self.last_rx = time.monotonic()
+                with self._cond:
+                    self.queued += 1
                 self.server.tasks.put((self, frame, buffers))
                 del buffers  # the task owns them now
+                continue
+            channel.read_meta(frame)
+            channel.skip(frame, meta=False)
+            if kind == wire.PING:
+                self.send(wire.PONG, frame.request_id)
             elif kind == wire.RELEASE:
                 self.server.registry.release(pickle.loads(frame.meta), self.id)
             elif kind == wire.CANCEL:
@@ -168,11 +266,22 @@ class ServerConnection:
             else:
                 raise ProtocolError(f"a client may not send {wire.KIND_NAMES[kind]} messages")
 
+    def _wait_for_room(self) -> None:
+        """Back pressure: stop reading while too many reply bytes wait to be sent."""
+        with self._cond:
+            while self.unsent_bytes > self.limits.max_unsent_bytes and not self.closed:
+                self._cond.wait(1.0)
+
+    def _refuse(self, rid: int, exc: BaseException) -> None:
+        log.info("refused a request from %s: %s", self.peer, exc)
+        self.send(wire.ERROR, rid, _describe_exception(exc))
+
     # -- executor threads ----------------------------------------------------
     def execute(self, frame: wire.Frame, buffers) -> None:
         rid = frame.request_id
         if rid in self.cancelled:
             self.cancelled.discard(rid)
+            self._answered()
             return
         try:
             payload = serialize.loads_call(frame.meta, buffers, self.server.registry)
@@ -186,7 +295,8 @@ class ServerConnection:
             result = func(*(args or ()), **(kwargs or {}))
             flags = frame.flags & wire.FLAG_RREF
             if flags:
-                meta, out = pickle.dumps(self.server.registry.put(result, self.id)), []
+                ref = self.server.registry.put(result, self.id, self.limits.max_refs)
+                meta, out = pickle.dumps(ref), []
             else:
                 meta, out = serialize.dumps_reply(result)
             del result
@@ -197,20 +307,21 @@ class ServerConnection:
 
     def _reply(self, kind: int, rid: int, meta: bytes, buffers, flags: int = 0) -> None:
         self.cancelled.discard(rid)
-        if self.closed:
-            return
-        try:
-            self.send(kind, rid, meta, buffers, flags)
-        except OSError as exc:
-            log.info("could not reply to %s: %s", self.peer, exc)
-            self.close()
+        self._answered()
+        self.send(kind, rid, meta, buffers, flags)
+
+    def _answered(self) -> None:
+        with self._cond:
+            self.queued -= 1
 
 
 class WorkerServer:
     """A listening worker. ``serve_forever`` blocks; ``start`` serves from a thread."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout: float = 120.0, parallel: int = 1,
-                 *, secret: auth.SecretLike = None, handshake_timeout: float = HANDSHAKE_TIMEOUT):
+                 *, secret: auth.SecretLike = None, handshake_timeout: float = HANDSHAKE_TIMEOUT,
+                 limits: Optional[ConnectionLimits] = None, max_pending_handshakes: int = 128,
+                 integrity_only: Optional[bool] = None):
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
         if timeout <= 0:
@@ -219,6 +330,7 @@ class WorkerServer:
         self.timeout = float(timeout)
         self.handshake_timeout = float(handshake_timeout)
         self.parallel = parallel
+        self.limits = limits or ConnectionLimits()
         self.registry = Registry()
         self.tasks: "queue.SimpleQueue" = queue.SimpleQueue()
         self._conns: set = set()
@@ -229,13 +341,15 @@ class WorkerServer:
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.listener.bind((host, port))
         self.listener.listen(128)
-        # accept() wakes up regularly: a signal delivered to another thread only runs its
-        # Python handler once the main thread executes bytecode again
-        self.listener.settimeout(0.5)
         self.host = host
         self.port = self.listener.getsockname()[1]
         shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
         self.address = f"[{shown}]:{self.port}" if ":" in shown else f"{shown}:{self.port}"
+        if integrity_only is None:
+            integrity_only = auth.integrity_only_requested()
+        self.doorman = Doorman(self.listener, self.secret, self._authenticated,
+                               handshake_timeout=self.handshake_timeout, stopping=self._stopping,
+                               max_pending=max_pending_handshakes, allow_integrity_only=integrity_only)
         self._threads = [threading.Thread(target=self._executor, name=f"torchfeed-exec-{i}", daemon=True)
                          for i in range(parallel)]
         self._threads.append(threading.Thread(target=self._keeper, name="torchfeed-keeper", daemon=True))
@@ -243,6 +357,15 @@ class WorkerServer:
             t.start()
 
     # -- connections ------------------------------------------------------
+    def _authenticated(self, sock: socket.socket, peer: str, keys: auth.SessionKeys, leftover: bytes) -> None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        # a blocked send returns every second, so the writer can tell a stalled peer
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(1.0))
+        conn = ServerConnection(self, sock, peer, keys.channel(sock, leftover))
+        with self._conns_lock:
+            self._conns.add(conn)
+        conn.start()
+
     def forget(self, conn: ServerConnection) -> None:
         with self._conns_lock:
             self._conns.discard(conn)
@@ -253,22 +376,7 @@ class WorkerServer:
 
     def serve_forever(self) -> None:
         try:
-            while not self._stopping.is_set():
-                try:
-                    sock, peer = self.listener.accept()
-                except socket.timeout:
-                    continue
-                except OSError:
-                    if self._stopping.is_set():
-                        break
-                    raise
-                sock.settimeout(None)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-                conn = ServerConnection(self, sock, f"{peer[0]}:{peer[1]}")
-                with self._conns_lock:
-                    self._conns.add(conn)
-                threading.Thread(target=conn.serve, name=f"torchfeed-conn-{conn.id}", daemon=True).start()
+            self.doorman.run()
         finally:
             self.stop()
 
@@ -311,45 +419,37 @@ class WorkerServer:
             del item, conn, frame, buffers
 
     def _keeper(self) -> None:
-        """Drop peers that never finish the handshake or fall silent (half-open)."""
-        while not self._stopping.wait(min(1.0, self.timeout / 4, self.handshake_timeout / 4)):
+        """Drop authenticated peers that fall silent (half-open); the doorman times out handshakes."""
+        while not self._stopping.wait(min(1.0, self.timeout / 4)):
             now = time.monotonic()
             for conn in self.connections():
-                limit = self.timeout if conn.authenticated else self.handshake_timeout
-                if now - conn.last_rx > limit:
+                # a connection with replies to send is judged by its writer's progress instead
+                if now - conn.last_rx > self.timeout and conn.outbox_empty():
                     log.warning("closing silent connection from %s (nothing received for %.0f s)",
                                 conn.peer, now - conn.last_rx)
                     conn.close()
 
 
-def read_address_file(path: str) -> list:
-    """The address lines of a file written by :func:`announce`: in order, no blanks or repeats."""
-    try:
-        with open(path) as f:
-            lines = [line.strip() for line in f]
-    except FileNotFoundError:
-        return []
-    return list(dict.fromkeys(line for line in lines if line and not line.startswith("#")))
+def _timeval(seconds: float) -> bytes:
+    return struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
 
 
-def announce(address: str, address_file: Optional[str] = None) -> None:
-    """Print ``host:port`` (one line, flushed) and append it to ``address_file`` under a lock."""
-    if address_file:
-        with open(address_file, "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                f.write(address + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
-    sys.stdout.write(address + "\n")
-    sys.stdout.flush()
+def raise_fd_limit() -> int:
+    """Raise this process's soft limit on open files to the hard limit; return the new limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
 
 
 def run_worker(host: str, port: int, timeout: float = 120, parallel: int = 1, *,
                secret: auth.SecretLike = None, address_file: Optional[str] = None,
-               torch_threads: Optional[int] = 1, handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:
+               torch_threads: Optional[int] = 1, handshake_timeout: float = HANDSHAKE_TIMEOUT,
+               limits: Optional[ConnectionLimits] = None, integrity_only: Optional[bool] = None) -> None:
     """Start listening and serving remote calls until SIGTERM/SIGINT.
 
     Parameters
@@ -371,12 +471,19 @@ def run_worker(host: str, port: int, timeout: float = 120, parallel: int = 1, *,
         ``torch.set_num_threads`` for this process (1, like DataLoader workers; None keeps torch's default).
     handshake_timeout : float
         Seconds a new connection has to authenticate before it is dropped.
+    limits : ConnectionLimits, optional
+        Per-client bounds (queued requests, unsent bytes, call size, remote references).
+    integrity_only : bool, optional
+        Also accept clients that opted out of encryption (trusted networks only); by
+        default read from ``TORCHFEED_TRUSTED_NETWORK_NO_ENCRYPTION``.
     """
+    raise_fd_limit()
     if torch_threads is not None:
         import torch
 
         torch.set_num_threads(torch_threads)
-    server = WorkerServer(host, port, timeout, parallel, secret=secret, handshake_timeout=handshake_timeout)
+    server = WorkerServer(host, port, timeout, parallel, secret=secret, handshake_timeout=handshake_timeout,
+                          limits=limits, integrity_only=integrity_only)
     in_main = threading.current_thread() is threading.main_thread()
     if in_main:
         def _stop(signum, _frame):

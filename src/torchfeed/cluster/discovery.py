@@ -11,7 +11,7 @@ import time
 from typing import List, Optional, Sequence
 
 from ..errors import Timeout, TorchfeedError
-from ..worker import read_address_file
+from ..addrfile import read_address_file
 from .env import _int_var, environment
 
 ENV_WORKERS = "TORCHFEED_WORKERS"

@@ -1,0 +1,66 @@
+"""Address files: one ``host:port`` line per worker process, appended by the workers.
+
+Workers append their address (``torchfeed worker --address-file F``, the Slurm scripts'
+workers file) under an exclusive lock; trainers read the file. A trainer connects to
+whatever the file lists, so a file that other users can write lets them point it at
+their own "worker": such files are refused when read, and created private (0600).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import stat
+import sys
+from typing import List, Optional
+
+from .errors import TorchfeedError
+
+
+class UnsafeAddressFile(TorchfeedError, PermissionError):
+    """An address file that users other than its owner can write."""
+
+
+def check_private(path: str) -> None:
+    """Refuse a file that other users can write, or that another user owns."""
+    st = os.stat(path)
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or st.st_uid not in (os.geteuid(), 0):
+        raise UnsafeAddressFile(
+            f"address file {path} can be written by other users (mode {stat.S_IMODE(st.st_mode):o}, "
+            f"owner uid {st.st_uid}): anyone could add the address of a fake worker to it. "
+            f"Fix it with `chmod 600 {path}` (and keep it in a directory only you can write)"
+        )
+
+
+def read_address_file(path: str) -> List[str]:
+    """The address lines of a file written by :func:`announce`: in order, no blanks or repeats.
+
+    A missing file reads as empty; a file others can write raises :class:`UnsafeAddressFile`.
+    """
+    try:
+        with open(path) as f:
+            check_private(path)
+            lines = [line.strip() for line in f]
+    except FileNotFoundError:
+        return []
+    return list(dict.fromkeys(line for line in lines if line and not line.startswith("#")))
+
+
+def announce(address: str, address_file: Optional[str] = None) -> None:
+    """Print ``host:port`` (one line, flushed) and append it to ``address_file`` under a lock.
+
+    The file is created with mode 0600 when missing.
+    """
+    if address_file:
+        fd = os.open(address_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "a") as f:
+            check_private(address_file)
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                f.write(address + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+    sys.stdout.write(address + "\n")
+    sys.stdout.flush()

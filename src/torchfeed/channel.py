@@ -1,0 +1,246 @@
+"""The sealed record layer every message travels in after the handshake.
+
+Each direction of a connection has its own 256-bit AES-GCM key (derived by
+:mod:`torchfeed.auth` from the shared secret and both handshake nonces) and its own
+record counter, which is the GCM nonce. A message (see :mod:`torchfeed.wire`) is sent
+as a sequence of sealed records::
+
+    [header: 28 bytes + tag]
+    [buffer lengths (8 x n bytes, when n > 0), in chunks of at most CHUNK bytes, each + tag]
+    [meta, in chunks of at most CHUNK bytes, each + tag]
+    [each buffer, in chunks of at most CHUNK bytes, each + tag]
+
+Every record is authenticated under the next counter value, so a flipped bit, a
+replayed, dropped, reordered or injected record fails its tag check and raises
+:class:`IntegrityError`; the connection is then closed by its owner. Because the header
+is a record of its own, the lengths it announces are authentic before anything is
+allocated for them, and a message too large for this side can be skipped record by
+record without losing the stream.
+
+Receiving keeps the zero-copy path: a buffer chunk is received into a small scratch
+block (it stays in cache) and decrypted straight into the caller's final, possibly
+pinned, memory.
+
+``encrypt=False`` (the trusted-network opt-out, see :mod:`torchfeed.auth`) keeps the
+layout and the integrity: each record is sent in clear followed by a GMAC tag over it
+(AES-GCM with the record as associated data), so tampering, replay and injection are
+still detected; only confidentiality is given up.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import List, Optional, Sequence
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from . import wire
+from .errors import FrameTooLarge, ProtocolError
+
+TAG = 16
+CHUNK = 256 * 1024  # plaintext bytes per record: large enough to amortise, small enough for cache
+_NONCE = struct.Struct(">4xQ")
+_SEND_BATCH = 1 << 20  # sealed bytes gathered into one sendmsg
+_STAGING = 64 * 1024
+
+
+class IntegrityError(ProtocolError):
+    """A record failed authentication: tampered with, replayed, reordered or injected."""
+
+
+class Channel:
+    """Sealed message I/O over a connected blocking socket.
+
+    Not thread safe: one thread reads, and sends are serialised by the owner (one lock
+    or one writer thread), because each record consumes the next counter value.
+    """
+
+    def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes, *, encrypt: bool = True,
+                 initial: bytes = b""):
+        self.sock = sock
+        self.encrypt = encrypt
+        self._send_aead = AESGCM(send_key)
+        self._recv_aead = AESGCM(recv_key)
+        self._send_seq = 0
+        self._recv_seq = 0
+        self._scratch_out: Optional[bytearray] = None  # made on the first large send
+        self._scratch_in = bytearray(CHUNK + TAG)
+        self._staging = bytearray(max(_STAGING, len(initial)))
+        self._view = memoryview(self._staging)
+        self._staging[: len(initial)] = initial  # bytes read past the handshake
+        self._start = 0
+        self._end = len(initial)
+        self.bytes_received = 0
+        self.bytes_sent = 0
+        # with SO_SNDTIMEO set on the socket: seconds without progress before a send fails
+        self.send_stall_timeout: Optional[float] = None
+
+    # -- sending -----------------------------------------------------------
+    def _next_send_nonce(self) -> bytes:
+        nonce = _NONCE.pack(self._send_seq)
+        self._send_seq += 1
+        return nonce
+
+    def _seal_small(self, data) -> List:
+        nonce = self._next_send_nonce()
+        if self.encrypt:
+            return [self._send_aead.encrypt(nonce, bytes(data), None)]
+        return [data, self._send_aead.encrypt(nonce, b"", data)]
+
+    def send(self, kind: int, request_id: int = 0, meta: bytes = b"", buffers: Sequence = (),
+             flags: int = 0) -> None:
+        """Seal and send one message; large buffers are sealed chunk by chunk."""
+        views = [memoryview(b).cast("B") for b in buffers]
+        lengths = [len(v) for v in views]
+        parts: List = []
+        parts += self._seal_small(wire.pack_fixed(kind, request_id, len(meta), len(lengths), flags))
+        pending = sum(memoryview(p).nbytes for p in parts)
+        offset = 0  # used part of the outgoing scratch
+        table = [memoryview(struct.pack(f"<{len(lengths)}Q", *lengths))] if lengths else []
+        for payload in table + ([memoryview(meta)] if meta else []) + views:
+            for start in range(0, len(payload), CHUNK):
+                chunk = payload[start : start + CHUNK]
+                nonce = self._next_send_nonce()
+                if self.encrypt:
+                    if self._scratch_out is None:
+                        self._scratch_out = bytearray(_SEND_BATCH + CHUNK + TAG)
+                    out = memoryview(self._scratch_out)[offset : offset + len(chunk) + TAG]
+                    self._send_aead.encrypt_into(nonce, chunk, None, out)
+                    offset += len(out)
+                    parts.append(out)
+                else:
+                    parts += [chunk, self._send_aead.encrypt(nonce, b"", chunk)]
+                pending += len(chunk) + TAG
+                if pending >= _SEND_BATCH:
+                    self._write(parts)
+                    parts, pending, offset = [], 0, 0
+        if parts:
+            self._write(parts)
+
+    def _write(self, parts: List) -> None:
+        wire.sendmsg_all(self.sock, parts, self.send_stall_timeout)
+        self.bytes_sent += sum(memoryview(p).nbytes for p in parts)
+
+    # -- receiving -----------------------------------------------------------
+    def _next_recv_nonce(self) -> bytes:
+        nonce = _NONCE.pack(self._recv_seq)
+        self._recv_seq += 1
+        return nonce
+
+    def _recv_some(self) -> None:
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._staging):
+            n = self._end - self._start
+            self._staging[:n] = self._staging[self._start : self._end]
+            self._start, self._end = 0, n
+        got = self.sock.recv_into(self._view[self._end :])
+        if not got:
+            raise ConnectionError("connection closed by peer")
+        self._end += got
+        self.bytes_received += got
+
+    def _fill(self, dest: memoryview) -> None:
+        """Fill ``dest`` exactly from the stream (staged bytes first, then straight in)."""
+        total, pos = len(dest), 0
+        avail = self._end - self._start
+        if avail:
+            pos = min(avail, total)
+            dest[:pos] = self._view[self._start : self._start + pos]
+            self._start += pos
+        while pos < total:
+            remaining = total - pos
+            if remaining >= _STAGING // 2:
+                got = self.sock.recv_into(dest[pos:], remaining, socket.MSG_WAITALL)
+                if not got:
+                    raise ConnectionError("connection closed by peer")
+                self.bytes_received += got
+                pos += got
+            else:
+                self._recv_some()
+                n = min(self._end - self._start, remaining)
+                dest[pos : pos + n] = self._view[self._start : self._start + n]
+                self._start += n
+                pos += n
+
+    def _open_into(self, dest: memoryview) -> None:
+        """Receive one record whose plaintext is ``len(dest)`` bytes into ``dest``."""
+        n = len(dest)
+        nonce = self._next_recv_nonce()
+        try:
+            if self.encrypt:
+                sealed = memoryview(self._scratch_in)[: n + TAG]  # n <= CHUNK: callers chunk
+                self._fill(sealed)
+                self._recv_aead.decrypt_into(nonce, sealed, None, dest)
+            else:
+                self._fill(dest)
+                tag = memoryview(self._scratch_in)[:TAG]
+                self._fill(tag)
+                self._recv_aead.decrypt(nonce, bytes(tag), dest)
+        except InvalidTag:
+            raise IntegrityError(
+                f"record {self._recv_seq - 1} failed authentication: the stream was tampered with, "
+                "replayed or injected into (or the peer is not who it claims)"
+            ) from None
+
+    def _open_payload(self, dest: memoryview) -> None:
+        for start in range(0, len(dest), CHUNK):
+            self._open_into(dest[start : start + CHUNK])
+
+    def read_header(self, limits: wire.Limits) -> wire.Frame:
+        """Read and authenticate a message's header and buffer lengths.
+
+        Then read the meta (:meth:`read_meta`) and the buffers (:meth:`read_buffers`), or
+        skip the rest (:meth:`skip`). Raises :class:`FrameTooLarge` after the header is
+        authenticated when it announces more than ``limits``; the stream is still in
+        sync, so the caller may :meth:`skip` the message and go on.
+        """
+        head = bytearray(wire.HEADER.size)
+        self._open_into(memoryview(head))
+        kind, flags, request_id, meta_len, nbuf = wire.parse_header(bytes(head))
+        if nbuf > limits.max_buffers:
+            raise ProtocolError(f"{nbuf} buffers exceed the limit of {limits.max_buffers}")
+        lengths: List[int] = []
+        if nbuf:
+            raw = bytearray(8 * nbuf)
+            self._open_payload(memoryview(raw))
+            lengths = list(struct.unpack(f"<{nbuf}Q", raw))
+        frame = wire.Frame(kind, flags, request_id, b"", lengths, meta_len)
+        try:
+            wire.check_limits(frame, limits)
+        except FrameTooLarge as exc:
+            exc.frame = frame  # authentic: the caller may skip it and stay connected
+            raise
+        return frame
+
+    def read_meta(self, frame: wire.Frame) -> bytes:
+        meta = bytearray(frame.meta_len)
+        self._open_payload(memoryview(meta))
+        frame.meta = bytes(meta)
+        return frame.meta
+
+    def read_frame(self, limits: wire.Limits) -> wire.Frame:
+        """Header and meta of the next message; its buffers stay unread."""
+        frame = self.read_header(limits)
+        self.read_meta(frame)
+        return frame
+
+    def read_buffers(self, dests: Sequence[memoryview]) -> None:
+        for d in dests:
+            self._open_payload(d.cast("B") if d.format != "B" or d.ndim != 1 else d)
+
+    def read_buffer_chunks(self, dest: memoryview):
+        """Receive one buffer, yielding after each record (for liveness tracking)."""
+        for start in range(0, len(dest), CHUNK):
+            self._open_into(dest[start : start + CHUNK])
+            yield
+
+    def skip(self, frame: wire.Frame, meta: bool = True) -> None:
+        """Authenticate and discard the unread rest of ``frame`` (its meta when
+        ``meta`` is true, and its buffers)."""
+        scratch = memoryview(bytearray(CHUNK))
+        for n in ([frame.meta_len] if meta else []) + list(frame.buffer_lengths):
+            for start in range(0, n, CHUNK):
+                self._open_into(scratch[: min(CHUNK, n - start)])

@@ -1,0 +1,286 @@
+"""The worker's front door: accepts connections and runs every handshake on one thread.
+
+Before a peer has proven it holds the secret it gets no thread, no large buffer and no
+unpickling: a single thread multiplexes the listening socket and all handshakes in
+progress with a selector, each costing one socket and a few hundred bytes. Peers are
+held to a small budget:
+
+* at most ``max_pending`` handshakes at once; a new connection beyond that evicts the
+  oldest handshake (idle floods cannot lock out a real client for long);
+* ``handshake_timeout`` seconds to finish;
+* wrong secrets are rate limited per source address (a token bucket); a source out of
+  tokens has its connections closed at once until it earns one back, and log lines about
+  it are rate limited too.
+
+``accept`` failing for lack of file descriptors, memory or buffers (EMFILE, ENFILE,
+ENOMEM, ENOBUFS) is logged, the oldest handshake is evicted to free a descriptor, and
+accepting pauses with exponential backoff (10 ms to 1 s): the loop never ends because of
+load. A successful handshake is handed to ``on_authenticated``; if that fails (no thread
+can be started), the connection is closed and the doorman goes on.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections import OrderedDict
+from typing import Callable, Dict, Optional
+
+from . import auth, wire
+from .errors import ProtocolError
+
+log = logging.getLogger("torchfeed.worker")
+
+_RESOURCE_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+_AUTH_FRAME = wire.HEADER.size + auth.AUTH_BYTES
+
+
+class RateLimitedLog:
+    """At most one line per key every ``interval`` seconds; the rest are counted."""
+
+    def __init__(self, interval: float = 10.0):
+        self.interval = interval
+        self._last: Dict[str, float] = {}
+        self._suppressed: Dict[str, int] = {}
+
+    def __call__(self, level: int, key: str, msg: str, *args) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, -1e9) < self.interval:
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return
+        self._last[key] = now
+        n = self._suppressed.pop(key, 0)
+        log.log(level, msg + (f" ({n} more like this suppressed)" if n else ""), *args)
+        if len(self._last) > 4096:  # bounded memory under address floods
+            self._last.clear()
+
+
+class FailureLimiter:
+    """Token bucket per source address for failed handshakes."""
+
+    def __init__(self, burst: float = 10.0, per_second: float = 1.0, max_sources: int = 4096):
+        self.burst, self.rate, self.max_sources = burst, per_second, max_sources
+        self._tokens: Dict[str, tuple] = {}  # host -> (tokens, last update)
+
+    def _level(self, host: str, now: float) -> float:
+        tokens, last = self._tokens.get(host, (self.burst, now))
+        return min(self.burst, tokens + (now - last) * self.rate)
+
+    def blocked(self, host: str) -> bool:
+        return host in self._tokens and self._level(host, time.monotonic()) < 1.0
+
+    def failed(self, host: str) -> None:
+        now = time.monotonic()
+        if len(self._tokens) >= self.max_sources and host not in self._tokens:
+            self._tokens = {h: v for h, v in self._tokens.items() if self._level(h, now) < self.burst}
+        self._tokens[host] = (max(0.0, self._level(host, now) - 1.0), now)
+
+
+class _Handshake:
+    __slots__ = ("sock", "peer", "host", "hello", "buf", "deadline")
+
+    def __init__(self, sock: socket.socket, peer: str, host: str, hello: bytes, deadline: float):
+        self.sock, self.peer, self.host, self.hello, self.deadline = sock, peer, host, hello, deadline
+        self.buf = bytearray()
+
+
+class Doorman:
+    """Accept loop and handshakes of one worker (see the module docstring)."""
+
+    def __init__(self, listener: socket.socket, secret: auth.Secret,
+                 on_authenticated: Callable[[socket.socket, str, auth.SessionKeys, bytes], None], *,
+                 handshake_timeout: float, stopping: threading.Event, max_pending: int = 128,
+                 allow_integrity_only: bool = False, limiter: Optional[FailureLimiter] = None):
+        self.listener = listener
+        self.secret = secret
+        self.on_authenticated = on_authenticated
+        self.handshake_timeout = handshake_timeout
+        self.stopping = stopping
+        self.max_pending = max_pending
+        self.allow_integrity_only = allow_integrity_only
+        self.limiter = limiter or FailureLimiter()
+        self.say = RateLimitedLog()
+        self._pending: "OrderedDict[int, _Handshake]" = OrderedDict()  # fd -> handshake, oldest first
+        self._sel = selectors.DefaultSelector()
+        self._accept_paused_until = 0.0
+        self._backoff = 0.0
+        self.counts = {"accepted": 0, "authenticated": 0, "rejected": 0, "evicted": 0, "expired": 0,
+                       "refused_rate_limited": 0, "accept_errors": 0}
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    # -- loop ---------------------------------------------------------------------
+    def run(self) -> None:
+        self.listener.setblocking(False)
+        self._sel.register(self.listener, selectors.EVENT_READ, None)
+        try:
+            while not self.stopping.is_set():
+                self._maybe_resume_accepting()
+                for key, _ in self._sel.select(timeout=self._wait()):
+                    if key.data is None:
+                        self._accept_some()
+                    else:
+                        self._advance(key.data)
+                self._expire()
+        finally:
+            for hs in list(self._pending.values()):
+                self._close(hs)
+            self._sel.close()
+
+    def _wait(self) -> float:
+        wait = 0.5  # signals on other threads and stop requests are seen at least this often
+        if self._pending:
+            wait = min(wait, max(0.0, next(iter(self._pending.values())).deadline - time.monotonic()))
+        if self._accept_paused_until:
+            wait = min(wait, max(0.0, self._accept_paused_until - time.monotonic()))
+        return wait
+
+    def _accept_some(self) -> None:
+        for _ in range(64):  # then let handshakes in progress run
+            try:
+                sock, addr = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if self.stopping.is_set():
+                    return
+                self.counts["accept_errors"] += 1
+                if exc.errno in _RESOURCE_ERRORS:
+                    self._pause_accepting(exc)
+                else:  # e.g. ECONNABORTED: that peer is gone, others are not
+                    self.say(logging.INFO, "accept", "accept failed: %s", exc)
+                return
+            self._backoff = 0.0
+            self._admit(sock, addr)
+
+    def _pause_accepting(self, exc: OSError) -> None:
+        if self._pending:  # free a descriptor for the next real client
+            self._evict_oldest()
+        self._backoff = min(max(self._backoff * 2, 0.01), 1.0)
+        self._accept_paused_until = time.monotonic() + self._backoff
+        self._sel.unregister(self.listener)
+        self.say(logging.WARNING, "accept-resources",
+                 "cannot accept connections (%s): %d handshakes pending; pausing %.2f s. Raise the file "
+                 "descriptor limit (ulimit -n) if this worker serves many clients", exc, self.pending,
+                 self._backoff)
+
+    def _maybe_resume_accepting(self) -> None:
+        if self._accept_paused_until and time.monotonic() >= self._accept_paused_until:
+            self._accept_paused_until = 0.0
+            self._sel.register(self.listener, selectors.EVENT_READ, None)
+
+    def _admit(self, sock: socket.socket, addr) -> None:
+        host = str(addr[0])
+        peer = f"{addr[0]}:{addr[1]}"
+        self.counts["accepted"] += 1
+        if self.limiter.blocked(host):
+            self.counts["refused_rate_limited"] += 1
+            self.say(logging.WARNING, f"blocked {host}",
+                     "refusing connections from %s for now: too many wrong secrets from there", host)
+            sock.close()
+            return
+        while len(self._pending) >= self.max_pending:
+            self._evict_oldest()
+        hello = auth.hello_meta(self.allow_integrity_only)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            frame = wire.pack_header(wire.HELLO, 0, len(hello), []) + hello
+            if sock.send(frame) != len(frame):
+                raise BlockingIOError("greeting did not fit the send buffer")
+        except OSError:
+            sock.close()
+            return
+        hs = _Handshake(sock, peer, host, hello, time.monotonic() + self.handshake_timeout)
+        self._pending[sock.fileno()] = hs
+        self._sel.register(sock, selectors.EVENT_READ, hs)
+
+    # -- one handshake ---------------------------------------------------------------
+    def _advance(self, hs: _Handshake) -> None:
+        try:
+            data = hs.sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close(hs)
+            return
+        hs.buf += data
+        try:
+            if len(hs.buf) >= wire.HEADER.size:
+                kind, _flags, _rid, meta_len, nbuf = wire.parse_header(bytes(hs.buf[: wire.HEADER.size]))
+                if kind != wire.AUTH or meta_len != auth.AUTH_BYTES or nbuf:
+                    raise ProtocolError(f"expected an AUTH message, got {wire.KIND_NAMES[kind]} "
+                                        f"with {meta_len} bytes")
+            if len(hs.buf) < _AUTH_FRAME:
+                return
+            ok, reply, keys = auth.check_auth(self.secret, hs.hello, bytes(hs.buf[wire.HEADER.size : _AUTH_FRAME]))
+        except ProtocolError as exc:
+            self.counts["rejected"] += 1
+            self.say(logging.INFO, f"bad {hs.host}", "dropping %s during the handshake: %s", hs.peer, exc)
+            self._send_quietly(hs, wire.BYE, str(exc).encode()[:400])
+            self._close(hs)
+            return
+        if not ok:
+            self.counts["rejected"] += 1
+            self.limiter.failed(hs.host)
+            self.say(logging.WARNING, f"wrong {hs.host}", "rejected client %s: %s", hs.peer, reply.decode())
+            self._send_quietly(hs, wire.AUTH_FAIL, reply)
+            self._close(hs)
+            return
+        leftover = bytes(hs.buf[_AUTH_FRAME:])
+        if not self._send_quietly(hs, wire.AUTH_OK, reply):
+            self._close(hs)
+            return
+        self._forget(hs)
+        try:
+            hs.sock.setblocking(True)
+            self.on_authenticated(hs.sock, hs.peer, keys, leftover)
+            self.counts["authenticated"] += 1
+        except Exception as exc:  # e.g. "can't start new thread": this client only
+            self.say(logging.WARNING, "handoff", "could not serve client %s: %s", hs.peer, exc)
+            hs.sock.close()
+
+    def _send_quietly(self, hs: _Handshake, kind: int, meta: bytes) -> bool:
+        frame = wire.pack_header(kind, 0, len(meta), []) + meta
+        try:
+            return hs.sock.send(frame) == len(frame)
+        except OSError:
+            return False
+
+    # -- bookkeeping -----------------------------------------------------------------
+    def _forget(self, hs: _Handshake) -> None:
+        self._pending.pop(hs.sock.fileno(), None)
+        try:
+            self._sel.unregister(hs.sock)
+        except (KeyError, ValueError):
+            pass
+
+    def _close(self, hs: _Handshake) -> None:
+        self._forget(hs)
+        hs.sock.close()
+
+    def _evict_oldest(self) -> None:
+        _, hs = next(iter(self._pending.items()))
+        self.counts["evicted"] += 1
+        self.say(logging.INFO, "evict", "too many handshakes in progress (%d): dropping the oldest, from %s",
+                 len(self._pending), hs.peer)
+        self._close(hs)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._pending:
+            hs = next(iter(self._pending.values()))
+            if hs.deadline > now:
+                return
+            self.counts["expired"] += 1
+            self.say(logging.INFO, f"slow {hs.host}", "dropping %s: no handshake within %.0f s",
+                     hs.peer, self.handshake_timeout)
+            self._close(hs)
