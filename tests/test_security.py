@@ -2,14 +2,13 @@
 
 Covers mutual authentication (wrong secret, impostor worker, replay), the rule that
 nothing is unpickled before the peer proved the secret, robustness against malformed
-frames (the worker drops that connection, allocates nothing and keeps serving), the
-handshake timeout, and secret discovery.
+frames before and inside the sealed channel (the worker drops that connection, allocates
+nothing and keeps serving), the handshake timeout, and secret discovery and its rules.
+Attacks by an on-path relay, floods and stalled clients are in test_attacks.py.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import pickle
 import socket
@@ -28,7 +27,7 @@ from torchfeed import auth, client, serialize, wire
 pytestmark = pytest.mark.timeout(60)
 
 SECRET = os.environ["TORCHFEED_SECRET"]  # set by conftest.py for the whole session
-WRONG = "definitely-not-the-right-secret-0123"
+WRONG = "definitely-not-the-right-secret-0123456789abcdef"
 
 
 # -- helpers ------------------------------------------------------------------
@@ -45,20 +44,18 @@ def raw_connect(address: str, timeout: float = 5.0) -> socket.socket:
 
 
 def raw_client(address: str, secret: str = SECRET, timeout: float = 5.0):
-    """A raw socket that completed the client handshake; returns (sock, reader)."""
+    """A raw socket that completed the client handshake; returns (sock, sealed channel)."""
     sock = raw_connect(address, timeout)
-    reader = wire.FrameReader(sock)
-    auth.client_handshake(sock, reader, auth.load_secret(secret), address)
-    return sock, reader
+    return sock, auth.client_handshake(sock, auth.load_secret(secret), address)
 
 
-def mac(secret: str, role: bytes, first: bytes, second: bytes) -> bytes:
-    return hmac.new(secret.encode(), role + first + second, hashlib.sha256).digest()
+def auth_meta(secret: str, hello: bytes, cnonce: bytes, mode: int = auth.MODE_ENCRYPTED) -> bytes:
+    return cnonce + bytes([mode]) + auth.handshake_proof(secret.encode(), b"client", hello, cnonce, mode)
 
 
 def read_hello(sock: socket.socket, reader: wire.FrameReader) -> bytes:
     frame = reader.read_frame(wire.HANDSHAKE_LIMITS)
-    assert frame.kind == wire.HELLO and len(frame.meta) == auth.NONCE_BYTES
+    assert frame.kind == wire.HELLO and len(frame.meta) == auth.HELLO_BYTES
     return frame.meta
 
 
@@ -128,7 +125,7 @@ def evil_call_meta(path: Path) -> bytes:
     return pickle.dumps((Marker(str(path)), (), {}), protocol=5)
 
 
-SHARED_FILE_SECRET = "shared-file-secret-0123456789"
+SHARED_FILE_SECRET = "shared-file-secret-0123456789-0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +190,7 @@ def test_wrong_secret_does_not_poison_the_right_connection(worker):
 class FakeWorker:
     """A plain socket server speaking just enough of the protocol to impersonate a worker.
 
-    ``reply(sock, reader, wnonce, auth_meta)`` answers the client's AUTH message.
+    ``reply(sock, reader, hello, auth_meta)`` answers the client's AUTH message.
     """
 
     def __init__(self, reply):
@@ -214,11 +211,11 @@ class FakeWorker:
         with sock:
             try:
                 reader = wire.FrameReader(sock)
-                wnonce = os.urandom(auth.NONCE_BYTES)
-                wire.send_frame(sock, wire.HELLO, meta=wnonce)
+                hello = auth.hello_meta(False)
+                wire.send_frame(sock, wire.HELLO, meta=hello)
                 frame = reader.read_frame(wire.HANDSHAKE_LIMITS)
                 assert frame.kind == wire.AUTH
-                self.reply(sock, reader, wnonce, frame.meta)
+                self.reply(sock, reader, hello, frame.meta)
                 sock.settimeout(5)
                 while sock.recv(4096):  # keep it open until the client hangs up
                     pass
@@ -263,7 +260,7 @@ def test_impostor_worker_through_rpc_async(fake_worker):
 
 def test_worker_proof_is_bound_to_the_client_nonce(fake_worker):
     """A worker that replays the client's own proof (reflection) is rejected."""
-    fake = fake_worker(lambda sock, r, wn, meta: wire.send_frame(sock, wire.AUTH_OK, meta=meta[auth.NONCE_BYTES:]))
+    fake = fake_worker(lambda sock, r, wn, meta: wire.send_frame(sock, wire.AUTH_OK, meta=meta[auth.NONCE_BYTES + 1:]))
     with pytest.raises(torchfeed.AuthenticationError):
         client.connect(fake.address, timeout=5)
 
@@ -271,14 +268,15 @@ def test_worker_proof_is_bound_to_the_client_nonce(fake_worker):
 def test_worker_that_knows_the_secret_is_accepted_by_the_fake_setup(fake_worker):
     """Control for the impostor tests: the same fake server with a correct proof passes."""
 
-    def honest(sock, reader, wnonce, meta):
-        cnonce = meta[: auth.NONCE_BYTES]
-        wire.send_frame(sock, wire.AUTH_OK, meta=mac(SECRET, b"worker", cnonce, wnonce))
+    def honest(sock, reader, hello, meta):
+        cnonce, mode = meta[: auth.NONCE_BYTES], meta[auth.NONCE_BYTES]
+        wire.send_frame(sock, wire.AUTH_OK, meta=auth.handshake_proof(SECRET.encode(), b"worker", hello, cnonce, mode))
 
     fake = fake_worker(honest)
     sock = raw_connect(fake.address)
     try:
-        auth.client_handshake(sock, wire.FrameReader(sock), auth.load_secret(SECRET), fake.address)
+        channel = auth.client_handshake(sock, auth.load_secret(SECRET), fake.address)
+        assert channel.encrypt
     finally:
         sock.close()
 
@@ -294,9 +292,8 @@ def test_replayed_auth_message_is_rejected(worker):
     address, pid = worker
     sock = raw_connect(address)
     reader = wire.FrameReader(sock)
-    wnonce = read_hello(sock, reader)
-    cnonce = os.urandom(32)
-    recorded = cnonce + mac(SECRET, b"client", wnonce, cnonce)
+    hello = read_hello(sock, reader)
+    recorded = auth_meta(SECRET, hello, os.urandom(32))
     wire.send_frame(sock, wire.AUTH, meta=recorded)
     assert reader.read_frame(wire.HANDSHAKE_LIMITS).kind == wire.AUTH_OK
     sock.close()
@@ -317,10 +314,10 @@ def test_marker_payload_is_effective_after_authentication(worker, tmp_path):
     """Control: the trap payload does create the file when a worker unpickles it."""
     address, pid = worker
     marker = tmp_path / "unpickled-after-auth"
-    sock, reader = raw_client(address)
+    sock, chan = raw_client(address)
     try:
-        wire.send_frame(sock, wire.CALL, 1, meta=evil_call_meta(marker))
-        frame = reader.read_frame(wire.Limits())
+        chan.send(wire.CALL, 1, meta=evil_call_meta(marker))
+        frame = chan.read_frame(wire.Limits())
         assert frame.kind == wire.ERROR  # the "function" is a file object: not callable
         assert frame.request_id == 1
     finally:
@@ -349,9 +346,8 @@ def test_call_after_wrong_secret_is_not_unpickled(worker, tmp_path):
     sock = raw_connect(address)
     reader = wire.FrameReader(sock)
     try:
-        wnonce = read_hello(sock, reader)
-        cnonce = os.urandom(32)
-        wire.send_frame(sock, wire.AUTH, meta=cnonce + mac(WRONG, b"client", wnonce, cnonce))
+        hello = read_hello(sock, reader)
+        wire.send_frame(sock, wire.AUTH, meta=auth_meta(WRONG, hello, os.urandom(32)))
         # pipelined: the CALL is sent before the verdict arrives
         wire.send_frame(sock, wire.CALL, 1, meta=evil_call_meta(marker))
         assert reader.read_frame(wire.HANDSHAKE_LIMITS).kind == wire.AUTH_FAIL
@@ -417,29 +413,53 @@ MALFORMED = {
 BYE_TEXT = {"bad-version": "version", "unknown-kind-99": "unknown message kind"}
 
 
-@pytest.mark.parametrize("authenticated", [False, True], ids=["before-auth", "after-auth"])
+def send_malformed(address: str, name: str, stage: str):
+    """Open a connection, get it to ``stage`` and send MALFORMED[name]; return the socket.
+
+    Stages: ``before-auth`` (raw bytes instead of AUTH), ``after-auth-raw`` (raw bytes
+    inside the sealed stream: they fail authentication) and ``after-auth-sealed`` (the same
+    header and rest, properly sealed: the worker must judge their content).
+    """
+    payload = MALFORMED[name]
+    if stage == "before-auth":
+        sock = raw_connect(address)
+        read_hello(sock, wire.FrameReader(sock))
+        parts = [payload]
+    else:
+        sock, chan = raw_client(address)
+        parts = [payload]
+        if stage == "after-auth-sealed":
+            head, rest = payload[: wire.HEADER.size], payload[wire.HEADER.size :]
+            chan.send_record(head)
+            if rest:
+                chan.send_record(rest)
+            parts = []
+    try:
+        for part in parts:
+            sock.sendall(part)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the worker may already have hung up on the first bytes
+    return sock
+
+
+@pytest.mark.parametrize("stage", ["before-auth", "after-auth-raw", "after-auth-sealed"])
 @pytest.mark.parametrize("name", list(MALFORMED))
-def test_malformed_frame_drops_only_that_connection(worker, name, authenticated):
+def test_malformed_frame_drops_only_that_connection(worker, name, stage):
     address, pid = worker
     bystander = client.connect(address, timeout=10)  # an established client must survive
     rss_before = rss_mb(pid)
-    if authenticated:
-        sock, reader = raw_client(address)
-    else:
-        sock = raw_connect(address)
-        reader = wire.FrameReader(sock)
-        read_hello(sock, reader)
+    sock = send_malformed(address, name, stage)
     try:
-        try:
-            sock.sendall(MALFORMED[name])
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the worker may already have hung up on the first bytes
-        if name.startswith("truncated"):
-            sock.shutdown(socket.SHUT_WR)  # the peer vanishes mid-frame
+        # inside the sealed stream a partial record just waits for the rest: hang up
+        if name.startswith("truncated") or stage != "before-auth":
+            try:
+                sock.shutdown(socket.SHUT_WR)  # the peer vanishes mid-frame
+            except OSError:
+                pass
         data = wait_closed(sock)
     finally:
         sock.close()
-    if name in BYE_TEXT and data:
+    if name in BYE_TEXT and data and stage == "before-auth":
         frames = parse_frames(data)
         assert frames[-1][0] == wire.BYE
         assert BYE_TEXT[name] in frames[-1][1].decode()
@@ -464,22 +484,22 @@ def test_bad_version_is_answered_with_bye(worker):
 
 def test_unpicklable_call_after_auth_fails_that_request_only(worker):
     address, pid = worker
-    sock, reader = raw_client(address)
+    sock, chan = raw_client(address)
     try:
-        wire.send_frame(sock, wire.CALL, 7, meta=b"\x80\x05not a pickle at all")
-        frame = reader.read_frame(wire.Limits())
+        chan.send(wire.CALL, 7, meta=b"\x80\x05not a pickle at all")
+        frame = chan.read_frame(wire.Limits())
         assert (frame.kind, frame.request_id) == (wire.ERROR, 7)
         info = pickle.loads(frame.meta)
         assert "Unpickling" in info["type"] or "pickle" in info["traceback"].lower()
         # the same connection goes on working
         meta, bufs = serialize.dumps((os.getpid, (), {}), by_value=True)
-        wire.send_frame(sock, wire.CALL, 8, meta=meta, buffers=bufs)
-        frame = reader.read_frame(wire.Limits())
+        chan.send(wire.CALL, 8, meta=meta, buffers=bufs)
+        frame = chan.read_frame(wire.Limits())
         assert (frame.kind, frame.request_id) == (wire.REPLY, 8)
         assert serialize.loads(frame.meta) == pid
         sock.settimeout(5)
-        wire.send_frame(sock, wire.PING, 9)
-        assert reader.read_frame(wire.Limits()).kind == wire.PONG
+        chan.send(wire.PING, 9)
+        assert chan.read_frame(wire.Limits()).kind == wire.PONG
     finally:
         sock.close()
 
@@ -518,7 +538,7 @@ def test_slow_handshake_is_dropped(quick_worker):
     reader = wire.FrameReader(sock)
     read_hello(sock, reader)
     start = time.monotonic()
-    frame = header(kind=wire.AUTH, meta_len=64) + b"z" * 64
+    frame = header(kind=wire.AUTH, meta_len=auth.AUTH_BYTES) + b"z" * auth.AUTH_BYTES
     closed = False
     for byte in frame:
         try:
@@ -547,12 +567,12 @@ def test_slow_handshake_is_dropped(quick_worker):
 def test_authenticated_client_is_not_hit_by_handshake_timeout(quick_worker):
     """The handshake timeout does not apply once the client is authenticated."""
     address, pid = quick_worker
-    sock, reader = raw_client(address)
+    sock, chan = raw_client(address)
     try:
         time.sleep(1.6)  # longer than the handshake timeout: the point of the test
         meta, bufs = serialize.dumps((os.getpid, (), {}), by_value=True)
-        wire.send_frame(sock, wire.CALL, 1, meta=meta, buffers=bufs)
-        frame = reader.read_frame(wire.Limits())
+        chan.send(wire.CALL, 1, meta=meta, buffers=bufs)
+        frame = chan.read_frame(wire.Limits())
         assert frame.kind == wire.REPLY
         assert serialize.loads(frame.meta) == pid
     finally:
@@ -579,30 +599,30 @@ def write_secret(path: Path, text: str, mode: int = 0o600) -> Path:
 
 
 def test_env_secret_wins_over_file(clean_env, monkeypatch, tmp_path):
-    monkeypatch.setenv(auth.ENV_SECRET, "from-the-environment-123456")
-    monkeypatch.setenv(auth.ENV_SECRET_FILE, str(write_secret(tmp_path / "s", "from-the-file-123456789")))
+    monkeypatch.setenv(auth.ENV_SECRET, "from-the-environment-0123456789abcdef-123456")
+    monkeypatch.setenv(auth.ENV_SECRET_FILE, str(write_secret(tmp_path / "s", "from-the-file-0123456789abcdef-0123456789")))
     secret = auth.load_secret()
-    assert secret.value == b"from-the-environment-123456"
+    assert secret.value == b"from-the-environment-0123456789abcdef-123456"
     assert auth.ENV_SECRET in secret.source
     # an unusable file does not matter when the variable is set
     monkeypatch.setenv(auth.ENV_SECRET_FILE, str(tmp_path / "missing"))
-    assert auth.load_secret().value == b"from-the-environment-123456"
+    assert auth.load_secret().value == b"from-the-environment-0123456789abcdef-123456"
     assert "from-the-environment" not in repr(secret)
 
 
 def test_secret_file_is_read(clean_env, monkeypatch, tmp_path):
-    path = write_secret(tmp_path / "secret", "  0123456789abcdef-file-secret \n")
+    path = write_secret(tmp_path / "secret", "  0123456789abcdef-file-secret-0123456789abcdef \n")
     monkeypatch.setenv(auth.ENV_SECRET_FILE, str(path))
     secret = auth.load_secret()
-    assert secret.value == b"0123456789abcdef-file-secret"
+    assert secret.value == b"0123456789abcdef-file-secret-0123456789abcdef"
     assert str(path) in secret.source
     assert not (clean_env / "torchfeed" / "secret").exists()  # no default file made
 
 
 def test_empty_env_secret_falls_back_to_the_file(clean_env, monkeypatch, tmp_path):
     monkeypatch.setenv(auth.ENV_SECRET, "")
-    monkeypatch.setenv(auth.ENV_SECRET_FILE, str(write_secret(tmp_path / "s", "file-secret-0123456789")))
-    assert auth.load_secret().value == b"file-secret-0123456789"
+    monkeypatch.setenv(auth.ENV_SECRET_FILE, str(write_secret(tmp_path / "s", "file-secret-0123456789-0123456789abcdef")))
+    assert auth.load_secret().value == b"file-secret-0123456789-0123456789abcdef"
 
 
 def test_default_file_is_created_private(clean_env):
@@ -633,7 +653,7 @@ def test_default_path_without_xdg(clean_env, monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660, 0o666])
 def test_readable_secret_file_is_refused(clean_env, monkeypatch, tmp_path, mode):
-    path = write_secret(tmp_path / "secret", "a-perfectly-long-secret-value", mode)
+    path = write_secret(tmp_path / "secret", "a-perfectly-long-secret-value-0123456789abcdef", mode)
     monkeypatch.setenv(auth.ENV_SECRET_FILE, str(path))
     with pytest.raises(torchfeed.AuthenticationError, match="chmod 600") as info:
         auth.load_secret()
@@ -643,27 +663,104 @@ def test_readable_secret_file_is_refused(clean_env, monkeypatch, tmp_path, mode)
 def test_readable_default_file_is_refused(clean_env):
     path = clean_env / "torchfeed" / "secret"
     path.parent.mkdir(parents=True)
-    write_secret(path, "a-perfectly-long-secret-value", 0o644)
+    write_secret(path, "a-perfectly-long-secret-value-0123456789abcdef", 0o644)
     with pytest.raises(torchfeed.AuthenticationError, match="chmod 600"):
         auth.load_secret()
 
 
-def test_missing_or_short_secret_file(clean_env, monkeypatch, tmp_path):
+def test_missing_secret_file(clean_env, monkeypatch, tmp_path):
     monkeypatch.setenv(auth.ENV_SECRET_FILE, str(tmp_path / "nope"))
     with pytest.raises(torchfeed.AuthenticationError, match="does not exist"):
         auth.load_secret()
-    monkeypatch.setenv(auth.ENV_SECRET_FILE, str(write_secret(tmp_path / "short", "abc")))
-    with pytest.raises(torchfeed.AuthenticationError, match="fewer than 16"):
-        auth.load_secret()
+
+
+SHORT = "hunter2-is-not-a-secret"  # 23 bytes
+
+
+@pytest.mark.parametrize("source", ["env", "file", "argument-str", "argument-bytes", "Secret"])
+def test_short_secrets_are_refused_from_every_source(clean_env, monkeypatch, tmp_path, source):
+    if source == "env":
+        monkeypatch.setenv(auth.ENV_SECRET, SHORT)
+        call = auth.load_secret
+    elif source == "file":
+        monkeypatch.setenv(auth.ENV_SECRET_FILE, str(write_secret(tmp_path / "short", SHORT)))
+        call = auth.load_secret
+    else:
+        value = {"argument-str": SHORT, "argument-bytes": SHORT.encode(),
+                 "Secret": auth.Secret(SHORT.encode(), "test")}[source]
+        call = lambda: auth.load_secret(value)  # noqa: E731
+    with pytest.raises(torchfeed.AuthenticationError) as info:
+        call()
+    message = str(info.value)
+    assert "at least 32" in message and "secrets.token_hex(32)" in message
+    assert SHORT not in message
+
+
+def test_a_short_secret_cannot_start_a_worker_or_a_client(worker):
+    address, _pid = worker
+    with pytest.raises(torchfeed.AuthenticationError, match="at least 32"):
+        torchfeed.WorkerServer(secret=SHORT)
+    with pytest.raises(torchfeed.AuthenticationError, match="at least 32"):
+        torchfeed.rpc_async(address, os.getpid, secret=SHORT, timeout=5).wait()
 
 
 def test_explicit_secret_types():
-    assert auth.load_secret("abc").value == b"abc"
-    assert auth.load_secret(b"abc").value == b"abc"
-    s = auth.Secret(b"xyz", "test")
-    assert auth.load_secret(s) is s
+    long = "0123456789abcdef" * 2
+    assert auth.load_secret(long).value == long.encode()
+    assert auth.load_secret(long.encode()).value == long.encode()
+    s = auth.Secret(long.encode(), "test")
+    assert auth.load_secret(s) == s
     with pytest.raises(TypeError):
         auth.load_secret(123)
+
+
+def test_symlinked_secret_file_is_refused(clean_env, monkeypatch, tmp_path):
+    target = write_secret(tmp_path / "real", "a-perfectly-long-secret-value-0123456789abcdef")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    monkeypatch.setenv(auth.ENV_SECRET_FILE, str(link))
+    with pytest.raises(torchfeed.AuthenticationError, match="symbolic link"):
+        auth.load_secret()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
+def test_secret_file_of_another_user_is_refused(clean_env, monkeypatch, tmp_path):
+    path = write_secret(tmp_path / "theirs", "a-perfectly-long-secret-value-0123456789abcdef")
+    os.chown(path, 65534, 65534)
+    monkeypatch.setenv(auth.ENV_SECRET_FILE, str(path))
+    with pytest.raises(torchfeed.AuthenticationError, match="not to you"):
+        auth.load_secret()
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777])
+def test_secret_in_a_directory_others_can_write_is_refused(clean_env, monkeypatch, tmp_path, mode):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    path = write_secret(shared / "secret", "a-perfectly-long-secret-value-0123456789abcdef")
+    os.chmod(shared, mode)
+    monkeypatch.setenv(auth.ENV_SECRET_FILE, str(path))
+    with pytest.raises(torchfeed.AuthenticationError, match="can be written by other users"):
+        auth.load_secret()
+
+
+def test_default_file_created_concurrently_is_never_seen_half_written(clean_env):
+    """Many processes creating the default secret at once all read the same full value."""
+    import subprocess
+    import sys
+
+    code = "from torchfeed import auth; print(auth.load_secret().value.decode())"
+    env = {k: v for k, v in os.environ.items() if k not in (auth.ENV_SECRET, auth.ENV_SECRET_FILE)}
+    path = clean_env / "torchfeed" / "secret"
+    for _round in range(3):
+        if path.exists():
+            path.unlink()
+        procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(8)]
+        outs = [p.communicate(timeout=60) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [o[1][-500:] for o in outs]
+        values = {o[0].strip() for o in outs}
+        assert len(values) == 1 and len(values.pop()) == 64
+        assert [f.name for f in path.parent.iterdir()] == ["secret"]  # no temp files left
 
 
 def test_worker_and_client_share_a_secret_file(file_worker):

@@ -214,7 +214,7 @@ def _hkdf(secret: bytes, salt: bytes, info: bytes, length: int = 32) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt, info=info).derive(secret)
 
 
-def _proof(secret: bytes, role: bytes, hello: bytes, cnonce: bytes, mode: int) -> bytes:
+def handshake_proof(secret: bytes, role: bytes, hello: bytes, cnonce: bytes, mode: int) -> bytes:
     key = _hkdf(secret, b"", b"torchfeed/2 handshake proof")
     return hmac.new(key, role + hello + cnonce + bytes([mode]), hashlib.sha256).digest()
 
@@ -255,12 +255,12 @@ def check_auth(secret: Secret, hello: bytes, auth_meta: bytes) -> Tuple[bool, by
     if len(auth_meta) != AUTH_BYTES:
         raise ProtocolError(f"expected an AUTH message of {AUTH_BYTES} bytes, got {len(auth_meta)}")
     cnonce, mode, proof = auth_meta[:NONCE_BYTES], auth_meta[NONCE_BYTES], auth_meta[NONCE_BYTES + 1 :]
-    if not hmac.compare_digest(proof, _proof(secret.value, b"client", hello, cnonce, mode)):
+    if not hmac.compare_digest(proof, handshake_proof(secret.value, b"client", hello, cnonce, mode)):
         return False, b"wrong secret", SessionKeys(b"", b"", True)
     if mode not in (MODE_ENCRYPTED, MODE_INTEGRITY_ONLY) or (mode == MODE_INTEGRITY_ONLY and not hello[-1]):
         return False, b"this worker requires encryption (it was not started with --trusted-network-no-encryption)", \
             SessionKeys(b"", b"", True)
-    reply = _proof(secret.value, b"worker", hello, cnonce, mode)
+    reply = handshake_proof(secret.value, b"worker", hello, cnonce, mode)
     return True, reply, _session(secret.value, hello, cnonce, mode, worker=True)
 
 
@@ -277,7 +277,7 @@ def client_handshake(sock, secret: Secret, address: str, *, integrity_only: bool
     hello = frame.meta
     mode = MODE_INTEGRITY_ONLY if integrity_only and hello[-1] else MODE_ENCRYPTED
     cnonce = secrets.token_bytes(NONCE_BYTES)
-    wire.send_frame(sock, wire.AUTH, meta=cnonce + bytes([mode]) + _proof(secret.value, b"client", hello, cnonce, mode))
+    wire.send_frame(sock, wire.AUTH, meta=cnonce + bytes([mode]) + handshake_proof(secret.value, b"client", hello, cnonce, mode))
     frame = reader.read_frame(wire.HANDSHAKE_LIMITS)
     if frame.kind == wire.AUTH_FAIL:
         reason = frame.meta.decode(errors="replace")
@@ -287,7 +287,7 @@ def client_handshake(sock, secret: Secret, address: str, *, integrity_only: bool
         raise ProtocolError(f"worker {address} refused the connection: {frame.meta.decode(errors='replace')}")
     if frame.kind != wire.AUTH_OK or len(frame.meta) != MAC_BYTES:
         raise ProtocolError(f"worker {address} sent an unexpected handshake reply (kind {frame.kind})")
-    if not hmac.compare_digest(frame.meta, _proof(secret.value, b"worker", hello, cnonce, mode)):
+    if not hmac.compare_digest(frame.meta, handshake_proof(secret.value, b"worker", hello, cnonce, mode)):
         raise AuthenticationError(
             f"worker {address} could not prove it holds our secret (it may be an impostor or use "
             "another secret); " + fix_hint(secret)

@@ -119,6 +119,10 @@ class Channel:
         if parts:
             self._write(parts)
 
+    def send_record(self, plaintext: bytes) -> None:
+        """Seal and send one record of arbitrary content (for tests and protocol tools)."""
+        self._write(self._seal_small(plaintext))
+
     def _write(self, parts: List) -> None:
         wire.sendmsg_all(self.sock, parts, self.send_stall_timeout)
         self.bytes_sent += sum(memoryview(p).nbytes for p in parts)
