@@ -72,6 +72,8 @@ def test_dry_run_multi_node_layout(capsys, tmp_path):
     assert "export TORCHFEED_GPUS_PER_MODEL=2" in lines and "unset TORCHFEED_SECRET" in lines
     assert 'export TORCHFEED_SECRET_FILE="$JOB_DIR/secret"' in lines
     assert any(line.startswith("(umask 077 && ") for line in lines)
+    assert any(line.startswith('mkdir -p "$JOB_DIR" && chmod 700 "$JOB_DIR"') for line in lines)
+    assert any(line.startswith('(umask 077 && : > "$JOB_DIR/workers")') for line in lines)
     assert "srun --het-group=1 --kill-on-bad-exit=1 --ntasks-per-node=8 --cpus-per-task=2 \\" in lines
     assert ('    "$PYTHON" -m torchfeed worker --host 0.0.0.0 --port 0 --address-file "$JOB_DIR/workers" \\'
             in lines)
@@ -234,6 +236,8 @@ def test_hetjob_trains_every_sample_once(slurm, jobs):
     registered = (job_dir / "workers").read_text().split()
     assert len(registered) == 2 and result["workers"][0] in registered
     assert stat.S_IMODE((job_dir / "secret").stat().st_mode) == 0o600
+    assert stat.S_IMODE((job_dir / "workers").stat().st_mode) == 0o600
+    assert stat.S_IMODE(job_dir.stat().st_mode) == 0o700
     _seen_once_per_epoch(job_dir, 2)
     assert slurm.job(job_id)["ExitCode"] == "0:0"
 

@@ -39,16 +39,45 @@ def _add_worker_parser(sub) -> None:
     p.add_argument("--handshake-timeout", type=float, default=10.0,
                    help="seconds a new connection has to authenticate (default 10)")
     p.add_argument("--log-level", default="WARNING")
+    limits = p.add_argument_group("per-client limits and security")
+    limits.add_argument("--max-call-bytes", type=int, default=1 << 30,
+                        help="largest call (pickled arguments plus tensors) a client may send (default 1 GiB)")
+    limits.add_argument("--max-queued-requests", type=int, default=1024,
+                        help="requests one client may have waiting for replies (default 1024)")
+    limits.add_argument("--max-refs", type=int, default=4096,
+                        help="live remote references (datasets, fetchers) one client may hold (default 4096)")
+    limits.add_argument("--max-handshakes", type=int, default=128,
+                        help="unauthenticated connections held at once; beyond it the oldest is dropped "
+                             "(default 128)")
+    limits.add_argument("--trusted-network-no-encryption", action="store_true",
+                        help="also accept clients that set TORCHFEED_TRUSTED_NETWORK_NO_ENCRYPTION=1: their "
+                             "traffic is authenticated but NOT encrypted. Only for networks no one else can "
+                             "listen on")
+
+
+_LIMIT_OPTIONS = ("max_call_bytes", "max_queued_requests", "max_refs", "max_handshakes")
+
+
+def _limit_args(args) -> List[str]:
+    """The limit and security options again, for child processes."""
+    out = []
+    for name in _LIMIT_OPTIONS:
+        out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return out + (["--trusted-network-no-encryption"] if args.trusted_network_no_encryption else [])
 
 
 def _run_workers(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     if args.procs == 1:
-        from .worker import run_worker
+        from .worker import ConnectionLimits, run_worker
 
+        limits = ConnectionLimits(max_queued_requests=args.max_queued_requests, max_call_bytes=args.max_call_bytes,
+                                  max_refs=args.max_refs)
         run_worker(args.host, args.port, args.timeout, args.parallel, address_file=args.address_file,
-                   torch_threads=args.threads, handshake_timeout=args.handshake_timeout)
+                   torch_threads=args.threads, handshake_timeout=args.handshake_timeout, limits=limits,
+                   max_handshakes=args.max_handshakes,
+                   integrity_only=True if args.trusted_network_no_encryption else None)
         # Leave without interpreter finalization: daemon executor threads may still be
         # inside torch code, and tearing torch down under them aborts the process.
         sys.stdout.flush()
@@ -60,7 +89,7 @@ def _run_workers(args) -> int:
         cmd = [sys.executable, "-m", "torchfeed", "worker", "--host", args.host,
                "--port", str(args.port + i if args.port else 0), "--timeout", str(args.timeout),
                "--parallel", str(args.parallel), "--threads", str(args.threads), "--log-level", args.log_level,
-               "--handshake-timeout", str(args.handshake_timeout)]
+               "--handshake-timeout", str(args.handshake_timeout), *_limit_args(args)]
         if args.address_file:
             cmd += ["--address-file", args.address_file]
         children.append(subprocess.Popen(cmd))

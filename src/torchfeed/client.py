@@ -193,11 +193,16 @@ class Connection:
                     if frame.kind == wire.BYE:
                         raise ProtocolError(f"worker closed the connection: {frame.meta.decode(errors='replace')}")
                     continue
-                channel.read_meta(frame)
-                buffers = serialize.allocate(frame.buffer_lengths, pending.pin) if frame.buffer_lengths else []
-                for view in buffers:
-                    for _ in channel.read_buffer_chunks(view):
-                        self.last_rx = time.monotonic()
+                try:
+                    channel.read_meta(frame)
+                    buffers = serialize.allocate(frame.buffer_lengths, pending.pin) if frame.buffer_lengths else []
+                    for view in buffers:
+                        for _ in channel.read_buffer_chunks(view):
+                            self.last_rx = time.monotonic()
+                except BaseException:
+                    with self._pending_lock:  # the request being received fails with the connection
+                        self._pending[frame.request_id] = pending
+                    raise
                 self._deliver(frame, buffers, pending)
                 del frame, buffers, pending  # an idle connection must not keep the last reply alive
         except BaseException as exc:  # noqa: BLE001 - the thread must fail every waiter

@@ -28,7 +28,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 from . import auth, wire
 from .errors import ProtocolError
@@ -86,6 +86,26 @@ class _Handshake:
     def __init__(self, sock: socket.socket, peer: str, host: str, hello: bytes, deadline: float):
         self.sock, self.peer, self.host, self.hello, self.deadline = sock, peer, host, hello, deadline
         self.buf = bytearray()
+
+
+def judge(received: bytes, hello: bytes, secret: auth.Secret) -> Tuple[str, bytes, Optional[auth.SessionKeys]]:
+    """Judge what a connecting peer sent after our HELLO (pure: no I/O, no unpickling).
+
+    Returns ``(verdict, reply, keys)``: ``"more"`` (wait for more bytes), ``"bye"`` (not
+    the protocol: ``reply`` is the BYE text), ``"fail"`` (wrong proof: ``reply`` is the
+    AUTH_FAIL reason) or ``"ok"`` (``reply`` is the AUTH_OK proof, ``keys`` the session).
+    """
+    try:
+        if len(received) >= wire.HEADER.size:
+            kind, _flags, _rid, meta_len, nbuf = wire.parse_header(received[: wire.HEADER.size])
+            if kind != wire.AUTH or meta_len != auth.AUTH_BYTES or nbuf:
+                raise ProtocolError(f"expected an AUTH message, got {wire.KIND_NAMES[kind]} with {meta_len} bytes")
+        if len(received) < _AUTH_FRAME:
+            return "more", b"", None
+        ok, reply, keys = auth.check_auth(secret, hello, received[wire.HEADER.size : _AUTH_FRAME])
+    except ProtocolError as exc:
+        return "bye", str(exc).encode()[:400], None
+    return ("ok", reply, keys) if ok else ("fail", reply, None)
 
 
 class Doorman:
@@ -213,22 +233,16 @@ class Doorman:
             self._close(hs)
             return
         hs.buf += data
-        try:
-            if len(hs.buf) >= wire.HEADER.size:
-                kind, _flags, _rid, meta_len, nbuf = wire.parse_header(bytes(hs.buf[: wire.HEADER.size]))
-                if kind != wire.AUTH or meta_len != auth.AUTH_BYTES or nbuf:
-                    raise ProtocolError(f"expected an AUTH message, got {wire.KIND_NAMES[kind]} "
-                                        f"with {meta_len} bytes")
-            if len(hs.buf) < _AUTH_FRAME:
-                return
-            ok, reply, keys = auth.check_auth(self.secret, hs.hello, bytes(hs.buf[wire.HEADER.size : _AUTH_FRAME]))
-        except ProtocolError as exc:
+        verdict, reply, keys = judge(bytes(hs.buf), hs.hello, self.secret)
+        if verdict == "more":
+            return
+        if verdict == "bye":
             self.counts["rejected"] += 1
-            self.say(logging.INFO, f"bad {hs.host}", "dropping %s during the handshake: %s", hs.peer, exc)
-            self._send_quietly(hs, wire.BYE, str(exc).encode()[:400])
+            self.say(logging.INFO, f"bad {hs.host}", "dropping %s during the handshake: %s", hs.peer, reply.decode())
+            self._send_quietly(hs, wire.BYE, reply)
             self._close(hs)
             return
-        if not ok:
+        if verdict == "fail":
             self.counts["rejected"] += 1
             self.limiter.failed(hs.host)
             self.say(logging.WARNING, f"wrong {hs.host}", "rejected client %s: %s", hs.peer, reply.decode())

@@ -449,7 +449,8 @@ def raise_fd_limit() -> int:
 def run_worker(host: str, port: int, timeout: float = 120, parallel: int = 1, *,
                secret: auth.SecretLike = None, address_file: Optional[str] = None,
                torch_threads: Optional[int] = 1, handshake_timeout: float = HANDSHAKE_TIMEOUT,
-               limits: Optional[ConnectionLimits] = None, integrity_only: Optional[bool] = None) -> None:
+               limits: Optional[ConnectionLimits] = None, max_handshakes: int = 128,
+               integrity_only: Optional[bool] = None) -> None:
     """Start listening and serving remote calls until SIGTERM/SIGINT.
 
     Parameters
@@ -473,6 +474,8 @@ def run_worker(host: str, port: int, timeout: float = 120, parallel: int = 1, *,
         Seconds a new connection has to authenticate before it is dropped.
     limits : ConnectionLimits, optional
         Per-client bounds (queued requests, unsent bytes, call size, remote references).
+    max_handshakes : int
+        Unauthenticated connections held at once (the oldest is dropped beyond it).
     integrity_only : bool, optional
         Also accept clients that opted out of encryption (trusted networks only); by
         default read from ``TORCHFEED_TRUSTED_NETWORK_NO_ENCRYPTION``.
@@ -483,7 +486,7 @@ def run_worker(host: str, port: int, timeout: float = 120, parallel: int = 1, *,
 
         torch.set_num_threads(torch_threads)
     server = WorkerServer(host, port, timeout, parallel, secret=secret, handshake_timeout=handshake_timeout,
-                          limits=limits, integrity_only=integrity_only)
+                          limits=limits, max_pending_handshakes=max_handshakes, integrity_only=integrity_only)
     in_main = threading.current_thread() is threading.main_thread()
     if in_main:
         def _stop(signum, _frame):

@@ -225,7 +225,7 @@ class SlurmJob:
             "unset RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK NODE_RANK TORCHELASTIC_RUN_ID",
             f"PYTHON={_q(self.python)}",
             f"JOB_DIR={job_dir}  # secret, worker addresses and logs, checkpoints",
-            "mkdir -p \"$JOB_DIR\"",
+            "mkdir -p \"$JOB_DIR\" && chmod 700 \"$JOB_DIR\"  # yours alone: it holds the secret and the workers file",
             "export TORCHFEED_JOB_DIR=\"$JOB_DIR\"",
             f"export TORCHFEED_GPUS_PER_MODEL={self.gpus_per_model}",
         ]
@@ -240,7 +240,7 @@ class SlurmJob:
             "(umask 077 && \"$PYTHON\" -c 'import secrets; print(secrets.token_hex(32))' > \"$TORCHFEED_SECRET_FILE\")",
             "",
             "# Start the workers (group 1); each appends its host:port to the address file.",
-            ": > \"$JOB_DIR/workers\"",
+            "(umask 077 && : > \"$JOB_DIR/workers\")  # 0600: trainers refuse a workers file others can write",
             worker + " \\\n    >> \"$JOB_DIR/workers.log\" 2>&1 &",
             "WORKERS_PID=$!",
             "",
