@@ -4,10 +4,12 @@ Start workers with ``torchfeed worker`` and replace ``torch.utils.data.DataLoade
 :class:`RemoteDataLoader` over a :class:`RemoteDataset`.
 """
 
+from .addrfile import UnsafeAddressFile
 from .client import RemoteRef, rpc_async, set_heartbeat
 from .errors import (
     AuthenticationError,
     FrameTooLarge,
+    LimitExceeded,
     PoisonSampleError,
     ProtocolError,
     RemoteError,
@@ -31,6 +33,7 @@ __all__ = sorted([
     "AuthenticationError",
     "DistributedSampler",
     "FrameTooLarge",
+    "LimitExceeded",
     "LocalWorkers",
     "PoisonSampleError",
     "ProtocolError",
@@ -42,6 +45,7 @@ __all__ = sorted([
     "RemoteRef",
     "Timeout",
     "TorchfeedError",
+    "UnsafeAddressFile",
     "WorkerLost",
     "WorkerServer",
     "rpc_async",
