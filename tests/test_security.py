@@ -769,3 +769,68 @@ def test_worker_and_client_share_a_secret_file(file_worker):
     assert_serves(address, pid, secret=SHARED_FILE_SECRET)
     with pytest.raises(torchfeed.AuthenticationError):
         torchfeed.rpc_async(address, os.getpid, timeout=10).wait()  # the session's secret
+
+
+# -- the session keys ---------------------------------------------------------------------
+
+def _handshake_pair(secret: str = SECRET):
+    """A client channel and a worker channel over a socketpair, keyed by a real handshake."""
+    from torchfeed import doorman
+
+    c, w = socket.socketpair()
+    hello = auth.hello_meta(False)
+    wire.send_frame(w, wire.HELLO, meta=hello)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(
+        chan=auth.client_handshake(c, auth.load_secret(secret), "pair")))
+    t.start()
+    received = b""
+    while len(received) < wire.HEADER.size + auth.AUTH_BYTES:
+        received += w.recv(4096)
+    verdict, reply, keys = doorman.judge(received, hello, auth.load_secret(secret))
+    assert verdict == "ok"
+    wire.send_frame(w, wire.AUTH_OK, meta=reply)
+    t.join(10)
+    return c, w, result["chan"], keys
+
+
+def test_keys_differ_per_direction_and_per_connection():
+    c1, w1, client1, worker_keys1 = _handshake_pair()
+    c2, w2, client2, worker_keys2 = _handshake_pair()
+    try:
+        assert worker_keys1.send != worker_keys1.recv  # one key per direction
+        assert {worker_keys1.send, worker_keys1.recv}.isdisjoint({worker_keys2.send, worker_keys2.recv})
+        worker1 = worker_keys1.channel(w1)
+        client1.send(wire.CALL, 5, meta=b"hello")
+        frame = worker1.read_frame(wire.Limits())
+        assert (frame.kind, frame.request_id, frame.meta) == (wire.CALL, 5, b"hello")
+    finally:
+        for s in (c1, w1, c2, w2):
+            s.close()
+
+
+def test_reflected_records_are_rejected():
+    """A relay that sends a side's own sealed records back to it gets nothing through."""
+    from torchfeed.channel import Channel
+
+    c, w, client_chan, worker_keys = _handshake_pair()
+    try:
+        out = []
+
+        class Tap:  # records what the client sends
+            def sendmsg(self, parts):
+                out.extend(bytes(memoryview(p).cast("B")) for p in parts)
+                return sum(len(x) for x in out[-len(parts):])
+
+        tap = Channel(Tap(), worker_keys.recv, worker_keys.send)  # the client's keys, as derived
+        tap.send(wire.PING, 1)
+        reflected = socket.socketpair()
+        reflected[0].sendall(b"".join(out))
+        reflected[0].close()
+        as_client = Channel(reflected[1], worker_keys.recv, worker_keys.send)  # the client reading it
+        with pytest.raises(torchfeed.ProtocolError, match="authentication"):
+            as_client.read_frame(wire.Limits())
+        reflected[1].close()
+    finally:
+        c.close()
+        w.close()

@@ -21,9 +21,9 @@ class UnsafeAddressFile(TorchfeedError, PermissionError):
     """An address file that users other than its owner can write."""
 
 
-def check_private(path: str) -> None:
-    """Refuse a file that other users can write, or that another user owns."""
-    st = os.stat(path)
+def check_private(path: str, fd: int) -> None:
+    """Refuse a file (open as ``fd``) that other users can write, or that another user owns."""
+    st = os.fstat(fd)
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or st.st_uid not in (os.geteuid(), 0):
         raise UnsafeAddressFile(
             f"address file {path} can be written by other users (mode {stat.S_IMODE(st.st_mode):o}, "
@@ -38,11 +38,17 @@ def read_address_file(path: str) -> List[str]:
     A missing file reads as empty; a file others can write raises :class:`UnsafeAddressFile`.
     """
     try:
-        with open(path) as f:
-            check_private(path)
-            lines = [line.strip() for line in f]
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return []
+    except OSError as exc:
+        raise UnsafeAddressFile(f"cannot open address file {path} ({exc}); it must be a regular file, "
+                                "not a symbolic link") from None
+    with os.fdopen(fd) as f:
+        check_private(path, fd)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsafeAddressFile(f"address file {path} is not a regular file")
+        lines = [line.strip() for line in f]
     return list(dict.fromkeys(line for line in lines if line and not line.startswith("#")))
 
 
@@ -52,9 +58,9 @@ def announce(address: str, address_file: Optional[str] = None) -> None:
     The file is created with mode 0600 when missing.
     """
     if address_file:
-        fd = os.open(address_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(address_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "a") as f:
-            check_private(address_file)
+            check_private(address_file, fd)
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
                 f.write(address + "\n")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from typing import List, Optional, Sequence
 
 from cryptography.exceptions import InvalidTag
@@ -76,6 +77,8 @@ class Channel:
         self.bytes_sent = 0
         # with SO_SNDTIMEO set on the socket: seconds without progress before a send fails
         self.send_stall_timeout: Optional[float] = None
+        # when a record last arrived, or a large write last went out: the peer is alive
+        self.last_activity = time.monotonic()
 
     # -- sending -----------------------------------------------------------
     def _next_send_nonce(self) -> bytes:
@@ -125,7 +128,10 @@ class Channel:
 
     def _write(self, parts: List) -> None:
         wire.sendmsg_all(self.sock, parts, self.send_stall_timeout)
-        self.bytes_sent += sum(memoryview(p).nbytes for p in parts)
+        n = sum(memoryview(p).nbytes for p in parts)
+        self.bytes_sent += n
+        if n >= _SEND_BATCH:  # a write this large only completes while the peer reads
+            self.last_activity = time.monotonic()
 
     # -- receiving -----------------------------------------------------------
     def _next_recv_nonce(self) -> bytes:
@@ -183,6 +189,7 @@ class Channel:
                 tag = memoryview(self._scratch_in)[:TAG]
                 self._fill(tag)
                 self._recv_aead.decrypt(nonce, bytes(tag), dest)
+            self.last_activity = time.monotonic()
         except InvalidTag:
             raise IntegrityError(
                 f"record {self._recv_seq - 1} failed authentication: the stream was tampered with, "

@@ -140,9 +140,11 @@ class Connection:
             self._pending[rid] = _Pending(callback, pin, deadline)
         try:
             self._send(kind, rid, meta, buffers, flags)
-        except OSError as exc:
+        except BaseException as exc:
             with self._pending_lock:
                 self._pending.pop(rid, None)
+            if not isinstance(exc, OSError):
+                raise
             self._fail_async(exc)
             raise WorkerLost(f"worker {self.address} was lost: {exc!r}", {self.address: repr(exc)}) from exc
         return rid
@@ -199,10 +201,14 @@ class Connection:
                     for view in buffers:
                         for _ in channel.read_buffer_chunks(view):
                             self.last_rx = time.monotonic()
-                except BaseException:
+                except BaseException as exc:
                     with self._pending_lock:  # the request being received fails with the connection
-                        self._pending[frame.request_id] = pending
-                    raise
+                        closed = self.closed
+                        if not closed:
+                            self._pending[frame.request_id] = pending
+                    if closed:  # already failed by another thread: fail this one here
+                        pending.callback(False, self._lost_error())
+                    raise exc
                 self._deliver(frame, buffers, pending)
                 del frame, buffers, pending  # an idle connection must not keep the last reply alive
         except BaseException as exc:  # noqa: BLE001 - the thread must fail every waiter
@@ -272,9 +278,14 @@ class Connection:
                 if p.deadline is not None and now > p.deadline:
                     expired.append(self._pending.pop(rid))
         for p in expired:
-            p.callback(False, Timeout(f"no reply from worker {self.address} within the request's timeout"))
-        if waiting and now - self.last_rx > HEARTBEAT_TIMEOUT:
-            self._fail(WorkerLost(f"worker {self.address} sent nothing for {now - self.last_rx:.1f} s "
+            try:
+                p.callback(False, Timeout(f"no reply from worker {self.address} within the request's timeout"))
+            except Exception:
+                log.exception("a result callback failed")
+        # alive: a record arrived, or a large upload to it made progress (it reads)
+        heard = max(self.last_rx, self.channel.last_activity)
+        if waiting and now - heard > HEARTBEAT_TIMEOUT:
+            self._fail(WorkerLost(f"worker {self.address} sent nothing for {now - heard:.1f} s "
                                   "(no heartbeat): it hangs or the network is cut"))
             return
         releases, self._releases = self._releases, []

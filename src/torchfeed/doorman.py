@@ -8,9 +8,11 @@ held to a small budget:
 * at most ``max_pending`` handshakes at once; a new connection beyond that evicts the
   oldest handshake (idle floods cannot lock out a real client for long);
 * ``handshake_timeout`` seconds to finish;
-* wrong secrets are rate limited per source address (a token bucket); a source out of
-  tokens has its connections closed at once until it earns one back, and log lines about
-  it are rate limited too.
+* wrong secrets are rate limited per source address (a token bucket): a source out of
+  tokens gets no AUTH_FAIL answer and no log line for its failures until it earns a token
+  back, and log lines are rate limited too. A right secret is never refused, so a trainer
+  sharing a host (or a NAT address) with a guesser is not locked out; guessing itself is
+  made hopeless by the 32-byte minimum on secrets, not by this limit.
 
 ``accept`` failing for lack of file descriptors, memory or buffers (EMFILE, ENFILE,
 ENOMEM, ENOBUFS) is logged, the oldest handshake is evicted to free a descriptor, and
@@ -141,13 +143,21 @@ class Doorman:
         self._sel.register(self.listener, selectors.EVENT_READ, None)
         try:
             while not self.stopping.is_set():
-                self._maybe_resume_accepting()
+                try:
+                    self._maybe_resume_accepting()
+                    self._expire()
+                except Exception:  # never the end of the accept loop
+                    log.exception("unexpected error in the accept loop")
                 for key, _ in self._sel.select(timeout=self._wait()):
-                    if key.data is None:
-                        self._accept_some()
-                    else:
-                        self._advance(key.data)
-                self._expire()
+                    try:
+                        if key.data is None:
+                            self._accept_some()
+                        else:
+                            self._advance(key.data)
+                    except Exception:  # a bug here must cost one peer, never the accept loop
+                        log.exception("unexpected error in the accept loop")
+                        if key.data is not None:
+                            self._close(key.data)
         finally:
             for hs in list(self._pending.values()):
                 self._close(hs)
@@ -199,12 +209,6 @@ class Doorman:
         host = str(addr[0])
         peer = f"{addr[0]}:{addr[1]}"
         self.counts["accepted"] += 1
-        if self.limiter.blocked(host):
-            self.counts["refused_rate_limited"] += 1
-            self.say(logging.WARNING, f"blocked {host}",
-                     "refusing connections from %s for now: too many wrong secrets from there", host)
-            sock.close()
-            return
         while len(self._pending) >= self.max_pending:
             self._evict_oldest()
         hello = auth.hello_meta(self.allow_integrity_only)
@@ -218,8 +222,12 @@ class Doorman:
             sock.close()
             return
         hs = _Handshake(sock, peer, host, hello, time.monotonic() + self.handshake_timeout)
+        try:
+            self._sel.register(sock, selectors.EVENT_READ, hs)
+        except (OSError, ValueError):
+            sock.close()
+            return
         self._pending[sock.fileno()] = hs
-        self._sel.register(sock, selectors.EVENT_READ, hs)
 
     # -- one handshake ---------------------------------------------------------------
     def _advance(self, hs: _Handshake) -> None:
@@ -244,9 +252,12 @@ class Doorman:
             return
         if verdict == "fail":
             self.counts["rejected"] += 1
-            self.limiter.failed(hs.host)
-            self.say(logging.WARNING, f"wrong {hs.host}", "rejected client %s: %s", hs.peer, reply.decode())
-            self._send_quietly(hs, wire.AUTH_FAIL, reply)
+            if self.limiter.blocked(hs.host):  # out of tokens: no answer, no log line
+                self.counts["refused_rate_limited"] += 1
+            else:
+                self.limiter.failed(hs.host)
+                self.say(logging.WARNING, f"wrong {hs.host}", "rejected client %s: %s", hs.peer, reply.decode())
+                self._send_quietly(hs, wire.AUTH_FAIL, reply)
             self._close(hs)
             return
         leftover = bytes(hs.buf[_AUTH_FRAME:])

@@ -89,6 +89,11 @@ class Frame:
     buffer_lengths: List[int]
     meta_len: int = 0
 
+    @property
+    def size(self) -> int:
+        """Bytes of the message's parts (meta and buffers)."""
+        return self.meta_len + sum(self.buffer_lengths)
+
 
 def pack_fixed(kind: int, request_id: int, meta_len: int, nbuf: int, flags: int = 0) -> bytes:
     """The fixed 28-byte header alone."""

@@ -60,7 +60,13 @@ class ConnectionLimits:
     max_queued_requests: int = 1024  # received, not yet answered
     max_unsent_bytes: int = 1 << 30  # replies produced, not yet sent: reading pauses above this
     max_call_bytes: int = 1 << 30  # pickled arguments plus buffers of one call
+    max_queued_bytes: int = 2 << 30  # the size of the calls waiting
     max_refs: int = 4096  # live remote references
+
+    def __post_init__(self):
+        for name, value in vars(self).items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
 
     def frame_limits(self) -> wire.Limits:
         return wire.Limits(max_meta=self.max_call_bytes, max_buffers=65536, max_buffer_bytes=self.max_call_bytes,
@@ -123,8 +129,11 @@ def _describe_exception(exc: BaseException) -> bytes:
     name = etype.__qualname__ if etype.__module__ == "builtins" else f"{etype.__module__}.{etype.__qualname__}"
     try:
         message = str(exc)
-    except Exception:  # a broken __str__ must not break error reporting
-        message = repr(exc)
+    except Exception:  # a broken __str__ (or __repr__) must not break error reporting
+        try:
+            message = repr(exc)
+        except Exception:
+            message = object.__repr__(exc)
     text = "".join(traceback.format_exception(etype, exc, exc.__traceback__))
     return pickle.dumps({"type": name, "message": message, "traceback": text}, protocol=5)
 
@@ -149,11 +158,15 @@ class ServerConnection:
         self._outbox: deque = deque()
         self.unsent_bytes = 0
         self.queued = 0  # calls received and not yet answered
+        self.queued_bytes = 0  # their size
+        self.waiting_ids: set = set()  # their request ids (what CANCEL may name)
+        self.sending = False  # the writer is inside a send
+        self.waiting_for_room = False  # the reader is paused by back pressure
 
     def start(self) -> None:
-        """Start the writer, then the reader (either may fail: no threads left)."""
-        threading.Thread(target=self._write_loop, name=f"torchfeed-tx-{self.id}", daemon=True).start()
+        """Start the writer, then the reader; if either cannot start (no threads left), close."""
         try:
+            threading.Thread(target=self._write_loop, name=f"torchfeed-tx-{self.id}", daemon=True).start()
             threading.Thread(target=self.serve, name=f"torchfeed-rx-{self.id}", daemon=True).start()
         except BaseException:
             self.close()
@@ -195,9 +208,11 @@ class ServerConnection:
                     if self.closed:
                         return
                     kind, rid, meta, buffers, flags, size = self._outbox.popleft()
+                    self.sending = True
                 self.channel.send(kind, rid, meta, buffers, flags)
                 del meta, buffers
                 with self._cond:
+                    self.sending = False
                     self.unsent_bytes -= size
                     self._cond.notify_all()
         except (OSError, TimeoutError) as exc:
@@ -208,8 +223,12 @@ class ServerConnection:
         finally:
             self.close()
 
-    def outbox_empty(self) -> bool:
-        return not self._outbox
+    def busy(self) -> bool:
+        """Replies waiting or being sent, or reading paused for them: judged by the writer."""
+        return bool(self._outbox) or self.sending or self.waiting_for_room
+
+    def silent_for(self, now: float) -> float:
+        return now - max(self.last_rx, self.channel.last_activity)
 
     # -- reader thread -----------------------------------------------------
     def serve(self) -> None:
@@ -239,12 +258,10 @@ class ServerConnection:
             self.last_rx = time.monotonic()
             kind = frame.kind
             if kind in (wire.CALL, wire.CALL_REF):
-                if self.queued >= self.limits.max_queued_requests:
+                refusal = self._over_limits(frame)
+                if refusal is not None:
                     channel.skip(frame)
-                    self._refuse(frame.request_id, LimitExceeded(
-                        f"this client has {self.queued} requests waiting on the worker (the limit is "
-                        f"{self.limits.max_queued_requests}): wait for replies before sending more, or "
-                        "start the worker with a larger --max-queued-requests"))
+                    self._refuse(frame.request_id, refusal)
                     continue
                 channel.read_meta(frame)
                 buffers = serialize.allocate(frame.buffer_lengths) if frame.buffer_lengths else []
@@ -252,6 +269,8 @@ class ServerConnection:
                 self.last_rx = time.monotonic()
                 with self._cond:
                     self.queued += 1
+                    self.queued_bytes += frame.size
+                    self.waiting_ids.add(frame.request_id)
                 self.server.tasks.put((self, frame, buffers))
                 del buffers  # the task owns them now
                 continue
@@ -262,15 +281,32 @@ class ServerConnection:
             elif kind == wire.RELEASE:
                 self.server.registry.release(pickle.loads(frame.meta), self.id)
             elif kind == wire.CANCEL:
-                self.cancelled.update(pickle.loads(frame.meta))
+                with self._cond:  # only requests still waiting can be skipped
+                    self.cancelled.update(rid for rid in pickle.loads(frame.meta) if rid in self.waiting_ids)
             else:
                 raise ProtocolError(f"a client may not send {wire.KIND_NAMES[kind]} messages")
+
+    def _over_limits(self, frame: wire.Frame) -> Optional[LimitExceeded]:
+        lim = self.limits
+        if frame.size > lim.max_call_bytes:
+            return LimitExceeded(
+                f"a call of {frame.size:,} bytes (pickled arguments plus buffers) exceeds the worker's limit of "
+                f"{lim.max_call_bytes:,}: pass less data per call (build large objects inside the dataset on "
+                "the worker) or start the worker with a larger --max-call-bytes")
+        if self.queued >= lim.max_queued_requests or self.queued_bytes + frame.size > lim.max_queued_bytes:
+            return LimitExceeded(
+                f"this client has {self.queued} requests ({self.queued_bytes:,} bytes) waiting on the worker (the "
+                f"limits are {lim.max_queued_requests} requests and {lim.max_queued_bytes:,} bytes): wait for "
+                "replies before sending more, or start the worker with a larger --max-queued-requests")
+        return None
 
     def _wait_for_room(self) -> None:
         """Back pressure: stop reading while too many reply bytes wait to be sent."""
         with self._cond:
+            self.waiting_for_room = True
             while self.unsent_bytes > self.limits.max_unsent_bytes and not self.closed:
                 self._cond.wait(1.0)
+            self.waiting_for_room = False
 
     def _refuse(self, rid: int, exc: BaseException) -> None:
         log.info("refused a request from %s: %s", self.peer, exc)
@@ -278,10 +314,15 @@ class ServerConnection:
 
     # -- executor threads ----------------------------------------------------
     def execute(self, frame: wire.Frame, buffers) -> None:
+        try:
+            self._execute(frame, buffers)
+        finally:
+            self._answered(frame)
+
+    def _execute(self, frame: wire.Frame, buffers) -> None:
         rid = frame.request_id
         if rid in self.cancelled:
             self.cancelled.discard(rid)
-            self._answered()
             return
         try:
             payload = serialize.loads_call(frame.meta, buffers, self.server.registry)
@@ -307,12 +348,14 @@ class ServerConnection:
 
     def _reply(self, kind: int, rid: int, meta: bytes, buffers, flags: int = 0) -> None:
         self.cancelled.discard(rid)
-        self._answered()
         self.send(kind, rid, meta, buffers, flags)
 
-    def _answered(self) -> None:
+    def _answered(self, frame: wire.Frame) -> None:
         with self._cond:
             self.queued -= 1
+            self.queued_bytes -= frame.size
+            self.waiting_ids.discard(frame.request_id)
+            self.cancelled.discard(frame.request_id)
 
 
 class WorkerServer:
@@ -326,6 +369,8 @@ class WorkerServer:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if max_pending_handshakes < 1:
+            raise ValueError(f"max_pending_handshakes must be >= 1, got {max_pending_handshakes}")
         self.secret = auth.load_secret(secret)
         self.timeout = float(timeout)
         self.handshake_timeout = float(handshake_timeout)
@@ -424,9 +469,9 @@ class WorkerServer:
             now = time.monotonic()
             for conn in self.connections():
                 # a connection with replies to send is judged by its writer's progress instead
-                if now - conn.last_rx > self.timeout and conn.outbox_empty():
+                if conn.silent_for(now) > self.timeout and not conn.busy():
                     log.warning("closing silent connection from %s (nothing received for %.0f s)",
-                                conn.peer, now - conn.last_rx)
+                                conn.peer, conn.silent_for(now))
                     conn.close()
 
 
