@@ -58,6 +58,7 @@ _ALPHA = 0.3  # weight of the newest sample in the per-worker time estimate
 _SLOW_RATIO = 1.5  # a worker this much slower than the best one skips ahead
 _HOLD_SLACK = 2.0  # end-of-pass withholding lasts at most this times the others' estimate
 _RESUM_EVERY = 1024  # re-add the rate sum from scratch after this many updates (float drift)
+_LATE_RATIO = 2.0  # a request running this much longer than its worker's estimate raises it
 
 # A heap entry: (key, tie, order, version, worker). It is current while the worker's
 # version is unchanged; every change of a worker bumps its version and pushes fresh
@@ -139,6 +140,7 @@ class Scheduler:
         self._free_unmeasured: List[_Entry] = []
         self._all_unmeasured: List[_Entry] = []
         self._running: List[_Entry] = []
+        self._late: List[_Entry] = []  # same workers, keyed by when their oldest request is late
         self._holders: Dict[int, List[WorkerState]] = {}  # seq -> workers that hold it
         self._hold_until: Optional[float] = None  # end-of-pass withholding expires then
         self.workers: Dict[str, WorkerState] = {}
@@ -201,7 +203,7 @@ class Scheduler:
         return requeued, blamed
 
     def estimates(self) -> Dict[str, float]:
-        """Measured seconds per batch of the workers not lost: ``estimates=`` of the next pass."""
+        """Seconds per batch of the workers not lost, for ``estimates=`` of the next pass."""
         return {w.address: w.seconds_per_batch for w in self.workers.values()
                 if w.status != "lost" and w.seconds_per_batch}
 
@@ -266,7 +268,31 @@ class Scheduler:
                 if free:
                     self._push(self._free_unmeasured, n, w)
         if w.status != "lost" and w.in_flight:
-            self._push(self._running, max(min(w.in_flight.values()), w.last_done), w)
+            began = self._began(w)
+            self._push(self._running, began, w)
+            estimate = w.seconds_per_batch or self.typical_batch_seconds()
+            if estimate:
+                self._push(self._late, began + _LATE_RATIO * estimate, w)
+
+    @staticmethod
+    def _began(w: WorkerState) -> float:
+        """When the oldest request of ``w`` began running (requests run one after another)."""
+        return max(min(w.in_flight.values()), w.last_done)
+
+    def _raise_late(self, now: float) -> None:
+        """A request that has run much longer than its worker's estimate says the worker is
+        at least that slow: raise the estimate now rather than when (if) it finishes."""
+        late = self._late
+        while late and late[0][0] < now:
+            entry = heapq.heappop(late)
+            w = entry[4]
+            if entry[3] != w.version:
+                continue
+            age = now - self._began(w)
+            estimate = w.seconds_per_batch or self.typical_batch_seconds()
+            if estimate and age > _LATE_RATIO * estimate:
+                w.seconds_per_batch = age
+            self._refresh(w)  # a new entry: later, or keyed by a changed typical time
 
     def _add_rate(self, delta: float) -> None:
         self._rate_updates += 1
@@ -331,8 +357,11 @@ class Scheduler:
         best = self._best(self._free_measured, self._free_unmeasured)
         if best is None:
             return None
-        mine, worker = best
         now = self._now(now)
+        if self._late and self._late[0][0] < now:
+            self._raise_late(now)
+            best = self._best(self._free_measured, self._free_unmeasured)
+        mine, worker = best
         index = 0
         typical = self.typical_batch_seconds()
         if typical is not None and self._alive > 1:
@@ -433,6 +462,8 @@ class Scheduler:
         if typical is None:
             return []
         now = self._now(now)
+        self._raise_late(now)
+        typical = self.typical_batch_seconds()
         limit = max(factor * typical, min_seconds)
         horizon = min(self.delivered + max(self._alive, 1), self.known)
         # workers whose oldest request began before now - limit (some slack for rounding;
