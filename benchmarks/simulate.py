@@ -309,8 +309,10 @@ class Trainer:
                 kwargs["pass_length"] = case.pass_length
             if "estimates" in sim.accepts and self.estimates:
                 kwargs["estimates"] = self.estimates
+        t0 = time.thread_time_ns()
         self.sched = sim.scheduler_cls(workers, credits=case.credits,
                                        window=max(2 * case.credits * n, n + 2 * case.credits), **kwargs)
+        sim.meter.add("start", time.thread_time_ns() - t0)
         self.added = 0
         self.results: set = set()
         self.requests: Dict[int, Dict[str, Request]] = {}
@@ -472,7 +474,7 @@ def run_case(case: Case, scheduler_cls, mode: str, seed: int, scale: float) -> d
         "delivered": delivered, "passes": len(passes),
         "pass_s": sum(passes) / len(passes) if passes else float("nan"),
         "dispatch_us": meter.per("dispatch"), "completion_us": meter.per("completion"),
-        "poll_us": meter.per("poll"), "poison": sum(t.poison for t in sim.trainers), "wall_s": wall,
+        "poll_us": meter.per("poll"), "start_ms": meter.per("start") / 1000, "poison": sum(t.poison for t in sim.trainers), "wall_s": wall,
     }
 
 
@@ -489,8 +491,8 @@ def main(argv=None) -> None:
     scheduler_cls = load_scheduler(args.scheduler)
     params = inspect.signature(scheduler_cls).parameters
     modes = [m for m in args.modes if m == "as-is" or "pass_length" in params]
-    print("| case | mode | fraction of ideal | passes | mean pass s | µs/dispatch | µs/completion | µs/poll | busy | wasted | sim wall s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| case | mode | fraction of ideal | passes | mean pass s | µs/dispatch | µs/completion | µs/poll | ms/pass start | busy | wasted | sim wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for case in cases():
         if args.cases and not any(c in case.name for c in args.cases):
             continue
@@ -498,7 +500,7 @@ def main(argv=None) -> None:
             r = run_case(case, scheduler_cls, mode, args.seed, args.scale)
             poison = f" ({r['poison']} poison)" if r["poison"] else ""
             print(f"| {r['case']} | {r['mode']} | {r['fraction']:.1%}{poison} | {r['passes']} | {r['pass_s']:.2f} | "
-                  f"{r['dispatch_us']:.1f} | {r['completion_us']:.1f} | {r['poll_us']:.1f} | "
+                  f"{r['dispatch_us']:.1f} | {r['completion_us']:.1f} | {r['poll_us']:.1f} | {r['start_ms']:.2f} | "
                   f"{r['busy']:.1%} | {r['wasted']:.1%} | {r['wall_s']:.1f} |",
                   flush=True)
 

@@ -144,8 +144,10 @@ class Scheduler:
         self._holders: Dict[int, List[WorkerState]] = {}  # seq -> workers that hold it
         self._hold_until: Optional[float] = None  # end-of-pass withholding expires then
         self.workers: Dict[str, WorkerState] = {}
-        for w in workers:
-            self.add_worker(w)
+        for address in workers:
+            if address not in self.workers:
+                self.workers[address] = self._new_state(address)
+        self._rebuild()
         self._pending: List[int] = []  # sorted sequence numbers not yet dispatched
         self.known = 0  # batches 0..known-1 have been added
         self.exhausted = False  # no more batches will be added
@@ -161,14 +163,16 @@ class Scheduler:
     def add_worker(self, address: str) -> None:
         state = self.workers.get(address)
         if state is None or state.status == "lost":
-            self._next_order += 1
-            estimate = self._estimates.get(address)
-            state = WorkerState(address, seconds_per_batch=estimate if estimate and estimate > 0 else None,
-                                tie=self._random.random(), order=self._next_order)
-            self.workers[address] = state
+            state = self.workers[address] = self._new_state(address)
         else:
             state.status = "alive"
         self._refresh(state)
+
+    def _new_state(self, address: str) -> WorkerState:
+        self._next_order += 1
+        estimate = self._estimates.get(address)
+        return WorkerState(address, seconds_per_batch=estimate if estimate and estimate > 0 else None,
+                           tie=self._random.random(), order=self._next_order)
 
     def alive_workers(self) -> List[str]:
         return [w.address for w in self.workers.values() if w.alive]
@@ -268,11 +272,14 @@ class Scheduler:
                 if free:
                     self._push(self._free_unmeasured, n, w)
         if w.status != "lost" and w.in_flight:
-            began = self._began(w)
-            self._push(self._running, began, w)
-            estimate = w.seconds_per_batch or self.typical_batch_seconds()
-            if estimate:
-                self._push(self._late, began + _LATE_RATIO * estimate, w)
+            self._push_running(w)
+
+    def _push_running(self, w: WorkerState) -> None:
+        began = self._began(w)
+        self._push(self._running, began, w)
+        estimate = w.seconds_per_batch or self.typical_batch_seconds()
+        if estimate:
+            self._push(self._late, began + _LATE_RATIO * estimate, w)
 
     @staticmethod
     def _began(w: WorkerState) -> float:
@@ -293,6 +300,43 @@ class Scheduler:
             if estimate and age > _LATE_RATIO * estimate:
                 w.seconds_per_batch = age
             self._refresh(w)  # a new entry: later, or keyed by a changed typical time
+
+    def _rebuild(self) -> None:
+        """Sums and heaps from scratch (at the start: one sort and heapify, not n pushes)."""
+        times, heaps = [], ([], [], [], [])
+        self._alive = self._unmeasured = self._in_flight = 0
+        for w in self.workers.values():
+            w.version += 1
+            if not w.alive:
+                w.counted = None
+                continue
+            spb, n = w.seconds_per_batch, len(w.in_flight)
+            w.counted = (spb, n)
+            self._alive += 1
+            self._in_flight += n
+            free = n < self.credits
+            if spb:
+                times.append(spb)
+                entry = ((n + 1) * spb, w.tie, w.order, w.version, w)
+                heaps[0].append(entry)
+                if free:
+                    heaps[1].append(entry)
+            else:
+                self._unmeasured += 1
+                entry = (n, w.tie, w.order, w.version, w)
+                heaps[2].append(entry)
+                if free:
+                    heaps[3].append(entry)
+        for heap in heaps:
+            heapq.heapify(heap)
+        (self._all_measured, self._free_measured, self._all_unmeasured, self._free_unmeasured) = heaps
+        times.sort()
+        self._times = times
+        self._rate_sum = math.fsum(1.0 / t for t in times)
+        self._running, self._late = [], []
+        for w in self.workers.values():
+            if w.status != "lost" and w.in_flight:
+                self._push_running(w)
 
     def _add_rate(self, delta: float) -> None:
         self._rate_updates += 1
