@@ -76,8 +76,15 @@ class WorkerState:
     status: str = "alive"  # alive | draining | lost
     tie: float = field(default=0.0, repr=False)  # breaks ties between equal drain times
     order: int = field(default=0, repr=False)  # unique per scheduler: entries never compare workers
+    late: float = 0.0  # how long its oldest request had run when that was found far too long
     version: int = field(default=0, repr=False)
-    counted: Optional[Tuple[Optional[float], int]] = field(default=None, repr=False)  # in the sums
+    counted: Optional[tuple] = field(default=None, repr=False)  # (spb, effective, in flight) in the sums
+
+    @property
+    def effective_seconds(self) -> Optional[float]:
+        """The estimate decisions use: the measured time, or more while a request is late."""
+        spb = self.seconds_per_batch or 0.0
+        return max(spb, self.late) or None
 
     @property
     def alive(self) -> bool:
@@ -127,7 +134,7 @@ class Scheduler:
         self._next_order = 0
         # sums over the alive workers, kept as workers change
         self._times: List[float] = []  # sorted seconds_per_batch of the measured ones
-        self._rate_sum = 0.0  # sum of 1 / seconds_per_batch of the measured ones
+        self._rate_sum = 0.0  # sum of 1 / effective_seconds of those that have one
         self._rate_updates = 0
         self._alive = 0
         self._unmeasured = 0
@@ -197,6 +204,7 @@ class Scheduler:
         for s in state.in_flight:
             self._unhold(s, state)
         state.in_flight.clear()
+        state.late = 0.0
         self._refresh(state)
         blamed = min(running, key=running.get) if running else None
         if blamed is not None:
@@ -207,9 +215,10 @@ class Scheduler:
         return requeued, blamed
 
     def estimates(self) -> Dict[str, float]:
-        """Seconds per batch of the workers not lost, for ``estimates=`` of the next pass."""
-        return {w.address: w.seconds_per_batch for w in self.workers.values()
-                if w.status != "lost" and w.seconds_per_batch}
+        """Seconds per batch of the workers not lost, for ``estimates=`` of the next pass
+        (including what a request still running says about its worker)."""
+        return {w.address: w.effective_seconds for w in self.workers.values()
+                if w.status != "lost" and w.effective_seconds}
 
     # -- batches ------------------------------------------------------------
     def add_batch(self) -> int:
@@ -240,33 +249,35 @@ class Scheduler:
     def _refresh(self, w: WorkerState) -> None:
         """Bring the sums and heaps up to date after any change to ``w``."""
         old = w.counted
-        new = (w.seconds_per_batch, len(w.in_flight)) if w.alive else None
+        new = (w.seconds_per_batch, w.effective_seconds, len(w.in_flight)) if w.alive else None
         if old != new:
             if old is not None:
                 self._alive -= 1
-                self._in_flight -= old[1]
-                if old[0] is None:
-                    self._unmeasured -= 1
-                elif new is None or new[0] != old[0]:
+                self._in_flight -= old[2]
+                if old[0] and (new is None or new[0] != old[0]):
                     del self._times[bisect.bisect_left(self._times, old[0])]
-                    self._add_rate(-1.0 / old[0])
+                if old[1] is None:
+                    self._unmeasured -= 1
+                elif new is None or new[1] != old[1]:
+                    self._add_rate(-1.0 / old[1])
             if new is not None:
                 self._alive += 1
-                self._in_flight += new[1]
-                if new[0] is None:
-                    self._unmeasured += 1
-                elif old is None or new[0] != old[0]:
+                self._in_flight += new[2]
+                if new[0] and (old is None or new[0] != old[0]):
                     bisect.insort(self._times, new[0])
-                    self._add_rate(1.0 / new[0])
+                if new[1] is None:
+                    self._unmeasured += 1
+                elif old is None or new[1] != old[1]:
+                    self._add_rate(1.0 / new[1])
             w.counted = new
         w.version += 1
         if new is not None:
-            spb, n = new
+            _, effective, n = new
             free = n < self.credits
-            if spb:
-                self._push(self._all_measured, (n + 1) * spb, w)
+            if effective:
+                self._push(self._all_measured, (n + 1) * effective, w)
                 if free:
-                    self._push(self._free_measured, (n + 1) * spb, w)
+                    self._push(self._free_measured, (n + 1) * effective, w)
             else:
                 self._push(self._all_unmeasured, n, w)
                 if free:
@@ -277,7 +288,7 @@ class Scheduler:
     def _push_running(self, w: WorkerState) -> None:
         began = self._began(w)
         self._push(self._running, began, w)
-        estimate = w.seconds_per_batch or self.typical_batch_seconds()
+        estimate = w.effective_seconds or self.typical_batch_seconds()
         if estimate:
             self._push(self._late, began + _LATE_RATIO * estimate, w)
 
@@ -296,9 +307,9 @@ class Scheduler:
             if entry[3] != w.version:
                 continue
             age = now - self._began(w)
-            estimate = w.seconds_per_batch or self.typical_batch_seconds()
+            estimate = w.effective_seconds or self.typical_batch_seconds()
             if estimate and age > _LATE_RATIO * estimate:
-                w.seconds_per_batch = age
+                w.late = age
             self._refresh(w)  # a new entry: later, or keyed by a changed typical time
 
     def _rebuild(self) -> None:
@@ -310,14 +321,14 @@ class Scheduler:
             if not w.alive:
                 w.counted = None
                 continue
-            spb, n = w.seconds_per_batch, len(w.in_flight)
-            w.counted = (spb, n)
+            spb, effective, n = w.counted = (w.seconds_per_batch, w.effective_seconds, len(w.in_flight))
             self._alive += 1
             self._in_flight += n
-            free = n < self.credits
             if spb:
                 times.append(spb)
-                entry = ((n + 1) * spb, w.tie, w.order, w.version, w)
+            free = n < self.credits
+            if effective:
+                entry = ((n + 1) * effective, w.tie, w.order, w.version, w)
                 heaps[0].append(entry)
                 if free:
                     heaps[1].append(entry)
@@ -332,16 +343,19 @@ class Scheduler:
         (self._all_measured, self._free_measured, self._all_unmeasured, self._free_unmeasured) = heaps
         times.sort()
         self._times = times
-        self._rate_sum = math.fsum(1.0 / t for t in times)
+        self._rate_sum = self._exact_rate_sum()
         self._running, self._late = [], []
         for w in self.workers.values():
             if w.status != "lost" and w.in_flight:
                 self._push_running(w)
 
+    def _exact_rate_sum(self) -> float:
+        return math.fsum(1.0 / w.counted[1] for w in self.workers.values() if w.counted and w.counted[1])
+
     def _add_rate(self, delta: float) -> None:
         self._rate_updates += 1
         if self._rate_updates % _RESUM_EVERY == 0:
-            self._rate_sum = math.fsum(1.0 / t for t in self._times)
+            self._rate_sum = self._exact_rate_sum()
         else:
             self._rate_sum += delta
 
@@ -385,7 +399,7 @@ class Scheduler:
                 del self._holders[seq]
 
     def _estimate(self, w: WorkerState, typical: float) -> float:
-        return w.seconds_per_batch or typical
+        return w.effective_seconds or typical
 
     def _total_rate(self, typical: float) -> float:
         return self._rate_sum + self._unmeasured / typical
@@ -464,6 +478,7 @@ class Scheduler:
             return False, []
         now = self._now(now)
         started = state.in_flight.pop(seq)
+        state.late = 0.0
         self._unhold(seq, state)
         # time this request had the worker to itself (requests queue behind each other)
         sample = now - max(started, state.last_done)
@@ -482,6 +497,7 @@ class Scheduler:
         """A request ended without a usable result (its error is delivered in order)."""
         state = self.workers.get(address)
         if state is not None and state.in_flight.pop(seq, None) is not None:
+            state.late = 0.0
             self._unhold(seq, state)
             self._refresh(state)
         self.done.add(seq)
@@ -491,6 +507,7 @@ class Scheduler:
         others = self._holders.pop(seq, [])
         for w in others:
             del w.in_flight[seq]
+            w.late = 0.0
             self._refresh(w)
         return [w.address for w in others]
 
