@@ -506,8 +506,7 @@ class Scheduler:
     def _forget(self, seq: int) -> List[str]:
         others = self._holders.pop(seq, [])
         for w in others:
-            del w.in_flight[seq]
-            w.late = 0.0
+            del w.in_flight[seq]  # its lateness stays: it says how slow w is until w finishes something
             self._refresh(w)
         return [w.address for w in others]
 
