@@ -20,13 +20,13 @@ simulations (``benchmarks/simulate.py``).
   rates; the batches it skips go to faster workers. With no measurements yet every
   worker takes the lowest pending batch.
 * **End of the pass.** Once the number of batches of the pass is known
-  (``pass_length``, or ``exhausted`` set after the last one was added), a worker gets
-  no batch that it would finish later than the other workers would finish all the
-  remaining ones: at the end of a pass a slow worker waits instead of holding up the
-  tail. The estimate of the others is optimistic (their combined rate, and never less
-  than the soonest of them), so the rule errs towards keeping batches for the fast
-  workers. If no batch has gone out for twice the time they were expected to need, the
-  estimate was wrong (stalled workers) and the slow worker is served again.
+  (``pass_length``, or ``exhausted``), a worker gets no batch that it would finish later
+  than the other workers would finish all the remaining ones (their combined rate, and
+  never sooner than the soonest of them): a slow worker waits instead of holding up the
+  tail. Should no batch go out for twice the time the others were expected to need
+  (stalled workers), the slow worker is served again.
+* **Late requests.** A request running more than twice its worker's estimate raises
+  the worker's effective estimate to its age at once (not only when, or if, it ends).
 * **Window.** No batch beyond ``delivered + window`` is dispatched, which bounds the
   memory held by results waiting for an earlier batch. Once rates are measured the
   window widens (up to ``max_window``) to cover what the other workers deliver while the
@@ -39,9 +39,9 @@ simulations (``benchmarks/simulate.py``).
   batch is duplicated on the worker with a free credit that would finish it soonest;
   the first result wins and the other request is cancelled.
 
-Cost: every decision is O(log workers) (heaps keyed by drain time, a sorted list of the
-measured times, running sums), not a scan of the workers; a hedge check looks only at
-workers that have not finished anything for longer than the hedging limit.
+Every decision is O(log workers): heaps keyed by drain time (stale entries are skipped
+by version), a sorted list of the measured times and running sums, no scan of the
+workers; a hedge check looks only at workers that have been busy past the limit.
 """
 
 from __future__ import annotations
@@ -60,9 +60,7 @@ _HOLD_SLACK = 2.0  # end-of-pass withholding lasts at most this times the others
 _RESUM_EVERY = 1024  # re-add the rate sum from scratch after this many updates (float drift)
 _LATE_RATIO = 2.0  # a request running this much longer than its worker's estimate raises it
 
-# A heap entry: (key, tie, order, version, worker). It is current while the worker's
-# version is unchanged; every change of a worker bumps its version and pushes fresh
-# entries, so stale ones are dropped when they reach the top (or on compaction).
+# Heap entry: (key, tie, order, version, worker); current while the worker's version is.
 _Entry = Tuple[float, float, int, int, "WorkerState"]
 
 
@@ -139,15 +137,15 @@ class Scheduler:
         self._alive = 0
         self._unmeasured = 0
         self._in_flight = 0
-        # heaps of alive workers: with a free credit / all; measured (key: drain time) /
-        # not (key: requests in flight); and of non-lost workers holding requests, keyed
-        # by when their oldest request began (for hedging)
+        # heaps of alive workers with a free credit / all of them, with an estimate (key:
+        # drain time) / without (key: requests in flight); of non-lost workers holding
+        # requests, keyed by when the oldest began (hedging) / will be late
         self._free_measured: List[_Entry] = []
         self._all_measured: List[_Entry] = []
         self._free_unmeasured: List[_Entry] = []
         self._all_unmeasured: List[_Entry] = []
         self._running: List[_Entry] = []
-        self._late: List[_Entry] = []  # same workers, keyed by when their oldest request is late
+        self._late: List[_Entry] = []
         self._holders: Dict[int, List[WorkerState]] = {}  # seq -> workers that hold it
         self._hold_until: Optional[float] = None  # end-of-pass withholding expires then
         self.workers: Dict[str, WorkerState] = {}
@@ -246,7 +244,7 @@ class Scheduler:
         return None
 
     # -- bookkeeping ----------------------------------------------------------
-    def _refresh(self, w: WorkerState) -> None:
+    def _refresh(self, w: WorkerState, bulk: bool = False) -> None:
         """Bring the sums and heaps up to date after any change to ``w``."""
         old = w.counted
         new = (w.seconds_per_batch, w.effective_seconds, len(w.in_flight)) if w.alive else None
@@ -264,33 +262,34 @@ class Scheduler:
                 self._alive += 1
                 self._in_flight += new[2]
                 if new[0] and (old is None or new[0] != old[0]):
-                    bisect.insort(self._times, new[0])
+                    if bulk:
+                        self._times.append(new[0])  # sorted once at the end
+                    else:
+                        bisect.insort(self._times, new[0])
                 if new[1] is None:
                     self._unmeasured += 1
                 elif old is None or new[1] != old[1]:
                     self._add_rate(1.0 / new[1])
             w.counted = new
         w.version += 1
+        push = self._append if bulk else self._push
         if new is not None:
             _, effective, n = new
             free = n < self.credits
             if effective:
-                self._push(self._all_measured, (n + 1) * effective, w)
+                push(self._all_measured, (n + 1) * effective, w)
                 if free:
-                    self._push(self._free_measured, (n + 1) * effective, w)
+                    push(self._free_measured, (n + 1) * effective, w)
             else:
-                self._push(self._all_unmeasured, n, w)
+                push(self._all_unmeasured, n, w)
                 if free:
-                    self._push(self._free_unmeasured, n, w)
+                    push(self._free_unmeasured, n, w)
         if w.status != "lost" and w.in_flight:
-            self._push_running(w)
-
-    def _push_running(self, w: WorkerState) -> None:
-        began = self._began(w)
-        self._push(self._running, began, w)
-        estimate = w.effective_seconds or self.typical_batch_seconds()
-        if estimate:
-            self._push(self._late, began + _LATE_RATIO * estimate, w)
+            began = self._began(w)
+            push(self._running, began, w)
+            estimate = w.effective_seconds or self.typical_batch_seconds()
+            if estimate:
+                push(self._late, began + _LATE_RATIO * estimate, w)
 
     @staticmethod
     def _began(w: WorkerState) -> float:
@@ -313,41 +312,20 @@ class Scheduler:
             self._refresh(w)  # a new entry: later, or keyed by a changed typical time
 
     def _rebuild(self) -> None:
-        """Sums and heaps from scratch (at the start: one sort and heapify, not n pushes)."""
-        times, heaps = [], ([], [], [], [])
-        self._alive = self._unmeasured = self._in_flight = 0
+        """Sums and heaps from scratch: appends, one sort and one heapify per structure."""
+        self._times, self._alive, self._unmeasured, self._in_flight = [], 0, 0, 0
+        heaps = (self._free_measured, self._all_measured, self._free_unmeasured, self._all_unmeasured,
+                 self._running, self._late)
+        for heap in heaps:
+            heap.clear()
         for w in self.workers.values():
-            w.version += 1
-            if not w.alive:
-                w.counted = None
-                continue
-            spb, effective, n = w.counted = (w.seconds_per_batch, w.effective_seconds, len(w.in_flight))
-            self._alive += 1
-            self._in_flight += n
-            if spb:
-                times.append(spb)
-            free = n < self.credits
-            if effective:
-                entry = ((n + 1) * effective, w.tie, w.order, w.version, w)
-                heaps[0].append(entry)
-                if free:
-                    heaps[1].append(entry)
-            else:
-                self._unmeasured += 1
-                entry = (n, w.tie, w.order, w.version, w)
-                heaps[2].append(entry)
-                if free:
-                    heaps[3].append(entry)
+            w.counted = None
+        for w in self.workers.values():
+            self._refresh(w, bulk=True)
+        self._times.sort()
+        self._rate_sum = self._exact_rate_sum()
         for heap in heaps:
             heapq.heapify(heap)
-        (self._all_measured, self._free_measured, self._all_unmeasured, self._free_unmeasured) = heaps
-        times.sort()
-        self._times = times
-        self._rate_sum = self._exact_rate_sum()
-        self._running, self._late = [], []
-        for w in self.workers.values():
-            if w.status != "lost" and w.in_flight:
-                self._push_running(w)
 
     def _exact_rate_sum(self) -> float:
         return math.fsum(1.0 / w.counted[1] for w in self.workers.values() if w.counted and w.counted[1])
@@ -358,6 +336,10 @@ class Scheduler:
             self._rate_sum = self._exact_rate_sum()
         else:
             self._rate_sum += delta
+
+    @staticmethod
+    def _append(heap: List[_Entry], key: float, w: WorkerState) -> None:
+        heap.append((key, w.tie, w.order, w.version, w))
 
     def _push(self, heap: List[_Entry], key: float, w: WorkerState) -> None:
         heapq.heappush(heap, (key, w.tie, w.order, w.version, w))
@@ -397,9 +379,6 @@ class Scheduler:
             holders.remove(w)
             if not holders:
                 del self._holders[seq]
-
-    def _estimate(self, w: WorkerState, typical: float) -> float:
-        return w.effective_seconds or typical
 
     def _total_rate(self, typical: float) -> float:
         return self._rate_sum + self._unmeasured / typical
@@ -447,7 +426,7 @@ class Scheduler:
         end = self.pass_end()
         if end is None:
             return False
-        others_rate = total_rate - 1.0 / self._estimate(worker, typical)
+        others_rate = total_rate - 1.0 / (worker.effective_seconds or typical)
         if others_rate <= 0:
             return False
         remaining = len(self._pending) + max(end - self.known, 0)
@@ -523,12 +502,9 @@ class Scheduler:
             return []
         now = self._now(now)
         self._raise_late(now)
-        typical = self.typical_batch_seconds()
         limit = max(factor * typical, min_seconds)
         horizon = min(self.delivered + max(self._alive, 1), self.known)
-        # workers whose oldest request began before now - limit (some slack for rounding;
-        # the exact test is below)
-        stuck = []
+        stuck = []  # workers whose oldest request began before now - limit (exact test below)
         running = self._running
         while running and running[0][0] <= now - limit + 1e-9:
             entry = heapq.heappop(running)
