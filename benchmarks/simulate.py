@@ -47,7 +47,6 @@ import gc
 import heapq
 import importlib.util
 import inspect
-import math
 import random
 import sys
 import time
@@ -207,10 +206,8 @@ class Sim:
             return
         req = worker.running
         self.start_next(worker)
-        if req.cancelled:
-            self.wasted += req.work / worker.seconds
-        elif not req.trainer.on_result(worker.address, req):
-            self.wasted += req.work / worker.seconds
+        if req.cancelled or not req.trainer.on_result(worker.address, req):
+            self.wasted += req.work / worker.seconds  # nobody used this result
 
     def stall(self, worker: Worker, seconds: float) -> None:
         if not worker.alive or worker.stalled:
@@ -442,9 +439,6 @@ class Case:
     stall_seconds: tuple = (1.0, 5.0)
     joins: int = 0
     scripted: tuple = ()
-
-
-FAULTS = dict(death_fraction=0.05, stall_fraction=0.1, joins=0)
 
 
 def cases() -> List[Case]:

@@ -135,7 +135,7 @@ FAST3_SLOW = {"f1": 1.0, "f2": 1.0, "f3": 1.0, "slow": 4.0}
 
 def test_slow_worker_gets_a_batch_needed_later():
     s, _ = make(list(FAST3_SLOW), credits=1, batches=20, estimates=FAST3_SLOW)
-    got = dict((w, seq) for w, seq in dispatch_all(s))
+    got = dict(dispatch_all(s))
     assert sorted(got[f] for f in ("f1", "f2", "f3")) == [0, 1, 2]
     # it finishes in 4 s; meanwhile the others deliver 3.25 batches/s * 4 s = 13
     assert got["slow"] == 13
@@ -227,7 +227,7 @@ def test_batch_held_by_a_duplicate_is_not_requeued():
 
 
 def test_rejoined_worker_starts_fresh():
-    s, clock = make(["a", "b"], credits=1, batches=4, estimates={"a": 1.0, "b": 1.0})
+    s, _ = make(["a", "b"], credits=1, batches=4, estimates={"a": 1.0, "b": 1.0})
     dispatch_all(s)
     s.worker_lost("a")
     s.add_worker("a")
