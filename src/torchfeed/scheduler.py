@@ -2,17 +2,31 @@
 
 Pure bookkeeping, no I/O, so it can be tested alone. The loader feeds it batch
 sequence numbers, asks it for dispatch decisions and reports completions and lost
-workers.
+workers. Time comes from ``clock`` (``time.monotonic`` by default) or from the ``now``
+argument of the methods that need it, so a fake clock drives it in tests and
+simulations (``benchmarks/simulate.py``).
 
 * **Credits.** A worker holds at most ``credits`` requests (the loader's
   ``prefetch_factor``); a finished request returns its credit at once.
 * **Least loaded first.** Among workers with a free credit, the one whose queue
-  would drain soonest (in-flight count times its measured time per batch) is served.
+  would drain soonest (in-flight count plus one, times its measured time per batch) is
+  served. A worker not measured yet counts as a typical one (the median of the measured
+  ones); with no measurement at all, the one with the fewest requests in flight is
+  served. Ties are broken by a per-scheduler random order (``seed``), so that trainers
+  sharing workers do not all start on the same ones.
 * **Look-ahead for slow workers.** Batches are delivered in order, so a slow worker
   given the *next* batch would hold up every later one. A worker is instead given the
   batch that will be needed about when it can finish it, estimated from the measured
   rates; the batches it skips go to faster workers. With no measurements yet every
   worker takes the lowest pending batch.
+* **End of the pass.** Once the number of batches of the pass is known
+  (``pass_length``, or ``exhausted``), a worker gets no batch that it would finish later
+  than the other workers would finish all the remaining ones (their combined rate, and
+  never sooner than the soonest of them): a slow worker waits instead of holding up the
+  tail. Should no batch go out for twice the time the others were expected to need
+  (stalled workers), the slow worker is served again.
+* **Late requests.** A request running more than twice its worker's estimate raises
+  the worker's effective estimate to its age at once (not only when, or if, it ends).
 * **Window.** No batch beyond ``delivered + window`` is dispatched, which bounds the
   memory held by results waiting for an earlier batch. Once rates are measured the
   window widens (up to ``max_window``) to cover what the other workers deliver while the
@@ -22,22 +36,35 @@ workers.
   likely executing) is blamed; a batch blamed for too many deaths is a poison batch.
 * **Draining.** A worker being removed gets no new batches; its in-flight ones finish.
 * **Hedging.** A batch needed soon that has been running much longer than the typical
-  batch is duplicated on a worker with a free credit; the first result wins and the
-  other request is cancelled.
+  batch is duplicated on the worker with a free credit that would finish it soonest;
+  the first result wins and the other request is cancelled.
+
+Every decision is O(log workers): heaps keyed by drain time (stale entries are skipped
+by version), a sorted list of the measured times and running sums, no scan of the
+workers; a hedge check looks only at workers that have been busy past the limit.
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
+import math
+import random
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 _ALPHA = 0.3  # weight of the newest sample in the per-worker time estimate
 _SLOW_RATIO = 1.5  # a worker this much slower than the best one skips ahead
+_HOLD_SLACK = 2.0  # end-of-pass withholding lasts at most this times the others' estimate
+_RESUM_EVERY = 1024  # re-add the rate sum from scratch after this many updates (float drift)
+_LATE_RATIO = 2.0  # a request running this much longer than its worker's estimate raises it
+
+# Heap entry: (key, tie, order, version, worker); current while the worker's version is.
+_Entry = Tuple[float, float, int, int, "WorkerState"]
 
 
-@dataclass
+@dataclass(eq=False)
 class WorkerState:
     address: str
     in_flight: Dict[int, float] = field(default_factory=dict)  # seq -> dispatch time
@@ -45,6 +72,17 @@ class WorkerState:
     last_done: float = 0.0
     completed: int = 0
     status: str = "alive"  # alive | draining | lost
+    tie: float = field(default=0.0, repr=False)  # breaks ties between equal drain times
+    order: int = field(default=0, repr=False)  # unique per scheduler: entries never compare workers
+    late: float = 0.0  # how long its oldest request had run when that was found far too long
+    version: int = field(default=0, repr=False)
+    counted: Optional[tuple] = field(default=None, repr=False)  # (spb, effective, in flight) in the sums
+
+    @property
+    def effective_seconds(self) -> Optional[float]:
+        """The estimate decisions use: the measured time, or more while a request is late."""
+        spb = self.seconds_per_batch or 0.0
+        return max(spb, self.late) or None
 
     @property
     def alive(self) -> bool:
@@ -52,15 +90,69 @@ class WorkerState:
 
 
 class Scheduler:
-    def __init__(self, workers: Iterable[str], credits: int, window: int, max_window: Optional[int] = None):
+    """Dispatch decisions for one pass over the data.
+
+    Parameters
+    ----------
+    workers : iterable of str
+        Addresses of the workers available at the start.
+    credits : int
+        Requests a worker may hold at once.
+    window : int
+        Batches dispatched beyond the last delivered one, at least (it widens with
+        measured rates up to ``max_window``, default four times ``window``).
+    max_window : int, optional
+    clock : callable, optional
+        Returns the current time in seconds; used where a method is called without
+        ``now``. ``time.monotonic`` by default.
+    pass_length : int, optional
+        Number of batches in this pass, when known in advance (``len(loader)``). Without
+        it the end is known once ``exhausted`` is set.
+    estimates : mapping of str to float, optional
+        Seconds per batch of workers, as measured in an earlier pass
+        (:meth:`estimates`): the look-ahead and the end-of-pass rule work from the
+        first batch instead of after every worker has finished one.
+    seed : int, optional
+        Seeds the order that breaks ties between equally loaded workers (random by
+        default).
+    """
+
+    def __init__(self, workers: Iterable[str], credits: int, window: int, max_window: Optional[int] = None, *,
+                 clock: Callable[[], float] = time.monotonic, pass_length: Optional[int] = None,
+                 estimates: Optional[Mapping[str, float]] = None, seed: Optional[int] = None):
         if credits < 1:
             raise ValueError("credits must be >= 1")
         self.credits = credits
         self.base_window = self.window = max(window, 1)
         self.max_window = max(max_window or 4 * self.base_window, self.base_window)
+        self.clock = clock
+        self.pass_length = pass_length
+        self._estimates = dict(estimates or {})
+        self._random = random.Random(seed)
+        self._next_order = 0
+        # sums over the alive workers, kept as workers change
+        self._times: List[float] = []  # sorted seconds_per_batch of the measured ones
+        self._rate_sum = 0.0  # sum of 1 / effective_seconds of those that have one
+        self._rate_updates = 0
+        self._alive = 0
+        self._unmeasured = 0
+        self._in_flight = 0
+        # heaps of alive workers with a free credit / all of them, with an estimate (key:
+        # drain time) / without (key: requests in flight); of non-lost workers holding
+        # requests, keyed by when the oldest began (hedging) / will be late
+        self._free_measured: List[_Entry] = []
+        self._all_measured: List[_Entry] = []
+        self._free_unmeasured: List[_Entry] = []
+        self._all_unmeasured: List[_Entry] = []
+        self._running: List[_Entry] = []
+        self._late: List[_Entry] = []
+        self._holders: Dict[int, List[WorkerState]] = {}  # seq -> workers that hold it
+        self._hold_until: Optional[float] = None  # end-of-pass withholding expires then
         self.workers: Dict[str, WorkerState] = {}
-        for w in workers:
-            self.add_worker(w)
+        for address in workers:
+            if address not in self.workers:
+                self.workers[address] = self._new_state(address)
+        self._rebuild()
         self._pending: List[int] = []  # sorted sequence numbers not yet dispatched
         self.known = 0  # batches 0..known-1 have been added
         self.exhausted = False  # no more batches will be added
@@ -69,13 +161,23 @@ class Scheduler:
         self.losses: Dict[int, int] = {}  # seq -> worker deaths blamed on it
         self.hedged: Set[int] = set()  # seqs that were duplicated once
 
+    def _now(self, now: Optional[float]) -> float:
+        return self.clock() if now is None else now
+
     # -- membership ---------------------------------------------------------
     def add_worker(self, address: str) -> None:
         state = self.workers.get(address)
         if state is None or state.status == "lost":
-            self.workers[address] = WorkerState(address)
+            state = self.workers[address] = self._new_state(address)
         else:
             state.status = "alive"
+        self._refresh(state)
+
+    def _new_state(self, address: str) -> WorkerState:
+        self._next_order += 1
+        estimate = self._estimates.get(address)
+        return WorkerState(address, seconds_per_batch=estimate if estimate and estimate > 0 else None,
+                           tie=self._random.random(), order=self._next_order)
 
     def alive_workers(self) -> List[str]:
         return [w.address for w in self.workers.values() if w.alive]
@@ -88,6 +190,7 @@ class Scheduler:
         state = self.workers.get(address)
         if state is not None and state.status == "alive":
             state.status = "draining"
+            self._refresh(state)
 
     def worker_lost(self, address: str) -> Tuple[List[int], Optional[int]]:
         """Mark a worker dead. Return its batches now pending again, and the blamed one."""
@@ -96,15 +199,24 @@ class Scheduler:
             return [], None
         state.status = "lost"
         running = {s: t for s, t in state.in_flight.items() if s not in self.done}
+        for s in state.in_flight:
+            self._unhold(s, state)
         state.in_flight.clear()
+        state.late = 0.0
+        self._refresh(state)
         blamed = min(running, key=running.get) if running else None
         if blamed is not None:
             self.losses[blamed] = self.losses.get(blamed, 0) + 1
-        held_elsewhere = {s for w in self.workers.values() for s in w.in_flight}
-        requeued = [s for s in running if s not in held_elsewhere]
+        requeued = [s for s in running if s not in self._holders]  # not held elsewhere
         for s in requeued:
             bisect.insort(self._pending, s)
         return requeued, blamed
+
+    def estimates(self) -> Dict[str, float]:
+        """Seconds per batch of the workers not lost, for ``estimates=`` of the next pass
+        (including what a request still running says about its worker)."""
+        return {w.address: w.effective_seconds for w in self.workers.values()
+                if w.status != "lost" and w.effective_seconds}
 
     # -- batches ------------------------------------------------------------
     def add_batch(self) -> int:
@@ -118,15 +230,160 @@ class Scheduler:
         return not self.exhausted and self.known < self.delivered + self.window
 
     def holders(self, seq: int) -> List[str]:
-        return [w.address for w in self.workers.values() if seq in w.in_flight]
+        return [w.address for w in self._holders.get(seq, ())]
 
     def finished(self) -> bool:
         return self.exhausted and self.delivered >= self.known
 
-    # -- decisions ----------------------------------------------------------
-    def _rate(self, w: WorkerState) -> Optional[float]:
-        return None if not w.seconds_per_batch else 1.0 / w.seconds_per_batch
+    def pass_end(self) -> Optional[int]:
+        """The number of batches of this pass, if known yet."""
+        if self.exhausted:
+            return self.known
+        if self.pass_length is not None:
+            return max(self.pass_length, self.known)
+        return None
 
+    # -- bookkeeping ----------------------------------------------------------
+    def _refresh(self, w: WorkerState, bulk: bool = False) -> None:
+        """Bring the sums and heaps up to date after any change to ``w``."""
+        old = w.counted
+        new = (w.seconds_per_batch, w.effective_seconds, len(w.in_flight)) if w.alive else None
+        if old != new:
+            if old is not None:
+                self._alive -= 1
+                self._in_flight -= old[2]
+                if old[0] and (new is None or new[0] != old[0]):
+                    del self._times[bisect.bisect_left(self._times, old[0])]
+                if old[1] is None:
+                    self._unmeasured -= 1
+                elif new is None or new[1] != old[1]:
+                    self._add_rate(-1.0 / old[1])
+            if new is not None:
+                self._alive += 1
+                self._in_flight += new[2]
+                if new[0] and (old is None or new[0] != old[0]):
+                    if bulk:
+                        self._times.append(new[0])  # sorted once at the end
+                    else:
+                        bisect.insort(self._times, new[0])
+                if new[1] is None:
+                    self._unmeasured += 1
+                elif old is None or new[1] != old[1]:
+                    self._add_rate(1.0 / new[1])
+            w.counted = new
+        w.version += 1
+        push = self._append if bulk else self._push
+        if new is not None:
+            _, effective, n = new
+            free = n < self.credits
+            if effective:
+                push(self._all_measured, (n + 1) * effective, w)
+                if free:
+                    push(self._free_measured, (n + 1) * effective, w)
+            else:
+                push(self._all_unmeasured, n, w)
+                if free:
+                    push(self._free_unmeasured, n, w)
+        if w.status != "lost" and w.in_flight:
+            began = self._began(w)
+            push(self._running, began, w)
+            estimate = w.effective_seconds or self.typical_batch_seconds()
+            if estimate:
+                push(self._late, began + _LATE_RATIO * estimate, w)
+
+    @staticmethod
+    def _began(w: WorkerState) -> float:
+        """When the oldest request of ``w`` began running (requests run one after another)."""
+        return max(min(w.in_flight.values()), w.last_done)
+
+    def _raise_late(self, now: float) -> None:
+        """A request that has run much longer than its worker's estimate says the worker is
+        at least that slow: raise the estimate now rather than when (if) it finishes."""
+        late = self._late
+        while late and late[0][0] < now:
+            entry = heapq.heappop(late)
+            w = entry[4]
+            if entry[3] != w.version:
+                continue
+            age = now - self._began(w)
+            estimate = w.effective_seconds or self.typical_batch_seconds()
+            if estimate and age > _LATE_RATIO * estimate:
+                w.late = age
+            self._refresh(w)  # a new entry: later, or keyed by a changed typical time
+
+    def _rebuild(self) -> None:
+        """Sums and heaps from scratch: appends, one sort and one heapify per structure."""
+        self._times, self._alive, self._unmeasured, self._in_flight = [], 0, 0, 0
+        heaps = (self._free_measured, self._all_measured, self._free_unmeasured, self._all_unmeasured,
+                 self._running, self._late)
+        for heap in heaps:
+            heap.clear()
+        for w in self.workers.values():
+            w.counted = None
+        for w in self.workers.values():
+            self._refresh(w, bulk=True)
+        self._times.sort()
+        self._rate_sum = self._exact_rate_sum()
+        for heap in heaps:
+            heapq.heapify(heap)
+
+    def _exact_rate_sum(self) -> float:
+        return math.fsum(1.0 / w.counted[1] for w in self.workers.values() if w.counted and w.counted[1])
+
+    def _add_rate(self, delta: float) -> None:
+        self._rate_updates += 1
+        if self._rate_updates % _RESUM_EVERY == 0:
+            self._rate_sum = self._exact_rate_sum()
+        else:
+            self._rate_sum += delta
+
+    @staticmethod
+    def _append(heap: List[_Entry], key: float, w: WorkerState) -> None:
+        heap.append((key, w.tie, w.order, w.version, w))
+
+    def _push(self, heap: List[_Entry], key: float, w: WorkerState) -> None:
+        heapq.heappush(heap, (key, w.tie, w.order, w.version, w))
+        if len(heap) > 4 * len(self.workers) + 64:  # mostly stale entries: drop them
+            heap[:] = [e for e in heap if e[3] == e[4].version]
+            heapq.heapify(heap)
+
+    @staticmethod
+    def _top(heap: List[_Entry], exclude: Optional[WorkerState] = None) -> Optional[_Entry]:
+        while heap and heap[0][3] != heap[0][4].version:
+            heapq.heappop(heap)
+        if not heap or heap[0][4] is not exclude:
+            return heap[0] if heap else None
+        held = heapq.heappop(heap)
+        second = Scheduler._top(heap)
+        heapq.heappush(heap, held)
+        return second
+
+    def _best(self, measured: List[_Entry], unmeasured: List[_Entry],
+              exclude: Optional[WorkerState] = None) -> Optional[Tuple[float, WorkerState]]:
+        """(drain time, worker) of the soonest-draining worker of the two heaps."""
+        m = self._top(measured, exclude)
+        u = self._top(unmeasured, exclude)
+        if u is not None:
+            u = ((u[0] + 1) * (self.typical_batch_seconds() or 1.0),) + u[1:]
+        best = min((e for e in (m, u) if e is not None), default=None)
+        return None if best is None else (best[0], best[4])
+
+    def _assign(self, w: WorkerState, seq: int, now: float) -> None:
+        w.in_flight[seq] = now
+        self._holders.setdefault(seq, []).append(w)
+        self._refresh(w)
+
+    def _unhold(self, seq: int, w: WorkerState) -> None:
+        holders = self._holders.get(seq)
+        if holders is not None and w in holders:
+            holders.remove(w)
+            if not holders:
+                del self._holders[seq]
+
+    def _total_rate(self, typical: float) -> float:
+        return self._rate_sum + self._unmeasured / typical
+
+    # -- decisions ----------------------------------------------------------
     def next_dispatch(self, now: Optional[float] = None) -> Optional[Tuple[str, int]]:
         """Pick (worker, seq) for the next request, or None if nothing can go now."""
         if not self._pending:
@@ -134,41 +391,59 @@ class Scheduler:
         limit = self.delivered + self.window
         if self._pending[0] >= limit:
             return None
-        alive = [w for w in self.workers.values() if w.alive]
-        free = [w for w in alive if len(w.in_flight) < self.credits]
-        if not free:
+        best = self._best(self._free_measured, self._free_unmeasured)
+        if best is None:
             return None
-        measured = all(w.seconds_per_batch for w in alive)
-
-        def drain_time(w: WorkerState) -> float:
-            """When a batch queued on w now would be done (relative)."""
-            return (len(w.in_flight) + 1) * (w.seconds_per_batch if measured else 1.0)
-
-        worker = min(free, key=drain_time)
+        now = self._now(now)
+        if self._late and self._late[0][0] < now:
+            self._raise_late(now)
+            best = self._best(self._free_measured, self._free_unmeasured)
+        mine, worker = best
         index = 0
-        if measured and len(alive) > 1:
-            # Some other worker (maybe busy now) would finish the lowest batch much
-            # sooner: keep it for them and give this one a batch needed later.
-            soonest = min(drain_time(w) for w in alive)
-            mine = drain_time(worker)
+        typical = self.typical_batch_seconds()
+        if typical is not None and self._alive > 1:
+            soonest = self._best(self._all_measured, self._all_unmeasured)[0]
+            total_rate = self._total_rate(typical)
+            if mine > soonest and self._keep_for_others(worker, mine, soonest, total_rate, typical, now):
+                return None
             if mine > _SLOW_RATIO * soonest:
-                total_rate = sum(1.0 / w.seconds_per_batch for w in alive)
+                # Some other worker (maybe busy now) would finish the lowest batch much
+                # sooner: keep it for them and give this one a batch needed later.
                 target = min(self.delivered + int(total_rate * mine), limit - 1)
                 index = bisect.bisect_left(self._pending, target)
                 below_limit = bisect.bisect_left(self._pending, limit)
                 if index >= below_limit:
                     index = below_limit - 1
         seq = self._pending.pop(index)
-        worker.in_flight[seq] = time.monotonic() if now is None else now
+        self._assign(worker, seq, now)
+        self._hold_until = None
         return worker.address, seq
 
+    def _keep_for_others(self, worker: WorkerState, mine: float, soonest: float, total_rate: float,
+                         typical: float, now: float) -> bool:
+        """End of the pass: would the others finish every remaining batch before ``worker``
+        finishes one more?"""
+        end = self.pass_end()
+        if end is None:
+            return False
+        others_rate = total_rate - 1.0 / (worker.effective_seconds or typical)
+        if others_rate <= 0:
+            return False
+        remaining = len(self._pending) + max(end - self.known, 0)
+        others_queued = self._in_flight - len(worker.in_flight)
+        others_finish = max((remaining + others_queued) / others_rate, soonest)
+        if mine <= others_finish:
+            return False
+        if self._hold_until is None:
+            self._hold_until = now + _HOLD_SLACK * others_finish
+        return now < self._hold_until
+
     def _resize_window(self) -> None:
-        alive = [w for w in self.workers.values() if w.alive]
-        if not alive or not all(w.seconds_per_batch for w in alive):
+        typical = self.typical_batch_seconds()
+        if typical is None or not self._alive:
             return
-        total_rate = sum(1.0 / w.seconds_per_batch for w in alive)
-        slowest_queue = self.credits * max(w.seconds_per_batch for w in alive)
-        needed = int(total_rate * slowest_queue) + len(alive) + self.credits
+        slowest_queue = self.credits * self._times[-1]
+        needed = int(self._total_rate(typical) * slowest_queue) + self._alive + self.credits
         self.window = min(max(self.base_window, needed), self.max_window)
 
     def completed(self, address: str, seq: int, now: Optional[float] = None) -> Tuple[bool, List[str]]:
@@ -177,11 +452,13 @@ class Scheduler:
         Returns whether this result is the one to deliver (False for a late duplicate or
         an unexpected result) and the other workers still holding the batch (to cancel).
         """
-        now = time.monotonic() if now is None else now
         state = self.workers.get(address)
         if state is None or seq not in state.in_flight or seq in self.done:
             return False, []
+        now = self._now(now)
         started = state.in_flight.pop(seq)
+        state.late = 0.0
+        self._unhold(seq, state)
         # time this request had the worker to itself (requests queue behind each other)
         sample = now - max(started, state.last_done)
         state.last_done = now
@@ -190,6 +467,7 @@ class Scheduler:
             prev = state.seconds_per_batch
             state.seconds_per_batch = sample if prev is None else (1 - _ALPHA) * prev + _ALPHA * sample
         self.done.add(seq)
+        self._refresh(state)
         if state.completed % 8 == 1:
             self._resize_window()
         return True, self._forget(seq)
@@ -197,22 +475,24 @@ class Scheduler:
     def failed(self, address: str, seq: int) -> List[str]:
         """A request ended without a usable result (its error is delivered in order)."""
         state = self.workers.get(address)
-        if state is not None:
-            state.in_flight.pop(seq, None)
+        if state is not None and state.in_flight.pop(seq, None) is not None:
+            state.late = 0.0
+            self._unhold(seq, state)
+            self._refresh(state)
         self.done.add(seq)
         return self._forget(seq)
 
     def _forget(self, seq: int) -> List[str]:
-        others = []
-        for w in self.workers.values():
-            if w.in_flight.pop(seq, None) is not None:
-                others.append(w.address)
-        return others
+        others = self._holders.pop(seq, [])
+        for w in others:
+            del w.in_flight[seq]  # its lateness stays: it says how slow w is until w finishes something
+            self._refresh(w)
+        return [w.address for w in others]
 
     # -- stragglers -----------------------------------------------------------
     def typical_batch_seconds(self) -> Optional[float]:
-        times = sorted(w.seconds_per_batch for w in self.workers.values()
-                       if w.alive and w.seconds_per_batch)
+        """Median measured seconds per batch of the alive workers."""
+        times = self._times
         return times[len(times) // 2] if times else None
 
     def hedge(self, factor: float, min_seconds: float, now: Optional[float] = None) -> List[Tuple[str, int]]:
@@ -220,30 +500,38 @@ class Scheduler:
         typical = self.typical_batch_seconds()
         if typical is None:
             return []
-        now = time.monotonic() if now is None else now
+        now = self._now(now)
+        self._raise_late(now)
         limit = max(factor * typical, min_seconds)
+        horizon = min(self.delivered + max(self._alive, 1), self.known)
+        stuck = []  # workers whose oldest request began before now - limit (exact test below)
+        running = self._running
+        while running and running[0][0] <= now - limit + 1e-9:
+            entry = heapq.heappop(running)
+            if entry[3] == entry[4].version:
+                stuck.append(entry)
+        for entry in stuck:
+            heapq.heappush(running, entry)
+        overdue = []
+        for entry in stuck:
+            holder = entry[4]
+            for seq, dispatched in holder.in_flight.items():
+                if (self.delivered <= seq < horizon and seq not in self.hedged and seq not in self.done
+                        and len(self._holders.get(seq, ())) == 1
+                        and now - max(dispatched, holder.last_done) > limit):  # requests run one after another
+                    overdue.append((seq, holder))
         out = []
-        horizon = self.delivered + max(len(self.alive_workers()), 1)
-        for seq in range(self.delivered, min(horizon, self.known)):
-            if seq in self.done or seq in self.hedged:
-                continue
-            holders = [w for w in self.workers.values() if seq in w.in_flight]
-            if len(holders) != 1:
-                continue
-            holder = holders[0]
-            began = max(holder.in_flight[seq], holder.last_done)  # requests run one after another
-            if now - began <= limit:
-                continue
-            free = [w for w in self.workers.values()
-                    if w.alive and w is not holder and len(w.in_flight) < self.credits]
-            if not free:
+        for seq, holder in sorted(overdue, key=lambda item: item[0]):
+            best = self._best(self._free_measured, self._free_unmeasured, exclude=holder)
+            if best is None:
                 break
-            target = min(free, key=lambda w: (len(w.in_flight), w.seconds_per_batch or typical))
-            target.in_flight[seq] = now
+            target = best[1]
+            self._assign(target, seq, now)
             self.hedged.add(seq)
             out.append((target.address, seq))
         return out
 
     def take_delivered(self) -> None:
         self.done.discard(self.delivered)
+        self.hedged.discard(self.delivered)
         self.delivered += 1
