@@ -22,10 +22,9 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from typing import Any, Dict, Optional
 
-from . import auth, sampling, serialize, wire
+from . import auth, errors, limits, sampling, serialize, wire
 from .errors import ProtocolError, TorchfeedError
 
 log = logging.getLogger("torchfeed.worker")
@@ -79,14 +78,7 @@ class Registry:
 
 
 def _describe_exception(exc: BaseException) -> bytes:
-    etype = type(exc)
-    name = etype.__qualname__ if etype.__module__ == "builtins" else f"{etype.__module__}.{etype.__qualname__}"
-    try:
-        message = str(exc)
-    except Exception:  # a broken __str__ must not break error reporting
-        message = repr(exc)
-    text = "".join(traceback.format_exception(etype, exc, exc.__traceback__))
-    return pickle.dumps({"type": name, "message": message, "traceback": text}, protocol=5)
+    return pickle.dumps(errors.describe_exception(exc), protocol=5)
 
 
 class ServerConnection:
@@ -189,6 +181,7 @@ class ServerConnection:
                 meta, out = pickle.dumps(self.server.registry.put(result, self.id)), []
             else:
                 meta, out = serialize.dumps_reply(result)
+                limits.check_reply(meta, out, getattr(func, "reply_limits", None))
             del result
         except BaseException as exc:  # user code may raise anything, SystemExit and Ctrl-C included
             self._reply(wire.ERROR, rid, _describe_exception(exc), [])
