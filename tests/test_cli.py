@@ -51,23 +51,22 @@ class Command:
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
                                      env=child_env(), start_new_session=True)
         self.pid = self.proc.pid
+        self._pending = ""  # read from stdout, not yet returned
 
     def read_lines(self, n: int, timeout: float = 30.0):
         """The next ``n`` stdout lines (fails if they do not come within ``timeout``)."""
-        lines = []
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        fd = self.proc.stdout.fileno()  # read the pipe itself: a buffered reader would hide lines from select
         deadline = time.monotonic() + timeout
-        try:
-            while len(lines) < n:
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while self._pending.count("\n") < n:
                 left = deadline - time.monotonic()
-                assert left > 0, f"got {lines} of {n} lines; stderr: {self.stderr()}"
+                assert left > 0, f"got {self._pending!r}, not {n} lines; stderr: {self.stderr()}"
                 if sel.select(timeout=min(left, 0.2)):
-                    line = self.proc.stdout.readline()
-                    assert line, f"stdout closed after {lines}; stderr: {self.stderr()}"
-                    lines.append(line.rstrip("\n"))
-        finally:
-            sel.close()
+                    chunk = os.read(fd, 65536)
+                    assert chunk, f"stdout closed after {self._pending!r}; stderr: {self.stderr()}"
+                    self._pending += chunk.decode()
+        *lines, self._pending = self._pending.split("\n", n)
         return lines
 
     def stderr(self) -> str:
@@ -92,7 +91,8 @@ class Command:
 
     def rest_of_stdout(self) -> str:
         assert self.proc.poll() is not None
-        return self.proc.stdout.read()
+        rest, self._pending = self._pending + self.proc.stdout.read(), ""
+        return rest
 
     def reap(self):
         if self.proc.poll() is None:
@@ -303,4 +303,6 @@ def test_bad_arguments_exit_2(extra, capsys):
     assert info.value.code == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert "usage:" in captured.err
+    assert captured.err.count("\n") == 1, captured.err  # one line, no usage block, no traceback
+    assert captured.err.startswith("torchfeed worker: error: argument --")
+    assert "Traceback" not in captured.err
