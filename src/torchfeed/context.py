@@ -113,10 +113,11 @@ class WorkerSetup:
     """Per-pass setup of one loader on one worker, as torch sets up a worker process.
 
     At the first call of a pass: the dataset that loads (the worker's instance, or with
-    ``worker_init_fn`` a copy of it, made every pass or, with ``persistent``, once), the
-    generators seeded as torch seeds worker ``id`` (``base_seed + id``), then
-    ``worker_init_fn(id)`` (every pass, or once with ``persistent``), all under the
-    worker context. Thread-safe: concurrent calls of one pass set it up once.
+    ``worker_init_fn`` a copy of it), the generators seeded as torch seeds worker ``id``
+    (``base_seed + id``), then ``worker_init_fn(id)``, all under the worker context. With
+    ``persistent`` (torch's ``persistent_workers``) that happens once: later passes keep
+    the dataset copy and the generators' stream. Thread-safe: concurrent calls of one
+    pass set it up once.
     """
 
     def __init__(self, dataset: Any, worker_init_fn: Optional[Callable] = None, persistent: bool = False):
@@ -132,6 +133,11 @@ class WorkerSetup:
             done = self._pass
             if done is not None and done.pass_id == pass_id:
                 return done
+            if (self.persistent and done is not None and done.info.id == worker_id
+                    and done.info.num_workers == num_workers):
+                # torch's persistent workers keep their dataset and generators between passes
+                self._pass = PassContext(pass_id, done.info, done.dataset, done.stream)
+                return self._pass
             dataset = self._dataset_for_pass()
             seed = (base_seed & sampling.INT63) + worker_id
             info = make_info(worker_id, num_workers, seed, dataset)

@@ -28,7 +28,7 @@ def _stack_into_pool(batch, *, collate_fn_map=None):
     """torch's tensor collation, stacking into pooled memory (reused once the batch is sent)."""
     elem = batch[0]
     if (elem.layout == torch.strided and not elem.is_nested and elem.device.type == "cpu"
-            and all(t.dtype == elem.dtype and t.shape == elem.shape for t in batch)):
+            and all(isinstance(t, torch.Tensor) and t.dtype == elem.dtype and t.shape == elem.shape for t in batch)):
         out = buffers.empty_tensor((len(batch), *elem.shape), elem.dtype)
         return torch.stack(batch, 0, out=out)
     return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
@@ -80,41 +80,39 @@ class Fetcher:
         ``seed`` samples draw from the pass's stream, seeded as torch seeds a worker.
         """
         if context is None:
-            return self._load(self.setup.dataset, index, seed)
-        current = self.setup.enter(*context)
-        with worker_context(current.info):
-            if seed is None:
-                sampling.use(current.stream)
-            return self._load(current.dataset, index, seed)
-
-    def _load(self, dataset, index, seed: Optional[int]):
-        if seed is None:
-            return self._fetch(dataset, index)
-        sampling.enter_seeded()  # the worker's own states come back before any other call runs
-        if not self.auto_collation:
-            seed_all(mix_seed(seed, index_key(index)))
-            return self.collate_fn(dataset[index])
-        first = index_key(index[0]) if len(index) else 0
-        getitems = getattr(dataset, "__getitems__", None)
-        if getitems:  # one call for the whole batch: one seed for it
-            seed_all(mix_seed(seed, _BATCH_TAG, first))
-            data = getitems(index)
+            data = self._samples(self.setup.dataset, index, seed)
         else:
-            data = []
-            for i in index:
-                seed_all(mix_seed(seed, index_key(i)))
-                data.append(dataset[i])
-        if self.collate_fn not in _RANDOM_FREE_COLLATES:
+            current = self.setup.enter(*context)
+            with worker_context(current.info):
+                if seed is None:
+                    sampling.use(current.stream)
+                data = self._samples(current.dataset, index, seed)
+        # Outside the worker context: torch's collate would otherwise put every batch in
+        # shared memory, which only its own worker processes need.
+        if seed is not None and self.collate_fn not in _RANDOM_FREE_COLLATES:
+            first = index_key(index[0]) if self.auto_collation and len(index) else index_key(index)
             seed_all(mix_seed(seed, _COLLATE_TAG, first))
         return self.collate_fn(data)
 
-    def _fetch(self, dataset, index):
-        if self.auto_collation:
-            getitems = getattr(dataset, "__getitems__", None)
-            data = getitems(index) if getitems else [dataset[i] for i in index]
-        else:
-            data = dataset[index]
-        return self.collate_fn(data)
+    def _samples(self, dataset, index, seed: Optional[int]):
+        """The samples of ``index`` (a list of them with auto-collation)."""
+        if not self.auto_collation:
+            if seed is not None:
+                sampling.enter_seeded()  # the worker's own states come back before any other call runs
+                seed_all(mix_seed(seed, index_key(index)))
+            return dataset[index]
+        getitems = getattr(dataset, "__getitems__", None)
+        if seed is None:
+            return getitems(index) if getitems else [dataset[i] for i in index]
+        sampling.enter_seeded()
+        if getitems:  # one call for the whole batch: one seed for it
+            seed_all(mix_seed(seed, _BATCH_TAG, index_key(index[0]) if len(index) else 0))
+            return getitems(index)
+        data = []
+        for i in index:
+            seed_all(mix_seed(seed, index_key(i)))
+            data.append(dataset[i])
+        return data
 
 
 class Parts:

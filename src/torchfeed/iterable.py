@@ -55,7 +55,8 @@ class Stream:
             try:
                 with worker_context(self._pass.info):
                     sampling.use(self._pass.stream)
-                    batch = self._next_batch()
+                    items = self._next_items()
+                batch = self._fetcher.collate_fn(items)  # outside the context, as the map-style fetcher
             except StopIteration:
                 self._ended = True
                 return number, _END, None
@@ -63,10 +64,9 @@ class Stream:
                 return number, _ERROR, errors.describe_exception(exc)
             return number, _BATCH, batch
 
-    def _next_batch(self):
-        collate = self._fetcher.collate_fn
+    def _next_items(self):
         if self._batch_size is None:
-            return collate(next(self._iterator))
+            return next(self._iterator)
         items: List[Any] = []
         for item in self._iterator:
             items.append(item)
@@ -74,7 +74,7 @@ class Stream:
                 break
         if not items or (self._drop_last and len(items) < self._batch_size):
             raise StopIteration
-        return collate(items)
+        return items
 
 
 def open_stream(fetcher, context: tuple, batch_size: Optional[int], drop_last: bool) -> Stream:

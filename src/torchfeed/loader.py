@@ -180,6 +180,7 @@ class RemoteDataLoader(Generic[T_co]):
         self._epoch = 0  # epoch of the next pass
         self._progress: Optional[resume.Progress] = None  # the latest pass
         self._resume_from: Optional[dict] = None
+        self._persistent_seed: Optional[int] = None
         self._initialized = True
 
     # -- construction ---------------------------------------------------------------
@@ -300,10 +301,14 @@ class RemoteDataLoader(Generic[T_co]):
         resume_from, self._resume_from = self._resume_from, None
         if self._source.iterable and resume_from is not None:
             raise ValueError("a pass over an iterable-style dataset cannot be resumed from a state dict")
-        sampler_iter, progress = resume.begin_pass(self, self._epoch, resume_from)
+        # torch's persistent workers draw their base seed once, at the first pass
+        kept = self._persistent_seed if self.persistent_workers else None
+        sampler_iter, progress = resume.begin_pass(self, self._epoch, resume_from, kept)
         self._epoch = progress.record.epoch + 1
         self._progress = progress
         base_seed = progress.record.base_seed
+        if self.seed is None:
+            self._persistent_seed = base_seed
         plan = PassPlan(source=self._source, fetchers=self._fetchers, sampler_iter=sampler_iter, progress=progress,
                         auto_collation=self._auto_collation, base_seed=base_seed,
                         sample_seed=base_seed if self.per_sample_seeding else None)
