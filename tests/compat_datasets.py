@@ -100,6 +100,19 @@ class Batched(Plain):
         return [self[i] for i in indices]
 
 
+class StopsAt(Plain):
+    """__getitem__ raises StopIteration at one index."""
+
+    def __init__(self, at: int):
+        super().__init__(8)
+        self.at = at
+
+    def __getitem__(self, i):
+        if i == self.at:
+            raise StopIteration
+        return super().__getitem__(i)
+
+
 class Failing(Plain):
     """Its constructor raises."""
 
@@ -122,20 +135,41 @@ class Random(Dataset):
 
 
 class Info(Dataset):
-    """Sample i is what get_worker_info() says while loading it, and the dataset's tag."""
+    """Sample i: (i, worker id, number of workers, worker seed, is info.dataset this instance,
+    torch.initial_seed(), pid), and the dataset's tag. Sleeps ``delay`` seconds per sample."""
 
-    def __init__(self, n: int = 16):
+    def __init__(self, n: int = 16, delay: float = 0.0):
         self.n = n
+        self.delay = delay
         self.tag = "built"
+        self.built_with_info = get_worker_info()  # None: construction is not loading
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, i):
+        import os
+        import time
+
+        if self.delay:
+            time.sleep(self.delay)
         info = get_worker_info()
-        same = info.dataset is self
-        return torch.tensor([i, info.id, info.num_workers, info.seed % (1 << 62), int(same),
-                             torch.initial_seed() % (1 << 62)]), self.tag
+        return torch.tensor([i, info.id, info.num_workers, info.seed, int(info.dataset is self),
+                             torch.initial_seed(), os.getpid()]), self.tag
+
+
+def tag_with_worker(worker_id: int) -> None:
+    """A worker_init_fn that configures get_worker_info().dataset (and checks the seed it sees)."""
+    info = get_worker_info()
+    assert info.id == worker_id and torch.initial_seed() == info.seed
+    info.dataset.tag = f"init{worker_id}"
+
+
+def seed_numpy_like_torch_docs(worker_id: int) -> None:
+    """torch's reproducibility recipe for numpy in workers."""
+    worker_seed = torch.initial_seed() % 2**32
+    np.random.seed(worker_seed)
+    random.seed(worker_seed)
 
 
 class Shards(IterableDataset):

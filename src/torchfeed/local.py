@@ -51,7 +51,7 @@ class LocalWorkers:
         if n < 1:
             raise ValueError(f"need at least one worker, got n={n}")
         self.host = host
-        self._env = dict(os.environ, **{ENV_SYS_PATH: _parent_sys_path()}, **(env or {}))
+        self._env = {**os.environ, ENV_SYS_PATH: _parent_sys_path(), **(env or {})}
         self._env.setdefault("PYTHONUNBUFFERED", "1")
         self._args = ["--parallel", str(parallel), "--watch-stdin", *extra_args]
         self.processes: List[subprocess.Popen] = []
