@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
 import sys
 import time
+import weakref
 from typing import Dict, List, Optional, Sequence
 
 from .cli import ENV_SYS_PATH
 from .pumps import Pump, to_stderr, to_stdout
+
+
+_open: "weakref.WeakSet" = weakref.WeakSet()  # LocalWorkers not closed yet
+
+
+@atexit.register
+def _close_open_workers() -> None:
+    """Workers left running at interpreter exit are stopped cleanly (they would stop anyway)."""
+    for workers in list(_open):
+        try:
+            workers.close(timeout=5.0)
+        except Exception:
+            pass
 
 
 def _parent_sys_path() -> str:
@@ -57,6 +72,7 @@ class LocalWorkers:
         self.processes: List[subprocess.Popen] = []
         self.addresses: List[str] = []
         self._pumps: List[tuple] = []
+        _open.add(self)
         try:
             for i in range(n):
                 self._spawn(i, 0)
@@ -120,6 +136,7 @@ class LocalWorkers:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the workers (this process's connections to them close first, quietly)."""
+        _open.discard(self)
         if self.addresses:
             from .client import close_connections
 
