@@ -188,6 +188,19 @@ class Shards(IterableDataset):
             yield torch.tensor([i, wid]), float(torch.rand(()))
 
 
+class SlowShards(Shards):
+    def __init__(self, n: int = 40, delay: float = 0.05):
+        super().__init__(n)
+        self.delay = delay
+
+    def __iter__(self):
+        import time
+
+        for item in super().__iter__():
+            time.sleep(self.delay)
+            yield item
+
+
 class Span(IterableDataset):
     """torch's documentation example: worker_init_fn splits [start, end) among workers."""
 

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, get_worker_info
 
 import torchfeed
-from compat_datasets import Info, Random, seed_numpy_like_torch_docs, tag_with_worker
+from compat_datasets import Info, Random, SlowShards, seed_numpy_like_torch_docs, tag_with_worker
 from helpers import deep_equal
 
 pytestmark = pytest.mark.timeout(120)
@@ -104,3 +104,17 @@ def test_context_is_per_thread_on_a_parallel_worker(workers2, fresh_workers):
     shared_pid = next(iter(pids_of([shared])))
     assert {(r[1], r[2]) for r in results["alone"].tolist()} == {(0, 1)}
     assert {(r[1], r[2]) for r in results["second"].tolist() if r[6] == shared_pid} == {(1, 2)}
+
+
+def test_iterable_pass_losing_a_worker_raises_and_the_next_pass_splits_among_the_others(fresh_workers):
+    w = fresh_workers(2)
+    ds = torchfeed.RemoteDataset(w.addresses, SlowShards, 40, 0.05)
+    it = iter(torchfeed.RemoteDataLoader(ds, batch_size=2, prefetch_factor=1))
+    next(it)
+    w.kill(1)
+    with pytest.raises(torchfeed.WorkerLost, match="iterable-style dataset"):
+        for _ in it:
+            pass
+    with pytest.warns(UserWarning, match="split among the 1 others"):
+        rows = torch.cat([x for x, _ in torchfeed.RemoteDataLoader(ds, batch_size=4)])
+    assert sorted(rows[:, 0].tolist()) == list(range(40))  # all the data, from the worker that is left

@@ -195,11 +195,16 @@ def describe_exception(exc: BaseException) -> Dict[str, Any]:
         ctor_args, state = tuple(getattr(exc, "args", ())), None
     for candidate in ((ctor_args, state), (ctor_args, None), ((message,), None)):
         try:
-            info["reduced"] = cloudpickle.dumps(candidate)
-            break
+            reduced = cloudpickle.dumps(candidate)
         except Exception:
             continue
+        if len(reduced) <= _MAX_REDUCED or candidate[1] is None and candidate[0] == (message,):
+            info["reduced"] = reduced
+            break
     return info
+
+
+_MAX_REDUCED = 1 << 20  # an exception carrying more data than this comes back with its message only
 
 
 _remote_types: Dict[type, type] = {}

@@ -5,7 +5,8 @@ As in torch's DataLoader with ``num_workers=N``: every worker iterates its own i
 the data), forms batches of ``batch_size`` items from its own stream and collates them;
 the trainer yields one batch of each worker in turn (worker 0, 1, ..., N-1, 0, ...),
 skipping workers whose stream has ended. Worker ids are positions in the dataset's
-worker list; ``num_workers`` is its length.
+worker list; ``num_workers`` is its length (counting only the workers reachable when the
+pass starts, so that their shards cover the data).
 
 A stream lives in one worker process: when that worker is lost mid-pass its position
 is lost with it, and the pass raises :class:`~torchfeed.WorkerLost` (torch's loader
@@ -96,9 +97,14 @@ class IterablePass:
         self._closed = False
         self._error: Dict[str, BaseException] = {}  # worker -> why its stream is gone
         source = plan.source
-        self._workers = [w for w in source.workers if w in set(source.alive_workers())]
+        alive = set(source.alive_workers())
+        self._workers = [w for w in source.workers if w in alive]
         if not self._workers:
             raise WorkerLost(f"no worker of the dataset is reachable: {source.workers}")
+        missing = [w for w in source.workers if w not in alive]
+        if missing:  # the data is split among the workers there are: ids count those
+            notices.warn(f"torchfeed: worker(s) {', '.join(missing)} unreachable: this pass over an iterable-style "
+                         f"dataset is split among the {len(self._workers)} others")
         failed = plan.fetchers.ensure(self._workers)
         if failed:
             raise WorkerLost("could not prepare the iterable-style pass on " + ", ".join(failed), failed)
@@ -106,9 +112,8 @@ class IterablePass:
 
         pass_id = new_pass_id()
         futures = {}
-        for w in self._workers:
-            worker_id, num_workers = source.worker_id(w)
-            context = (pass_id, worker_id, num_workers, plan.base_seed)
+        for worker_id, w in enumerate(self._workers):
+            context = (pass_id, worker_id, len(self._workers), plan.base_seed)
             futures[w] = client.rpc_async(w, open_stream, args=(plan.fetchers.get(w), context, loader.batch_size,
                                                                 loader.drop_last),
                                           rref=True, timeout=source.timeout, secret=source.secret)
