@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import textwrap
 import time
 import warnings
 
@@ -14,7 +12,7 @@ import pytest
 import torch
 
 import torchfeed
-from helpers import RangeDataset, SleepDataset, wait_for
+from helpers import SleepDataset, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

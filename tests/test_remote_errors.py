@@ -8,7 +8,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 import torchfeed
 from compat_datasets import Batched, CorruptSample, Failing, Plain, StopsAt, Typed

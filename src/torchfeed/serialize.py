@@ -18,7 +18,7 @@ import io
 import pickle
 import threading
 from collections import ChainMap
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 import cloudpickle
 import numpy as np
