@@ -255,7 +255,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "bench":
         unknown = [c for c in args.cases if c not in BENCH_CASES]
         if unknown:
-            print(f"torchfeed bench: error: unknown case(s) {', '.join(unknown)}; choose from "
+            print(f"torchfeed bench: error: unknown benchmark case(s) {', '.join(unknown)}; choose from "
                   f"{', '.join(BENCH_CASES)}", file=sys.stderr)
             return 2
         from .bench import run_bench
