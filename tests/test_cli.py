@@ -51,23 +51,22 @@ class Command:
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
                                      env=child_env(), start_new_session=True)
         self.pid = self.proc.pid
+        self._pending = ""  # read from stdout, not yet returned
 
     def read_lines(self, n: int, timeout: float = 30.0):
         """The next ``n`` stdout lines (fails if they do not come within ``timeout``)."""
-        lines = []
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        fd = self.proc.stdout.fileno()  # read the pipe itself: a buffered reader would hide lines from select
         deadline = time.monotonic() + timeout
-        try:
-            while len(lines) < n:
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while self._pending.count("\n") < n:
                 left = deadline - time.monotonic()
-                assert left > 0, f"got {lines} of {n} lines; stderr: {self.stderr()}"
+                assert left > 0, f"got {self._pending!r}, not {n} lines; stderr: {self.stderr()}"
                 if sel.select(timeout=min(left, 0.2)):
-                    line = self.proc.stdout.readline()
-                    assert line, f"stdout closed after {lines}; stderr: {self.stderr()}"
-                    lines.append(line.rstrip("\n"))
-        finally:
-            sel.close()
+                    chunk = os.read(fd, 65536)
+                    assert chunk, f"stdout closed after {self._pending!r}; stderr: {self.stderr()}"
+                    self._pending += chunk.decode()
+        *lines, self._pending = self._pending.split("\n", n)
         return lines
 
     def stderr(self) -> str:
@@ -92,7 +91,8 @@ class Command:
 
     def rest_of_stdout(self) -> str:
         assert self.proc.poll() is not None
-        return self.proc.stdout.read()
+        rest, self._pending = self._pending + self.proc.stdout.read(), ""
+        return rest
 
     def reap(self):
         if self.proc.poll() is None:
@@ -303,4 +303,95 @@ def test_bad_arguments_exit_2(extra, capsys):
     assert info.value.code == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert "usage:" in captured.err
+    assert captured.err.count("\n") == 1, captured.err  # one line, no usage block, no traceback
+    assert captured.err.startswith("torchfeed worker: error: argument --")
+    assert "Traceback" not in captured.err
+
+
+@pytest.mark.parametrize("extra", [["--log-level", "loud"], ["--procs", "-3"], ["--timeout", "soon"]])
+def test_more_bad_arguments_are_one_line(extra, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["worker", *extra])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    if "--log-level" in extra:
+        assert "DEBUG, INFO, WARNING, ERROR, CRITICAL" in err
+
+
+def _taken_port():
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s, s.getsockname()[1]
+
+
+def test_port_in_use_is_one_line(run):
+    holder, port = _taken_port()
+    with holder:
+        cmd = run([sys.executable, "-m", "torchfeed", "worker", "--host", "127.0.0.1", "--port", str(port)])
+        assert cmd.proc.wait(60) == 1
+        err = cmd.stderr()
+        assert err == f"torchfeed worker: cannot serve on 127.0.0.1:{port}: Address already in use\n", err
+        assert cmd.rest_of_stdout() == ""
+
+
+def test_procs_start_all_or_none(run, tmp_path):
+    """One process of three cannot bind its port: none keeps running, nothing is announced."""
+    holder, port = _taken_port()
+    path = tmp_path / "workers"
+    with holder:
+        cmd = run([sys.executable, "-m", "torchfeed", "worker", "--host", "127.0.0.1", "--port", str(port - 1),
+                   "--procs", "3", "--address-file", str(path)])
+        assert wait_for(lambda: cmd.children(), 20)
+        kids = cmd.children()
+        assert cmd.proc.wait(90) == 1
+        err = cmd.stderr()
+        assert err.count("\n") == 1, err
+        assert (f"torchfeed worker: process 2 of 3 (127.0.0.1:{port}) could not start: cannot serve on "
+                f"127.0.0.1:{port}: Address already in use; all 3 processes were stopped") in err
+    assert cmd.rest_of_stdout() == "" and not path.exists()
+    assert wait_for(lambda: not any(alive(k) for k in kids), 10), "a process of the failed start is still running"
+
+
+def test_procs_output_of_the_processes_is_prefixed(run, tmp_path):
+    cmd = run(WORKER + ["--procs", "2", "--address-file", str(tmp_path / "w")])
+    addresses = cmd.read_lines(2)
+    assert (tmp_path / "w").read_text().split() == addresses
+    torchfeed.rpc_async(addresses[1], lambda: print("hello from a worker", flush=True)).wait()
+    assert cmd.read_lines(1) == [f"[{addresses[1]}] hello from a worker"]
+    assert cmd.stop()[0] == 0
+
+
+def test_version_and_help_for_every_option(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"torchfeed {torchfeed.__version__}"
+    parser = cli.build_parser()
+    subcommands = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices
+    assert set(subcommands) == {"worker", "demo", "bench", "slurm"}
+    for name, sub in subcommands.items():
+        for action in sub._actions:
+            if action.dest != "help":
+                assert action.help, f"`torchfeed {name}` option {action.option_strings or action.dest} has no help"
+    assert "DEBUG, INFO, WARNING, ERROR, CRITICAL" in subcommands["worker"].format_help()
+    bench_help = subcommands["bench"].format_help()
+    assert all(case in bench_help for case in cli.BENCH_CASES)
+
+
+def test_bench_cases_listed_by_the_command_are_the_benchmarks():
+    from torchfeed import bench
+
+    assert {k: v[1] for k, v in bench.CASES.items()} == cli.BENCH_CASES
+
+
+def test_help_does_not_import_torch():
+    code = ("import sys, atexit\n"
+            "atexit.register(lambda: print('torch imported' if 'torch' in sys.modules else 'no torch'))\n"
+            "from torchfeed.cli import main\nmain(['{}', '--help'])\n")
+    for sub in ["worker", "demo", "bench", "slurm"]:
+        proc = subprocess.run([sys.executable, "-c", code.format(sub)], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.rstrip().endswith("no torch"), (sub, proc.stdout[-300:])

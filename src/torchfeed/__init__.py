@@ -2,54 +2,75 @@
 
 Start workers with ``torchfeed worker`` and replace ``torch.utils.data.DataLoader`` with
 :class:`RemoteDataLoader` over a :class:`RemoteDataset`.
+
+Names are imported on first use, so that ``torchfeed --help`` and other light uses of
+the package do not import torch.
 """
 
-from .addrfile import UnsafeAddressFile
-from .client import RemoteRef, rpc_async, set_heartbeat
-from .errors import (
-    AuthenticationError,
-    FrameTooLarge,
-    LimitExceeded,
-    PoisonSampleError,
-    ProtocolError,
-    RemoteError,
-    Timeout,
-    TorchfeedError,
-    WorkerLost,
-)
-from .loader import RemoteDataLoader
-from .remote_dataset import RemoteDataset
-from .local import LocalWorkers
-from .sampling import DistributedSampler, set_random_seeds
-from .worker import WorkerServer, run_worker
+from __future__ import annotations
 
-# Names of the design this project grew from, kept importable forever.
-RPCDataset = RemoteDataset
-RPCDataloader = RemoteDataLoader
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = sorted([
-    "AuthenticationError",
-    "DistributedSampler",
-    "FrameTooLarge",
-    "LimitExceeded",
-    "LocalWorkers",
-    "PoisonSampleError",
-    "ProtocolError",
-    "RPCDataloader",
-    "RPCDataset",
-    "RemoteDataLoader",
-    "RemoteDataset",
-    "RemoteError",
-    "RemoteRef",
-    "Timeout",
-    "TorchfeedError",
-    "UnsafeAddressFile",
-    "WorkerLost",
-    "WorkerServer",
-    "rpc_async",
-    "run_worker",
-    "set_heartbeat",
-    "set_random_seeds",
-])
+# public name -> module that defines it
+_EXPORTS = {
+    "AuthenticationError": "errors",
+    "ConnectionClosed": "errors",
+    "DistributedSampler": "sampling",
+    "FrameTooLarge": "errors",
+    "LimitExceeded": "errors",
+    "LocalWorkers": "local",
+    "PoisonSampleError": "errors",
+    "ProtocolError": "errors",
+    "RemoteDataLoader": "loader",
+    "RemoteDataset": "remote_dataset",
+    "RemoteError": "errors",
+    "RemoteRef": "client",
+    "SerializationError": "errors",
+    "Timeout": "errors",
+    "TorchfeedError": "errors",
+    "UnsafeAddressFile": "addrfile",
+    "WorkerLost": "errors",
+    "WorkerServer": "worker",
+    "rpc_async": "client",
+    "run_worker": "worker",
+    "set_heartbeat": "client",
+    "set_random_seeds": "sampling",
+    "set_reply_limits": "limits",
+}
+# Names of the design this project grew from, kept importable forever.
+_ALIASES = {"RPCDataset": "RemoteDataset", "RPCDataloader": "RemoteDataLoader"}
+
+__all__ = sorted([*_EXPORTS, *_ALIASES])
+
+
+def __getattr__(name: str) -> Any:
+    target = _ALIASES.get(name, name)
+    module = _EXPORTS.get(target)
+    if module is None:
+        raise AttributeError(f"module 'torchfeed' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), target)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from .addrfile import UnsafeAddressFile
+    from .client import RemoteRef, rpc_async, set_heartbeat
+    from .errors import (AuthenticationError, ConnectionClosed, FrameTooLarge, LimitExceeded, PoisonSampleError,
+                         ProtocolError, RemoteError, SerializationError, Timeout, TorchfeedError, WorkerLost)
+    from .limits import set_reply_limits
+    from .loader import RemoteDataLoader
+    from .local import LocalWorkers
+    from .remote_dataset import RemoteDataset
+    from .sampling import DistributedSampler, set_random_seeds
+    from .worker import WorkerServer, run_worker
+
+    RPCDataset = RemoteDataset
+    RPCDataloader = RemoteDataLoader

@@ -52,21 +52,23 @@ def read_address_file(path: str) -> List[str]:
     return list(dict.fromkeys(line for line in lines if line and not line.startswith("#")))
 
 
-def announce(address: str, address_file: Optional[str] = None) -> None:
-    """Print ``host:port`` (one line, flushed) and append it to ``address_file`` under a lock.
+def append_lines(path: str, lines: List[str]) -> None:
+    """Append address lines to ``path`` under an exclusive lock (created 0600 when missing)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "a") as f:
+        check_private(path, fd)
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            f.write("".join(line + "\n" for line in lines))
+            f.flush()
+            os.fsync(f.fileno())
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
-    The file is created with mode 0600 when missing.
-    """
+
+def announce(address: str, address_file: Optional[str] = None) -> None:
+    """Print ``host:port`` (one line, flushed) and append it to ``address_file`` under a lock."""
     if address_file:
-        fd = os.open(address_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "a") as f:
-            check_private(address_file, fd)
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                f.write(address + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        append_lines(address_file, [address])
     sys.stdout.write(address + "\n")
     sys.stdout.flush()

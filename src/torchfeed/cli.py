@@ -1,58 +1,110 @@
-"""The ``torchfeed`` command: ``torchfeed worker | demo | bench | slurm``."""
+"""The ``torchfeed`` command: ``torchfeed worker | demo | bench | slurm``.
+
+Parsing (and ``--help``, ``--version``) imports no torch: it answers at once.
+"""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import List, Optional
+
+from . import __version__
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# `torchfeed bench` cases (the table itself, in bench.py, imports torch)
+BENCH_CASES = {
+    "cpu": "Pillow JPEG decode + random crop, batch 32: samples/s",
+    "transfer": "ready 3x224x224 float32 tensors, batch 64 (38.5 MB): MB/s",
+    "overhead": "tiny samples, batch_size=1: items/s",
+    "straggler": "4 sleep-bound workers, one 4x slower: % of ideal rate",
+    "stall": "4 sleep-bound workers, one 4x slower, one stalling 5 s every 50 batches",
+}
+ENV_SYS_PATH = "TORCHFEED_SYS_PATH"  # set by LocalWorkers: the parent's sys.path, for imports
+START_TIMEOUT = 300.0  # seconds the processes of --procs N have to get ready
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors in one line (no usage block, no traceback)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _procs(value: str) -> int:
     if value == "auto":
         return len(os.sched_getaffinity(0))
-    n = int(value)
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
     if n < 1:
-        raise argparse.ArgumentTypeError("--procs must be >= 1 or 'auto'")
+        raise argparse.ArgumentTypeError(f"must be a positive number or 'auto', got {value!r}")
     return n
+
+
+def _level(value: str) -> str:
+    level = value.upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
+    return level
 
 
 def _add_worker_parser(sub) -> None:
     p = sub.add_parser("worker", help="run a data-loading worker daemon",
                        description="Serve remote data loading. Prints one host:port line per worker "
-                                   "process on stdout when ready.")
+                                   "process on stdout when ready (all of them, or none: with --procs N, "
+                                   "if one process cannot start, all stop).")
     p.add_argument("--host", default="0.0.0.0", help="interface to bind (default: all)")
     p.add_argument("--port", type=int, default=0,
                    help="port to bind; 0 picks a free one; with --procs N, process i binds port+i")
     p.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds of client silence before its connection is dropped")
+                   help="seconds of client silence before its connection is dropped (default 120)")
     p.add_argument("--parallel", type=int, default=1,
-                   help="requests executing concurrently in one process (threads)")
+                   help="requests executing concurrently in one process (threads, default 1)")
     p.add_argument("--procs", type=_procs, default=1,
-                   help="worker processes to start (one Python process uses one core); 'auto' = CPUs")
-    p.add_argument("--address-file", help="also append each address line to this file (under a lock)")
+                   help="worker processes to start (one Python process uses one core); 'auto' = usable CPUs. "
+                        "Each prints its own host:port line: give the trainer all of them (or use "
+                        "--address-file)")
+    p.add_argument("--address-file", help="also append each address line to this file (under a lock); "
+                                          "RemoteDataset.from_file(path, ...) reads and watches it")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker process (default 1)")
     p.add_argument("--handshake-timeout", type=float, default=10.0,
                    help="seconds a new connection has to authenticate (default 10)")
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--log-level", type=_level, default="WARNING",
+                   help=f"log level: {', '.join(LOG_LEVELS)} (default WARNING)")
+    p.add_argument("--watch-stdin", action="store_true",
+                   help="stop when standard input reaches its end (for a parent that holds a pipe to it: "
+                        "the worker ends with its parent, even if the parent is killed)")
     limits = p.add_argument_group("per-client limits and security")
-    limits.add_argument("--max-call-bytes", type=int, default=1 << 30,
+    limits.add_argument("--max-call-bytes", type=_positive, default=1 << 30,
                         help="largest call (pickled arguments plus tensors) a client may send (default 1 GiB)")
-    limits.add_argument("--max-queued-requests", type=int, default=1024,
+    limits.add_argument("--max-queued-requests", type=_positive, default=1024,
                         help="requests one client may have waiting for replies (default 1024)")
-    limits.add_argument("--max-refs", type=int, default=4096,
+    limits.add_argument("--max-refs", type=_positive, default=4096,
                         help="live remote references (datasets, fetchers) one client may hold (default 4096)")
-    limits.add_argument("--max-handshakes", type=int, default=128,
+    limits.add_argument("--max-handshakes", type=_positive, default=128,
                         help="unauthenticated connections held at once; beyond it the oldest is dropped "
                              "(default 128)")
     limits.add_argument("--trusted-network-no-encryption", action="store_true",
                         help="also accept clients that set TORCHFEED_TRUSTED_NETWORK_NO_ENCRYPTION=1: their "
                              "traffic is authenticated but NOT encrypted. Only for networks no one else can "
                              "listen on")
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {value!r}")
+    return n
 
 
 _LIMIT_OPTIONS = ("max_call_bytes", "max_queued_requests", "max_refs", "max_handshakes")
@@ -66,41 +118,117 @@ def _limit_args(args) -> List[str]:
     return out + (["--trusted-network-no-encryption"] if args.trusted_network_no_encryption else [])
 
 
-def _run_workers(args) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
-    if args.procs == 1:
-        from .worker import ConnectionLimits, run_worker
+def _adopt_parent_path() -> None:
+    """Make importable here what the parent process could import (LocalWorkers sets the variable)."""
+    listed = [p for p in os.environ.get(ENV_SYS_PATH, "").split(os.pathsep) if p]
+    sys.path[:0] = [p for p in listed if p not in sys.path]
 
-        limits = ConnectionLimits(max_queued_requests=args.max_queued_requests, max_call_bytes=args.max_call_bytes,
-                                  max_refs=args.max_refs)
+
+def _watch_stdin() -> None:
+    def watch():
+        try:
+            while os.read(0, 4096):
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="torchfeed-stdin-watch", daemon=True).start()
+
+
+def _run_workers(args) -> int:
+    import logging
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    _adopt_parent_path()
+    if args.watch_stdin:
+        _watch_stdin()
+    if args.procs > 1:
+        return _run_many(args)
+    from .worker import ConnectionLimits, run_worker
+
+    try:
         run_worker(args.host, args.port, args.timeout, args.parallel, address_file=args.address_file,
-                   torch_threads=args.threads, handshake_timeout=args.handshake_timeout, limits=limits,
+                   torch_threads=args.threads, handshake_timeout=args.handshake_timeout,
+                   limits=ConnectionLimits(max_queued_requests=args.max_queued_requests,
+                                           max_call_bytes=args.max_call_bytes, max_refs=args.max_refs),
                    max_handshakes=args.max_handshakes,
                    integrity_only=True if args.trusted_network_no_encryption else None)
-        # Leave without interpreter finalization: daemon executor threads may still be
-        # inside torch code, and tearing torch down under them aborts the process.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    # One child per process; each prints (and files) its own address line.
-    children = []
-    for i in range(args.procs):
-        cmd = [sys.executable, "-m", "torchfeed", "worker", "--host", args.host,
-               "--port", str(args.port + i if args.port else 0), "--timeout", str(args.timeout),
-               "--parallel", str(args.parallel), "--threads", str(args.threads), "--log-level", args.log_level,
-               "--handshake-timeout", str(args.handshake_timeout), *_limit_args(args)]
-        if args.address_file:
-            cmd += ["--address-file", args.address_file]
-        children.append(subprocess.Popen(cmd))
+    except OSError as exc:  # the port is taken, the interface does not exist, the file cannot be written
+        print(f"torchfeed worker: cannot serve on {args.host}:{args.port}: {exc.strerror or exc}",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+    # Leave without interpreter finalization: daemon executor threads may still be
+    # inside torch code, and tearing torch down under them aborts the process.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
-    def forward(signum, _frame):
+
+def _child_command(args, i: int) -> List[str]:
+    return [sys.executable, "-m", "torchfeed", "worker", "--host", args.host,
+            "--port", str(args.port + i if args.port else 0), "--timeout", str(args.timeout),
+            "--parallel", str(args.parallel), "--threads", str(args.threads), "--log-level", args.log_level,
+            "--handshake-timeout", str(args.handshake_timeout), "--watch-stdin", *_limit_args(args)]
+
+
+def _run_many(args) -> int:
+    """--procs N: all processes ready, their lines printed and filed, or none left running."""
+    from .pumps import Pump, to_stderr, to_stdout
+
+    children, outs, errs = [], [], []
+    stopping = threading.Event()
+
+    def stop_all(signum=None, _frame=None):
+        stopping.set()
         for c in children:
             if c.poll() is None:
                 c.send_signal(signal.SIGTERM)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, stop_all)
+    signal.signal(signal.SIGINT, stop_all)
+    for i in range(args.procs):  # stdin: a pipe they watch, so they end with this process
+        c = subprocess.Popen(_child_command(args, i), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+        children.append(c)
+        outs.append(Pump(c.stdout, to_stdout, first_line=True, name=f"torchfeed-out-{i}"))
+        errs.append(Pump(c.stderr, to_stderr, f"[process {i}] ", name=f"torchfeed-err-{i}", hold=True))
+    addresses = []
+    deadline = time.monotonic() + START_TIMEOUT
+    for i, (c, out) in enumerate(zip(children, outs)):
+        address = None
+        while address is None and not stopping.is_set() and time.monotonic() < deadline:
+            address = out.wait_first_line(0.2)
+            if address is None and c.poll() is not None:
+                break
+        if address is None:
+            if stopping.is_set():
+                why = "interrupted"
+            elif c.poll() is not None:
+                errs[i].join(2.0)
+                last = [line.strip() for line in errs[i].tail if line.strip()]
+                why = last[-1].removeprefix("torchfeed worker: ") if last else f"it exited with code {c.returncode}"
+            else:
+                why = f"not ready within {START_TIMEOUT:g} s"
+            stop_all()
+            for other in children:
+                other.wait()
+            port = args.port + i if args.port else 0
+            print(f"torchfeed worker: process {i + 1} of {args.procs} ({args.host}:{port}) could not start: "
+                  f"{why}; all {args.procs} processes were stopped", file=sys.stderr, flush=True)
+            return 1
+        addresses.append(address)
+    if args.address_file:
+        from .addrfile import append_lines
+
+        append_lines(args.address_file, addresses)
+    for address in addresses:  # one line, one write
+        sys.stdout.write(address + "\n")
+        sys.stdout.flush()
+    for address, out, err in zip(addresses, outs, errs):
+        out.prefix = err.prefix = f"[{address}] "
+        err.release()
     while any(c.poll() is None for c in children):
         time.sleep(0.2)  # short sleeps: a signal handled by another thread still gets to run
     for c in children:  # the first failure decides; a signal death reads as 128 + signal
@@ -109,24 +237,43 @@ def _run_workers(args) -> int:
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="torchfeed", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_demo_parser(sub) -> None:
+    d = sub.add_parser("demo", help="train a small CNN on scikit-learn's digits, fed by local workers",
+                       description="Start local workers, train a small CNN on scikit-learn's 8x8 digits fed by "
+                                   "RemoteDataLoader, then compare loading throughput with torch's DataLoader.")
+    d.add_argument("--workers", type=int, default=2, help="local worker processes to start (default 2)")
+    d.add_argument("--epochs", type=int, default=8, help="training epochs (default 8)")
+    d.add_argument("--batch-size", type=int, default=64, help="samples per batch (default 64)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the shuffle order and augmentation (default 0)")
+    d.add_argument("--connect", nargs="*", metavar="HOST:PORT",
+                   help="use these running workers instead of starting local ones")
+
+
+def _add_bench_parser(sub) -> None:
+    listed = "; ".join(f"{name}: {what}" for name, what in BENCH_CASES.items())
+    b = sub.add_parser("bench", help="compare with torch's DataLoader (see benchmarks/)",
+                       description=f"Measure RemoteDataLoader against torch's DataLoader. Cases: {listed}.")
+    b.add_argument("cases", nargs="*", default=[], metavar="CASE",
+                   help=f"cases to run (default: all): {', '.join(BENCH_CASES)}")
+    b.add_argument("--workers", type=int, default=2, help="worker processes per side (default 2)")
+    b.add_argument("--seconds", type=float, default=6.0, help="approximate time per measurement (default 6)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="torchfeed", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"torchfeed {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{worker,demo,bench,slurm}")
     _add_worker_parser(sub)
-    d = sub.add_parser("demo", help="train a small CNN on scikit-learn's digits, fed by local workers")
-    d.add_argument("--workers", type=int, default=2)
-    d.add_argument("--epochs", type=int, default=8)
-    d.add_argument("--batch-size", type=int, default=64)
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--connect", nargs="*", help="use these running workers instead of starting local ones")
-    b = sub.add_parser("bench", help="compare with torch's DataLoader (see benchmarks/)")
-    b.add_argument("cases", nargs="*", default=[])
-    b.add_argument("--workers", type=int, default=2)
-    b.add_argument("--seconds", type=float, default=6.0, help="approximate time per measurement")
+    _add_demo_parser(sub)
+    _add_bench_parser(sub)
     from .cluster import slurm
 
     slurm.add_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command == "worker":
         return _run_workers(args)
     if args.command == "demo":
@@ -134,10 +281,17 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return run_demo(args)
     if args.command == "bench":
+        unknown = [c for c in args.cases if c not in BENCH_CASES]
+        if unknown:
+            print(f"torchfeed bench: error: unknown benchmark case(s) {', '.join(unknown)}; choose from "
+                  f"{', '.join(BENCH_CASES)}", file=sys.stderr)
+            return 2
         from .bench import run_bench
 
         return run_bench(args)
     if args.command == "slurm":
+        from .cluster import slurm
+
         return slurm.run(args)
     return 2
 

@@ -21,12 +21,11 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import auth, serialize, wire
-from .errors import FrameTooLarge, ProtocolError, RemoteError, Timeout, TorchfeedError, WorkerLost
+from . import auth, errors, limits, serialize, wire
+from .errors import ConnectionClosed, FrameTooLarge, ProtocolError, SerializationError, Timeout, TorchfeedError, WorkerLost
 
 log = logging.getLogger("torchfeed.client")
 
-CLIENT_LIMITS = wire.Limits()
 # seconds between pings on a quiet connection, and of silence from a worker we wait on
 # before it counts as lost (it hangs, or the network is cut); see set_heartbeat()
 HEARTBEAT_INTERVAL = float(os.environ.get("TORCHFEED_HEARTBEAT_INTERVAL", 2.0))
@@ -179,7 +178,7 @@ class Connection:
         try:
             while True:
                 try:
-                    frame = channel.read_header(CLIENT_LIMITS)
+                    frame = channel.read_header(limits.reply_limits())
                 except FrameTooLarge as exc:  # authentic but too big: fail that request only
                     channel.skip(exc.frame)
                     self._fail_request(exc.frame.request_id, exc)
@@ -226,14 +225,16 @@ class Connection:
     def _deliver(self, frame: wire.Frame, buffers, pending: _Pending) -> None:
         try:
             if frame.kind == wire.ERROR:
-                info = pickle.loads(frame.meta)
-                ok, value = False, RemoteError(self.address, info["type"], info["message"], info["traceback"])
+                ok, value = False, errors.rebuild_remote_error(self.address, pickle.loads(frame.meta))
             elif frame.flags & wire.FLAG_RREF:
                 ok, value = True, pickle.loads(frame.meta)
             else:
                 ok, value = True, serialize.loads(frame.meta, buffers)
         except Exception as exc:  # an unpicklable reply fails that request only
-            ok, value = False, exc
+            ok, value = False, SerializationError(
+                f"the reply from worker {self.address} could not be unpickled here: {exc!r}. Classes of the "
+                "result must be importable in the trainer too (or be defined in __main__)")
+            value.__cause__ = exc
         try:
             pending.callback(ok, value)
         except Exception:
@@ -241,8 +242,7 @@ class Connection:
 
     # -- failure ----------------------------------------------------------
     def _lost_error(self) -> WorkerLost:
-        err = self.error
-        return WorkerLost(f"worker {self.address} was lost: {err!r}", {self.address: repr(err)})
+        return errors.worker_lost(self.address, self.error)
 
     def _fail(self, exc: BaseException) -> None:
         with self._pending_lock:
@@ -267,7 +267,7 @@ class Connection:
                     log.exception("a result callback failed")
 
     def close(self) -> None:
-        self._fail(ConnectionError("closed by this client"))
+        self._fail(ConnectionClosed(f"the connection to worker {self.address} was closed by this process"))
 
     # -- keeper duties ------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -395,6 +395,17 @@ close_all = _pool.close_all
 atexit.register(close_all)
 
 
+def close_connections(addresses: Sequence[Address]) -> None:
+    """Close this process's connections to these workers (before stopping them on purpose).
+
+    Their pending requests fail with :class:`ConnectionClosed`, which loaders do not warn about.
+    """
+    wanted = {format_address(a) for a in addresses}
+    for conn in list(_pool._conns.values()):
+        if conn.address in wanted:
+            conn.close()
+
+
 class RemoteRef:
     """A reference to an object kept on a worker (``rpc_async(..., rref=True)``).
 
@@ -419,13 +430,34 @@ class RemoteRef:
         """Free the remote object now."""
         self._finalizer()
 
+    @property
+    def closed(self) -> bool:
+        """Whether the connection this reference lives on has failed or was closed."""
+        return self._conn.closed
+
+    def request(self, args: tuple, *, callback: Callback, pin: bool = False) -> int:
+        """Call the referenced object with ``args`` (plain pickle); ``callback(ok, value)`` gets
+        the outcome on the connection's reader thread. Returns the request id (see :meth:`cancel`)."""
+        meta = pickle.dumps((self.ref_id, args, None), protocol=5)
+        return self._conn.request(wire.CALL_REF, meta, callback=callback, pin=pin)
+
+    def cancel(self, request_ids) -> None:
+        """Forget these requests made with :meth:`request`."""
+        self._conn.cancel(request_ids)
+
 
 def call(address: Address, func: Callable, args=None, kwargs=None, *, rref: bool = False,
          pin_memory: bool = False, timeout: float = 120.0, secret: auth.SecretLike = None,
          callback: Callback) -> None:
     """Low-level asynchronous call: ``callback(ok, value)`` receives the outcome."""
+    serialize.check_pinnable(pin_memory)
+    try:
+        meta, buffers = serialize.dumps((func, tuple(args or ()), dict(kwargs or {})), by_value=True)
+    except Exception as exc:
+        raise SerializationError(f"the call of {getattr(func, '__qualname__', func)!r} cannot be sent to worker "
+                                 f"{format_address(address)}: its function or arguments cannot be pickled "
+                                 f"({exc})") from exc
     conn = connect(address, secret, timeout)
-    meta, buffers = serialize.dumps((func, tuple(args or ()), dict(kwargs or {})), by_value=True)
     # The arguments stay referenced until the reply: a RemoteRef argument dropped by the
     # caller right away must not be released before the worker used it.
     keep = [args, kwargs]

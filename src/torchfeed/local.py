@@ -2,19 +2,47 @@
 
 from __future__ import annotations
 
+import atexit
 import os
-import selectors
 import signal
 import subprocess
 import sys
 import time
+import weakref
 from typing import Dict, List, Optional, Sequence
+
+from .cli import ENV_SYS_PATH
+from .pumps import Pump, to_stderr, to_stdout
+
+
+_open: "weakref.WeakSet" = weakref.WeakSet()  # LocalWorkers not closed yet
+
+
+@atexit.register
+def _close_open_workers() -> None:
+    """Workers left running at interpreter exit are stopped cleanly (they would stop anyway)."""
+    for workers in list(_open):
+        try:
+            workers.close(timeout=5.0)
+        except Exception:
+            pass
+
+
+def _parent_sys_path() -> str:
+    """This process's sys.path ('' as the current directory), for the workers to import from."""
+    return os.pathsep.join(os.path.abspath(p) if p else os.getcwd() for p in sys.path if isinstance(p, str))
 
 
 class LocalWorkers:
     """``n`` worker processes on this machine, each on a free loopback port.
 
     Use as a context manager; ``addresses`` lists their ``host:port``.
+
+    The workers can import what this process can (they get its ``sys.path``). Their
+    output never blocks them: it is read continuously and written to this process's
+    stdout and stderr, each line prefixed with ``[worker i host:port]``. They run in a
+    session of their own (Ctrl-C in a terminal reaches the trainer only) and stop with
+    this process, even if it is killed (they watch a pipe from it).
 
     Parameters
     ----------
@@ -28,6 +56,8 @@ class LocalWorkers:
         Extra environment variables for the workers (``TORCHFEED_SECRET``, ``PYTHONPATH`` ...).
     start_timeout : float
         Seconds to wait for every worker to print its address.
+    extra_args : sequence of str
+        More ``torchfeed worker`` options.
     """
 
     def __init__(self, n: int = 2, *, parallel: int = 1, host: str = "127.0.0.1",
@@ -36,39 +66,47 @@ class LocalWorkers:
         if n < 1:
             raise ValueError(f"need at least one worker, got n={n}")
         self.host = host
-        self._env = dict(os.environ, **(env or {}))
+        self._env = {**os.environ, ENV_SYS_PATH: _parent_sys_path(), **(env or {})}
         self._env.setdefault("PYTHONUNBUFFERED", "1")
-        self._args = ["--parallel", str(parallel), *extra_args]
+        self._args = ["--parallel", str(parallel), "--watch-stdin", *extra_args]
         self.processes: List[subprocess.Popen] = []
         self.addresses: List[str] = []
+        self._pumps: List[tuple] = []
+        _open.add(self)
         try:
-            for _ in range(n):
-                self.processes.append(self._spawn(0))
-            self.addresses = [self._read_address(p, start_timeout) for p in self.processes]
+            for i in range(n):
+                self._spawn(i, 0)
+            self.addresses = [self._read_address(i, start_timeout) for i in range(n)]
         except BaseException:
             self.close()
             raise
 
-    def _spawn(self, port: int) -> subprocess.Popen:
+    def _spawn(self, i: int, port: int) -> None:
         cmd = [sys.executable, "-m", "torchfeed", "worker", "--host", self.host, "--port", str(port), *self._args]
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, env=self._env, text=True)
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=self._env, start_new_session=True)
+        pumps = (Pump(proc.stdout, to_stdout, f"[worker {i}] ", first_line=True, name=f"torchfeed-worker-{i}-out"),
+                 Pump(proc.stderr, to_stderr, f"[worker {i}] ", name=f"torchfeed-worker-{i}-err"))
+        if i < len(self.processes):
+            self.processes[i], self._pumps[i] = proc, pumps
+        else:
+            self.processes.append(proc)
+            self._pumps.append(pumps)
 
-    @staticmethod
-    def _read_address(proc: subprocess.Popen, timeout: float) -> str:
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
+    def _read_address(self, i: int, timeout: float) -> str:
+        proc, (out, err) = self.processes[i], self._pumps[i]
         deadline = time.monotonic() + timeout
-        try:
-            while time.monotonic() < deadline:
-                if sel.select(timeout=0.1):
-                    line = proc.stdout.readline()
-                    if line:
-                        return line.strip()
-                if proc.poll() is not None:
-                    raise RuntimeError(f"worker process exited with code {proc.returncode} before it was ready")
-            raise TimeoutError(f"worker process did not print its address within {timeout:g} s")
-        finally:
-            sel.close()
+        while time.monotonic() < deadline:
+            address = out.wait_first_line(0.1)
+            if address:
+                out.prefix = err.prefix = f"[worker {i} {address}] "
+                return address
+            if proc.poll() is not None:
+                err.join(2.0)
+                tail = "\n".join(err.tail)
+                raise RuntimeError(f"worker process {i} exited with code {proc.returncode} before it was ready"
+                                   + (f"; its stderr ends with:\n{tail}" if tail else ""))
+        raise TimeoutError(f"worker process {i} did not print its address within {timeout:g} s")
 
     def restart(self, i: int, timeout: float = 60.0) -> str:
         """Start worker ``i`` again on its old port (after it died or was killed)."""
@@ -76,15 +114,33 @@ class LocalWorkers:
         if old.poll() is None:
             old.kill()
             old.wait()
+        self._close_pipes(i)
         port = int(self.addresses[i].rsplit(":", 1)[1])
-        self.processes[i] = self._spawn(port)
-        self.addresses[i] = self._read_address(self.processes[i], timeout)
+        self._spawn(i, port)
+        self.addresses[i] = self._read_address(i, timeout)
         return self.addresses[i]
 
     def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
         self.processes[i].send_signal(sig)
 
+    def _close_pipes(self, i: int) -> None:
+        proc = self.processes[i]
+        for pump in self._pumps[i]:
+            pump.join(2.0)
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            if stream:
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+
     def close(self, timeout: float = 10.0) -> None:
+        """Stop the workers (this process's connections to them close first, quietly)."""
+        _open.discard(self)
+        if self.addresses:
+            from .client import close_connections
+
+            close_connections(self.addresses)
         for p in self.processes:
             if p.poll() is None:
                 try:
@@ -92,14 +148,13 @@ class LocalWorkers:
                     p.terminate()
                 except ProcessLookupError:
                     pass
-        for p in self.processes:
+        for i, p in enumerate(self.processes):
             try:
                 p.wait(timeout)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-            if p.stdout:
-                p.stdout.close()
+            self._close_pipes(i)
 
     def __enter__(self) -> "LocalWorkers":
         return self

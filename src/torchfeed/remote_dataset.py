@@ -13,15 +13,15 @@ import os
 import socket
 import threading
 import time
-import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar
 
 import torch
+from torch.utils.data import Dataset
 
-from . import client
+from . import building, client
 from .auth import SecretLike
-from .errors import RemoteError, Timeout, WorkerLost
+from .errors import AuthenticationError, RemoteError, SerializationError, Timeout, WorkerLost
 from .addrfile import read_address_file
 
 log = logging.getLogger("torchfeed.dataset")
@@ -30,10 +30,7 @@ _BACKOFF_FIRST = 0.5
 _BACKOFF_MAX = 10.0
 _TICK = 0.25
 
-
-def _build(factory: Callable, args: tuple, kwargs: dict):
-    """Runs on the worker: construct the dataset."""
-    return factory(*args, **kwargs)
+T_co = TypeVar("T_co", covariant=True)
 
 
 def wait_all(futures: Dict[str, torch.futures.Future], timeout: float) -> Dict[str, Any]:
@@ -57,13 +54,18 @@ def read_workers_file(path: str) -> List[str]:
     return [client.format_address(a) for a in read_address_file(path)]
 
 
-class RemoteDataset:
+class RemoteDataset(Dataset[T_co]):
     """A dataset built on remote workers.
 
     ``RemoteDataset(workers, dataset, *args, **kwargs)`` calls ``dataset(*args, **kwargs)``
     on every worker, concurrently, and keeps the instances there. ``dataset`` may be a
-    class or any callable returning a map-style dataset; it may be defined in
-    ``__main__`` or locally (it travels by value).
+    class or any callable returning a map-style (or iterable-style) dataset; it may be
+    defined in ``__main__`` or locally (it travels by value). Workers that refuse
+    connections (not started yet) are retried until ``timeout``.
+
+    It is a ``torch.utils.data.Dataset``: ``Subset``, ``random_split`` and ``ConcatDataset``
+    of RemoteDatasets can be given to :class:`RemoteDataLoader` (indices are mapped in the
+    trainer).
 
     Parameters
     ----------
@@ -75,7 +77,7 @@ class RemoteDataset:
         Passed to ``dataset`` on each worker.
     """
 
-    timeout: float = 120.0  # seconds allowed to connect and build the dataset
+    timeout: float = 120.0  # seconds allowed to connect (workers starting late) and build the dataset
     secret: SecretLike = None
 
     def __init__(self, workers: Sequence[str], dataset: Callable, *args, **kwargs):
@@ -86,7 +88,10 @@ class RemoteDataset:
             raise ValueError("RemoteDataset needs at least one worker address (host:port)")
         if len(set(workers)) != len(workers):
             raise ValueError(f"worker addresses are repeated: {workers}")
+        building.check_factory(dataset)
+        building.check_picklable(dataset, args, kwargs)
         self.factory = dataset
+        self.iterable = False  # set from the built instances: an IterableDataset
         self.args = args
         self.kwargs = kwargs
         self.workers: List[str] = []
@@ -99,39 +104,48 @@ class RemoteDataset:
         self._watch_stamp = None
         self._thread: Optional[threading.Thread] = None
         self._closed = False
-        self._build_on(workers, strict=True)
+        self._build_on(workers, strict=True, wait=True)
         self.workers = list(workers)
 
     # -- building ---------------------------------------------------------------
-    def _build_on(self, workers: Sequence[str], strict: bool) -> Dict[str, BaseException]:
-        """Build on ``workers``; return the unreachable ones (raise if ``strict``)."""
-        futs = {w: client.rpc_async(w, _build, args=(self.factory, self.args, self.kwargs), rref=True,
-                                    timeout=self.timeout, secret=self.secret) for w in workers}
+    def _build_on(self, workers: Sequence[str], strict: bool, wait: bool = False) -> Dict[str, BaseException]:
+        """Build on ``workers``; return the unreachable ones (raise if ``strict``).
+
+        With ``wait``, refused connections are retried until ``timeout`` first.
+        """
+        unreachable = building.connect_all(workers, self.secret, self.timeout) if wait else {}
+        futs = {w: client.rpc_async(w, building.build, args=(self.factory, self.args, self.kwargs), rref=True,
+                                    timeout=self.timeout, secret=self.secret)
+                for w in workers if w not in unreachable}
         built = wait_all(futs, self.timeout)
+        built.update(unreachable)
         errors = {w: v for w, v in built.items() if isinstance(v, BaseException)}
         for v in errors.values():
-            if isinstance(v, RemoteError):
-                raise v  # the dataset itself fails: retrying elsewhere cannot help
+            if isinstance(v, (RemoteError, AuthenticationError, SerializationError)):
+                raise v  # the dataset itself fails, or the setup is wrong: retrying cannot help
         if errors and strict:
             first = next(iter(errors.values()))
             raise WorkerLost("could not build the dataset on "
                              + ", ".join(f"{w} ({e})" for w, e in errors.items()),
                              {w: repr(e) for w, e in errors.items()}) from first
         built = {w: v for w, v in built.items() if w not in errors}
-        lengths = wait_all({w: client.rpc_async(w, len, args=(ref,), timeout=self.timeout, secret=self.secret)
-                            for w, ref in built.items()}, self.timeout)
-        for n in lengths.values():
-            if isinstance(n, BaseException):
-                raise n
+        described = wait_all({w: client.rpc_async(w, building.describe, args=(ref,), timeout=self.timeout,
+                                                  secret=self.secret)
+                              for w, ref in built.items()}, self.timeout)
+        for d in described.values():
+            if isinstance(d, BaseException):
+                raise d
+        lengths = {w: d[1] for w, d in described.items()}
         with self._lock:
             distinct = set(lengths.values())
-            if self._length is not None:
+            if self._refs or self._length is not None:
                 distinct.add(self._length)
             if len(distinct) > 1:
                 raise ValueError(f"workers built datasets of different lengths {lengths} (expected "
                                  f"{self._length}): every worker must see the same data")
             if distinct:
                 self._length = distinct.pop()
+            self.iterable = self.iterable or any(d[0] for d in described.values())
             self._refs.update(built)
         return errors
 
@@ -152,7 +166,7 @@ class RemoteDataset:
             self._mark_lost(w, exc)
         joined = [w for w in new if w not in failed]
         for w in joined:
-            self._notify("_worker_joined", w)
+            self._notify("worker_joined", w)
         return joined
 
     def remove_workers(self, workers: Sequence[str]) -> None:
@@ -164,7 +178,7 @@ class RemoteDataset:
                 self._lost.pop(w, None)
                 self._refs.pop(w, None)
         for w in gone:
-            self._notify("_worker_removed", w)
+            self._notify("worker_removed", w)
 
     def worker_lost(self, address: str, error: BaseException) -> None:
         """Called by loaders when a worker's connection failed: retry it with backoff."""
@@ -191,8 +205,9 @@ class RemoteDataset:
             except Exception:
                 log.exception("a loader could not take worker %s into account", address)
 
-    def _subscribe(self, iterator) -> None:
-        self._listeners.add(iterator)
+    def subscribe(self, listener) -> None:
+        """``listener.worker_joined(address)`` / ``.worker_removed(address)`` are called on changes."""
+        self._listeners.add(listener)
 
     # -- workers file ----------------------------------------------------------------
     @classmethod
@@ -267,7 +282,7 @@ class RemoteDataset:
                     continue
                 del self._lost[w]
             log.warning("worker %s is back; the dataset was rebuilt there", w)
-            self._notify("_worker_joined", w)
+            self._notify("worker_joined", w)
 
     def _tick(self) -> None:
         """One round of background work."""
@@ -277,7 +292,7 @@ class RemoteDataset:
             try:
                 self._poll_file()
             except Exception as exc:  # noqa: BLE001 - keep watching
-                warnings.warn(f"torchfeed: could not use the workers file {self._watch_path}: {exc}")
+                log.warning("could not use the workers file %s: %s", self._watch_path, exc)
         self._retry_lost()
 
     def close(self) -> None:
@@ -293,6 +308,8 @@ class RemoteDataset:
             return [w for w in self.workers if w in self._refs and not self._refs[w]._conn.closed]
 
     def __len__(self) -> int:
+        if self._length is None:
+            raise TypeError(f"{self!r} has no length: its dataset has no __len__")
         return self._length
 
     def __getitem__(self, index):

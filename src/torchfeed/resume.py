@@ -84,8 +84,13 @@ def _check(state: Dict[str, Any], loader) -> None:
                          "create the loader with the same seed to resume")
 
 
-def begin_pass(loader, epoch: int, resume: Optional[Dict[str, Any]]) -> Tuple[Iterator, Progress]:
-    """Start a pass (or resume one); return the index iterator and its progress record."""
+def begin_pass(loader, epoch: int, resume: Optional[Dict[str, Any]],
+               base_seed: Optional[int] = None) -> Tuple[Iterator, Progress]:
+    """Start a pass (or resume one); return the index iterator and its progress record.
+
+    ``base_seed`` (the first pass's, for torch's persistent workers) is used instead of
+    drawing one.
+    """
     if resume is not None:
         _check(resume, loader)
     gens = _generators(loader)
@@ -114,8 +119,9 @@ def begin_pass(loader, epoch: int, resume: Optional[Dict[str, Any]]) -> Tuple[It
         indices = iter(loader._index_sampler)
         # drawn exactly as torch's DataLoader draws it (after iter(sampler), before the
         # first index), so the same global seed gives the same shuffle order as torch
-        drawn = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
-        record.base_seed = resume["base_seed"] if resume is not None else drawn & ((1 << 64) - 1)
+        if base_seed is None or resume is not None:
+            base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+        record.base_seed = resume["base_seed"] if resume is not None else base_seed & ((1 << 64) - 1)
     progress = Progress(record)
     if resume is not None:
         skip = 0 if (elastic is not None and resume["sampler"] is not None) else resume["batches"]

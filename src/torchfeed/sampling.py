@@ -40,6 +40,9 @@ def mix_seed(*values: int) -> int:
     return h
 
 
+INT63 = (1 << 63) - 1  # torch's seeds (torch.initial_seed()) lie in [0, 2**63), so they can be collated
+
+
 def seed_all(seed: int) -> None:
     """Seed Python's, numpy's global and torch's default CPU generator from one 64-bit seed."""
     # One derived seed per generator: Python's and numpy's Mersenne Twisters seeded with
@@ -49,39 +52,112 @@ def seed_all(seed: int) -> None:
     np.random.seed([np_seed & 0xFFFFFFFF, np_seed >> 32])
     # the CPU generator only: torch.manual_seed also visits every accelerator backend
     # and costs ~100x more, per sample
-    torch.default_generator.manual_seed(mix_seed(seed, 3))
+    torch.default_generator.manual_seed(mix_seed(seed, 3) & INT63)
 
 
-class _OutsideState:
-    """The global generators' states as code outside seeded loading left them.
+def seed_like_torch(base_seed: int, worker_id: int) -> int:
+    """Seed the global generators as torch's DataLoader seeds worker ``worker_id``; return the seed.
 
-    Saving and restoring numpy's state costs ~0.15 ms, far more than loading a tiny
-    sample, so it is done lazily: saved when seeded loading starts after other code ran,
-    restored only when other code is about to run on the worker (``restore_outside``).
-    Consecutive seeded batches pay nothing.
+    Python's and torch's generators get ``base_seed + worker_id``; numpy's global generator
+    gets the state torch derives from (base_seed, worker_id) where this torch has that
+    function, else a seed mixed from both.
+    """
+    seed = base_seed + worker_id
+    random.seed(seed)
+    torch.manual_seed(seed)
+    derive = getattr(getattr(getattr(torch.utils.data, "_utils", None), "worker", None), "_generate_state", None)
+    if derive is not None:
+        np.random.seed(derive(base_seed, worker_id))
+    else:
+        mixed = mix_seed(base_seed, worker_id)
+        np.random.seed([mixed & 0xFFFFFFFF, mixed >> 32])
+    return seed
+
+
+def _global_states() -> tuple:
+    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+
+def _set_global_states(states: tuple) -> None:
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+
+
+class Stream:
+    """Global generator states that belong to one loader pass on a worker (torch-like seeding).
+
+    Other code may run on the worker between two batches of the pass: the states are
+    stashed then, and loaded again before the next batch (see :func:`use`).
     """
 
-    saved: Optional[tuple] = None
+    def __init__(self):
+        self.states: Optional[tuple] = None
+
+    def stash(self) -> None:
+        self.states = _global_states()
+
+    def load(self) -> None:
+        if self.states is not None:
+            _set_global_states(self.states)
+
+
+class _PerSample(Stream):
+    """Per-sample seeding: every sample reseeds, nothing to keep between batches."""
+
+    def stash(self) -> None:
+        pass
+
+
+PER_SAMPLE = _PerSample()
+
+
+class _Owner:
+    """Who the global generators' states belong to right now.
+
+    ``None`` means code outside of loading (the states it left are ``outside``). Saving
+    and restoring numpy's state costs ~0.15 ms, far more than loading a tiny sample, so
+    a change of owner is done lazily: consecutive batches of the same owner pay nothing.
+    """
+
+    current: Optional[Stream] = None
+    outside: Optional[tuple] = None
     lock = threading.Lock()
 
 
+def use(stream: Stream) -> bool:
+    """Give the global generators to ``stream``; True when it did not hold them already.
+
+    The previous owner's states are kept (the outside code's, or another pass's).
+    """
+    with _Owner.lock:
+        previous = _Owner.current
+        if previous is stream:
+            return False
+        if previous is None:
+            _Owner.outside = _global_states()
+        else:
+            previous.stash()
+        _Owner.current = stream
+    return True
+
+
 def enter_seeded() -> None:
-    """Seeded loading begins: remember the outside states unless already remembered."""
-    with _OutsideState.lock:
-        if _OutsideState.saved is None:
-            _OutsideState.saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    """Per-sample seeded loading begins: remember the outside states unless already remembered."""
+    use(PER_SAMPLE)
 
 
 def restore_outside() -> None:
-    """Give code other than seeded loading the generator states it left behind."""
-    if _OutsideState.saved is None:
+    """Give code other than loading the generator states it left behind."""
+    if _Owner.current is None:
         return
-    with _OutsideState.lock:
-        states, _OutsideState.saved = _OutsideState.saved, None
+    with _Owner.lock:
+        previous, _Owner.current = _Owner.current, None
+        states, _Owner.outside = _Owner.outside, None
+        if previous is not None:
+            previous.stash()
     if states is not None:
-        random.setstate(states[0])
-        np.random.set_state(states[1])
-        torch.set_rng_state(states[2])
+        _set_global_states(states)
 
 
 def set_random_seeds(base_seed: int, worker_id: int) -> None:

@@ -17,15 +17,14 @@ import copyreg
 import io
 import pickle
 import threading
-import warnings
 from collections import ChainMap
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 import cloudpickle
 import numpy as np
 import torch
 
-from . import buffers
+from . import buffers, notices
 
 ALIGN = 64  # every buffer starts on a 64-byte boundary of the receive block
 
@@ -95,10 +94,42 @@ class _CloudPickler(cloudpickle.Pickler):
     dispatch_table = ChainMap(_REDUCERS, cloudpickle.Pickler.dispatch_table)
 
 
-def dumps(obj: Any, *, by_value: bool = False) -> Tuple[bytes, List[memoryview]]:
+# ``bytes`` never reach a pickler's dispatch table (the C pickler writes them inline), but
+# every object passes persistent_id first: large ones go out of band that way.
+_BYTES_APART = 64 * 1024  # bytes/bytearray at least this long travel as raw buffers...
+_RETRY_APART = 1 << 20  # ...when the pickle of a reply would otherwise exceed this
+
+
+class _BytesApart:
+    """persistent_id that sends large bytes/bytearray objects as out-of-band buffers."""
+
+    buffers: List[memoryview]
+
+    def persistent_id(self, obj):
+        kind = type(obj)
+        if (kind is bytes or kind is bytearray) and len(obj) >= _BYTES_APART:
+            self.buffers.append(memoryview(obj))
+            return ("torchfeed-bytes", kind is bytearray)
+        return None
+
+
+class _PicklerApart(_BytesApart, _Pickler):
+    pass
+
+
+class _CloudPicklerApart(_BytesApart, _CloudPickler):
+    pass
+
+
+_PICKLERS = {(False, False): _Pickler, (True, False): _CloudPickler,
+             (False, True): _PicklerApart, (True, True): _CloudPicklerApart}
+
+
+def dumps(obj: Any, *, by_value: bool = False, bytes_apart: bool = False) -> Tuple[bytes, List[memoryview]]:
     """Serialize ``obj``; return the pickle stream and the out-of-band buffers.
 
-    ``by_value=True`` uses cloudpickle (for functions, classes, lambdas).
+    ``by_value=True`` uses cloudpickle (for functions, classes, lambdas); ``bytes_apart``
+    sends large ``bytes`` and ``bytearray`` objects as buffers too (read with :func:`loads`).
     """
     buffers: List[memoryview] = []
 
@@ -107,7 +138,9 @@ def dumps(obj: Any, *, by_value: bool = False) -> Tuple[bytes, List[memoryview]]
         return False  # out of band
 
     out = io.BytesIO()
-    (_CloudPickler if by_value else _Pickler)(out, protocol=5, buffer_callback=keep).dump(obj)
+    pickler = _PICKLERS[by_value, bytes_apart](out, protocol=5, buffer_callback=keep)
+    pickler.buffers = buffers  # one list: buffers stay in the order the unpickler asks for them
+    pickler.dump(obj)
     return out.getvalue(), buffers
 
 
@@ -116,12 +149,19 @@ def dumps_reply(obj: Any) -> Tuple[bytes, List[memoryview]]:
 
     A result may be an instance of a class that reached the worker by value (defined in
     the trainer's ``__main__`` or in a function): the trainer can only rebuild it if the
-    class travels back by value too.
+    class travels back by value too. A result whose pickle is large is pickled again with
+    its large ``bytes`` as raw buffers (encoded images or audio: no copy, no 4 GiB bound).
     """
+    by_value = False
     try:
-        return dumps(obj)
+        meta, buffers = dumps(obj)
     except (pickle.PicklingError, AttributeError, TypeError):
-        return dumps(obj, by_value=True)
+        by_value = True
+        meta, buffers = dumps(obj, by_value=True)
+    if len(meta) > _RETRY_APART:
+        del meta, buffers
+        meta, buffers = dumps(obj, by_value=by_value, bytes_apart=True)
+    return meta, buffers
 
 
 # -- receiving ---------------------------------------------------------------
@@ -135,12 +175,15 @@ def _cuda_pinnable() -> bool:
         return True
     if not _warned_pin:
         _warned_pin = True
-        warnings.warn(
-            "pin_memory=True but CUDA is not available: batches are received into ordinary "
-            "memory instead",
-            stacklevel=4,
-        )
+        notices.warn("pin_memory=True but CUDA is not available: batches are received into ordinary "
+                     "memory instead")
     return False
+
+
+def check_pinnable(pin: bool) -> None:
+    """Warn (once, at the user's line) when ``pin`` is asked for and cannot be had."""
+    if pin:
+        _cuda_pinnable()
 
 
 def allocate(lengths: Sequence[int], pin: bool = False) -> List[memoryview]:
@@ -161,9 +204,21 @@ def allocate(lengths: Sequence[int], pin: bool = False) -> List[memoryview]:
     return [memoryview(arr[o : o + n]) for o, n in zip(offsets, lengths)]
 
 
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, meta: bytes, buffers: Sequence[memoryview]):
+        self._buffers = iter(buffers)  # shared with persistent_load: one sequence, in order
+        super().__init__(io.BytesIO(meta), buffers=self._buffers)
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "torchfeed-bytes"):
+            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+        view = next(self._buffers)
+        return bytearray(view) if pid[1] else bytes(view)
+
+
 def loads(meta: bytes, buffers: Sequence[memoryview] = ()) -> Any:
     """Inverse of :func:`dumps` with buffers already received."""
-    return pickle.loads(meta, buffers=buffers)
+    return _Unpickler(meta, buffers).load()
 
 
 def loads_call(meta: bytes, buffers: Sequence[memoryview], registry) -> Any:

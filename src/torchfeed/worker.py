@@ -38,12 +38,12 @@ import socket
 import struct
 import threading
 import time
-import traceback
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-from . import auth, sampling, serialize, wire
+from . import auth, errors, sampling, serialize, wire
+from .limits import check_reply
 from .addrfile import announce, read_address_file  # noqa: F401  (read_address_file: old import path)
 from .doorman import Doorman
 from .errors import FrameTooLarge, LimitExceeded, ProtocolError, TorchfeedError
@@ -125,17 +125,7 @@ class Registry:
 
 
 def _describe_exception(exc: BaseException) -> bytes:
-    etype = type(exc)
-    name = etype.__qualname__ if etype.__module__ == "builtins" else f"{etype.__module__}.{etype.__qualname__}"
-    try:
-        message = str(exc)
-    except Exception:  # a broken __str__ (or __repr__) must not break error reporting
-        try:
-            message = repr(exc)
-        except Exception:
-            message = object.__repr__(exc)
-    text = "".join(traceback.format_exception(etype, exc, exc.__traceback__))
-    return pickle.dumps({"type": name, "message": message, "traceback": text}, protocol=5)
+    return pickle.dumps(errors.describe_exception(exc), protocol=5)
 
 
 class ServerConnection:
@@ -340,6 +330,7 @@ class ServerConnection:
                 meta, out = pickle.dumps(ref), []
             else:
                 meta, out = serialize.dumps_reply(result)
+                check_reply(meta, out, getattr(func, "reply_limits", None))
             del result
         except BaseException as exc:  # user code may raise anything, SystemExit and Ctrl-C included
             self._reply(wire.ERROR, rid, _describe_exception(exc), [])

@@ -5,20 +5,44 @@ torchrun, Slurm, Dask, MPI or nothing; ``init_distributed()`` starts torch.distr
 from it; ``workers()`` finds this trainer's data-loading workers; ``device_group()`` gives
 a model-parallel replica its devices; ``SlurmJob`` writes and submits the heterogeneous
 batch script behind ``torchfeed slurm``.
+
+Names are imported on first use (the command line reads ``slurm`` without torch).
 """
 
-from .discovery import split_workers, workers
-from .env import Environment, choose_port, device_group, environment, init_distributed
-from .slurm import SlurmJob, sbatch_script
+from __future__ import annotations
 
-__all__ = sorted([
-    "Environment",
-    "SlurmJob",
-    "choose_port",
-    "device_group",
-    "environment",
-    "init_distributed",
-    "sbatch_script",
-    "split_workers",
-    "workers",
-])
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "Environment": "env",
+    "SlurmJob": "slurm",
+    "choose_port": "env",
+    "device_group": "env",
+    "environment": "env",
+    "init_distributed": "env",
+    "sbatch_script": "slurm",
+    "split_workers": "discovery",
+    "workers": "discovery",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchfeed.cluster' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from .discovery import split_workers, workers
+    from .env import Environment, choose_port, device_group, environment, init_distributed
+    from .slurm import SlurmJob, sbatch_script

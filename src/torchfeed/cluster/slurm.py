@@ -331,14 +331,15 @@ def add_parser(sub) -> None:
     p.add_argument("--nodes", type=int, default=1, help="trainer nodes")
     p.add_argument("--ntasks-per-node", type=int, help="trainer processes per node "
                    "(default: gpus-per-node / gpus-per-model, or 1)")
-    p.add_argument("--gpus-per-node", type=int, default=0)
+    p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per trainer node (default 0)")
     p.add_argument("--cpus-per-task", type=int, help="CPUs per trainer process")
     p.add_argument("--gpus-per-model", type=int, default=1, help="GPUs per model replica (model parallel)")
     p.add_argument("--torchrun", action="store_true", help="launch trainers with srun + torchrun (c10d rendezvous)")
     p.add_argument("--worker-partition", help="worker partition (CPU nodes)")
-    p.add_argument("--worker-nodes", type=int, default=1)
-    p.add_argument("--workers-per-node", type=int, default=1)
-    p.add_argument("--cpus-per-worker", type=int, default=1)
+    p.add_argument("--worker-nodes", type=int, default=1, help="worker nodes (default 1)")
+    p.add_argument("--workers-per-node", type=int, default=1,
+                   help="torchfeed worker processes per worker node (default 1)")
+    p.add_argument("--cpus-per-worker", type=int, default=1, help="CPUs per worker process (default 1)")
     p.add_argument("--worker-arg", action="append", default=[], dest="worker_args", metavar="ARG",
                    help="extra `torchfeed worker` argument (repeatable), e.g. --worker-arg=--parallel=4")
     p.add_argument("--time", help="time limit, e.g. 1-00:00:00")
@@ -348,7 +349,7 @@ def add_parser(sub) -> None:
                    help="extra #SBATCH option for the trainer group (repeatable), e.g. --sbatch=--account=abc")
     p.add_argument("--worker-sbatch", action="append", default=[], metavar="LINE",
                    help="extra #SBATCH option for the worker group (repeatable)")
-    p.add_argument("--job-name", default="torchfeed")
+    p.add_argument("--job-name", default="torchfeed", help="Slurm job name (default torchfeed)")
     p.add_argument("--python", default=sys.executable, help="python on the nodes (default: this one)")
     p.add_argument("--worker-timeout", type=float, default=300.0, help="seconds to wait for the workers")
     p.add_argument("--script", help="where to write the script (default: JOB_DIR's parent/JOB_NAME.sbatch)")

@@ -1,0 +1,169 @@
+"""Trainer side of building a RemoteDataset: checking what is sent, reaching workers that start late.
+
+* :func:`check_factory` and :func:`check_picklable` turn the usual first mistakes (a
+  dataset instance instead of its class, an argument that cannot be pickled such as an
+  open file or a lock) into errors that say what to do, before any worker is contacted.
+* :func:`connect_all` connects to every worker, retrying refused connections with
+  backoff until the timeout: under Slurm or torchrun, workers often start after the
+  trainer. Wrong secrets fail at once with :class:`~torchfeed.AuthenticationError`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from . import client, serialize
+from .auth import SecretLike
+from .errors import AuthenticationError, SerializationError, WorkerLost
+
+log = logging.getLogger("torchfeed.dataset")
+
+_RETRY_FIRST = 0.1
+_RETRY_MAX = 2.0
+
+
+def build(factory: Callable, args: tuple, kwargs: dict):
+    """Runs on the worker: construct the dataset."""
+    return factory(*args, **kwargs)
+
+
+def describe(dataset) -> tuple:
+    """Runs on the worker: (is it an IterableDataset, its length or None)."""
+    from torch.utils.data import IterableDataset
+
+    iterable = isinstance(dataset, IterableDataset)
+    try:
+        length = len(dataset)
+    except TypeError:  # no __len__: an iterable dataset, or a map-style one used with a sampler
+        length = None
+    return iterable, length
+
+
+def _name(factory: Any) -> str:
+    return getattr(factory, "__qualname__", None) or type(factory).__qualname__
+
+
+def check_factory(dataset: Any, what: str = "RemoteDataset") -> None:
+    """Refuse a dataset *instance* where a class or factory is expected, saying what to write."""
+    from torch.utils.data import Dataset
+
+    is_instance = isinstance(dataset, Dataset) or not callable(dataset)
+    if isinstance(dataset, type) or not is_instance:
+        return
+    cls = type(dataset).__qualname__
+    raise TypeError(
+        f"{what} got a dataset instance ({cls} object), but it builds the dataset on every worker itself: "
+        f"pass the class (or a factory) and its arguments instead, e.g. "
+        f"RemoteDataset(workers, {cls}, arg1, key=value) rather than RemoteDataset(workers, {cls}(arg1, "
+        "key=value)). The arguments are pickled and sent; data is then read on the workers.")
+
+
+def _argument_names(factory: Callable, args: tuple, kwargs: dict) -> List[tuple]:
+    """(description, value) of every argument, named after the factory's parameters when possible."""
+    try:
+        bound = inspect.signature(factory).bind_partial(*args, **kwargs)
+        named = []
+        for name, value in bound.arguments.items():
+            kind = inspect.signature(factory).parameters[name].kind
+            if kind is inspect.Parameter.VAR_POSITIONAL:
+                named += [(f"positional argument {i} (in *{name})", v) for i, v in enumerate(value)]
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                named += [(f"keyword argument {k!r}", v) for k, v in value.items()]
+            else:
+                named.append((f"argument {name!r}", value))
+        return named
+    except (TypeError, ValueError):
+        return ([(f"positional argument {i}", v) for i, v in enumerate(args)]
+                + [(f"keyword argument {k!r}", v) for k, v in kwargs.items()])
+
+
+def check_picklable(factory: Callable, args: tuple, kwargs: dict) -> None:
+    """Raise :class:`SerializationError` naming the first argument that cannot be sent to workers."""
+    try:
+        serialize.dumps((factory, args, kwargs), by_value=True)
+        return
+    except Exception as whole:
+        failure = whole
+    name = _name(factory)
+    try:
+        serialize.dumps(factory, by_value=True)
+    except Exception as exc:
+        raise SerializationError(
+            f"the dataset factory {name} cannot be pickled to be sent to the workers ({exc}). Define the "
+            "class at module level, in __main__, or in a function, and keep unpicklable objects (open files, "
+            "locks, connections, CUDA tensors) out of it") from exc
+    for described, value in _argument_names(factory, args, kwargs):
+        try:
+            serialize.dumps(value, by_value=True)
+        except Exception as exc:
+            raise SerializationError(
+                f"{described} of {name} ({type(value).__qualname__} object) cannot be pickled to be sent to "
+                f"the workers: {exc}. Construct it inside the dataset on the worker instead (in {name}.__init__, "
+                "or lazily on first use in __getitem__), and pass what it is made from: a path, a URL, "
+                "options") from exc
+    raise SerializationError(f"the arguments of {name} cannot be pickled: {failure}") from failure
+
+
+def _retryable(exc: BaseException) -> bool:
+    cause = exc.__cause__ if isinstance(exc, WorkerLost) else exc
+    return isinstance(cause, (ConnectionRefusedError, ConnectionResetError, ConnectionAbortedError))
+
+
+def connect(address: str, secret: SecretLike, timeout: float) -> Optional[BaseException]:
+    """Connect (pooled), retrying refused connections until ``timeout``; return the failure or None."""
+    start = time.monotonic()
+    deadline = start + timeout
+    delay = _RETRY_FIRST
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            client.connect(address, secret, max(0.1, deadline - time.monotonic()))
+            return None
+        except AuthenticationError as exc:
+            return exc
+        except Exception as exc:  # noqa: BLE001 - sorted below
+            if not _retryable(exc):
+                return exc
+            left = deadline - time.monotonic()
+            if left <= 0:
+                waited = time.monotonic() - start
+                lost = WorkerLost(
+                    f"could not connect to worker {address}: the connection was refused for {waited:.1f} s "
+                    f"({attempts} attempts, retried until timeout={timeout:g} s). Is `torchfeed worker` "
+                    "running there, on that port? (RemoteDataset.timeout sets how long to wait)",
+                    {address: repr(exc)})
+                lost.__cause__ = exc
+                return lost
+            if attempts == 1:
+                log.info("worker %s refuses connections (not started yet?); retrying for up to %.0f s",
+                         address, timeout)
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, _RETRY_MAX)
+
+
+def connect_all(workers: Sequence[str], secret: SecretLike, timeout: float) -> Dict[str, BaseException]:
+    """Connect to every worker concurrently; return the failures. A wrong secret raises at once."""
+    failures: Dict[str, BaseException] = {}
+    lock = threading.Lock()
+
+    def one(address: str) -> None:
+        failure = connect(address, secret, timeout)
+        if failure is not None:
+            with lock:
+                failures[address] = failure
+
+    threads = [threading.Thread(target=one, args=(w,), name=f"torchfeed-connect-{w}", daemon=True)
+               for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for failure in failures.values():
+        if isinstance(failure, AuthenticationError):
+            raise failure
+    return failures

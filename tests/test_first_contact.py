@@ -1,0 +1,136 @@
+"""What a new user meets first: worker output, warnings at the right line, quiet exits."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+
+import torchfeed
+from helpers import SleepDataset, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Chatty(torch.utils.data.Dataset):
+    """Prints a megabyte to stdout and a line to stderr for every sample."""
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        print("x" * (1 << 20))
+        print(f"sample {i} loaded", file=sys.stderr)
+        return i
+
+
+def test_a_dataset_that_prints_a_lot_completes_and_its_output_arrives_prefixed(capsys):
+    with torchfeed.LocalWorkers(1) as workers:
+        ds = torchfeed.RemoteDataset(workers.addresses, Chatty)
+        assert torch.cat(list(torchfeed.RemoteDataLoader(ds, batch_size=2))).tolist() == list(range(6))
+        prefix = f"[worker 0 {workers.addresses[0]}] "
+    out, err = capsys.readouterr()
+    big = [line for line in out.splitlines() if line.endswith("x" * 100)]
+    assert len(big) == 6 and all(line == prefix + "x" * (1 << 20) for line in big)
+    assert sorted(line for line in err.splitlines() if "loaded" in line) == [f"{prefix}sample {i} loaded"
+                                                                          for i in range(6)]
+
+
+def _user_line(fn_name: str) -> int:
+    import inspect
+
+    source, start = inspect.getsourcelines(globals()[fn_name])
+    return start + next(i for i, line in enumerate(source) if "# <- the user's line" in line)
+
+
+def test_lost_worker_warning_points_at_the_users_loop(fresh_workers):
+    w = fresh_workers(2)
+    ds = torchfeed.RemoteDataset(w.addresses, SleepDataset, 40, 0.02)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=2, straggler_factor=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, _ in enumerate(loader):  # <- the user's line
+            if i == 2:
+                w.kill(0)
+    lost = [c for c in caught if "lost worker" in str(c.message)]
+    assert lost, [str(c.message) for c in caught]
+    assert all(c.filename == __file__ and c.lineno == _user_line(
+        "test_lost_worker_warning_points_at_the_users_loop") for c in lost), [(c.filename, c.lineno) for c in lost]
+
+
+def test_no_worker_left_is_said_at_once_with_the_wait(fresh_workers):
+    w = fresh_workers(1)
+    ds = torchfeed.RemoteDataset(w.addresses, SleepDataset, 40, 0.02)
+    it = iter(torchfeed.RemoteDataLoader(ds, batch_size=2, timeout=3))
+    next(it)
+    w.kill(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        start = time.monotonic()
+        with pytest.raises(torchfeed.WorkerLost, match="no worker is left"):
+            while True:
+                next(it)  # <- the user's line
+    said = [c for c in caught if "no worker is left" in str(c.message)]
+    assert len(said) == 1 and "waiting up to 3 s" in str(said[0].message)
+    assert said[0].filename == __file__
+    assert time.monotonic() - start >= 2.5  # it did wait for a worker to come back
+
+
+QUIET_EXIT = """
+import os, signal, sys, threading, time
+sys.path.insert(0, {tests!r})
+import torchfeed
+from helpers import SleepDataset
+workers = torchfeed.LocalWorkers(2)
+ds = torchfeed.RemoteDataset(workers.addresses, SleepDataset, 200, 0.05)
+it = iter(torchfeed.RemoteDataLoader(ds, batch_size=2))
+next(it)
+if {interrupt!r}:
+    # what Ctrl-C in a terminal does: SIGINT to the whole foreground process group
+    threading.Timer(0.5, lambda: os.killpg(os.getpgid(0), signal.SIGINT)).start()
+    with workers:
+        for batch in it:
+            pass
+print("done", flush=True)   # at exit: the pass is open, requests are in flight
+"""
+
+
+@pytest.mark.parametrize("interrupt", [False, True])
+def test_no_lost_worker_warnings_at_exit_or_after_ctrl_c(tmp_path, interrupt):
+    script = tmp_path / "train.py"
+    script.write_text(QUIET_EXIT.format(tests=os.path.dirname(__file__), interrupt=interrupt))
+    proc = subprocess.run([sys.executable, "-W", "always", str(script)], capture_output=True, text=True,
+                          timeout=90, start_new_session=True)
+    assert "lost worker" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr
+    if interrupt:
+        assert proc.returncode != 0 and proc.stderr.rstrip().endswith("KeyboardInterrupt"), proc.stderr
+    else:
+        assert proc.returncode == 0 and proc.stdout == "done\n", proc.stderr
+
+
+def test_workers_stop_with_a_killed_trainer(tmp_path):
+    script = tmp_path / "trainer.py"
+    script.write_text("import sys, time, torchfeed\nw = torchfeed.LocalWorkers(2)\n"
+                      "print(' '.join(str(p.pid) for p in w.processes), flush=True)\ntime.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2
+    finally:
+        proc.kill()
+        proc.wait()
+
+    def gone(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+
+    assert wait_for(lambda: all(gone(p) for p in pids), 30), "worker processes outlived their trainer"
