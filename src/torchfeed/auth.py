@@ -41,7 +41,7 @@ import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
@@ -227,8 +227,10 @@ class SessionKeys:
     recv: bytes
     encrypt: bool
 
-    def channel(self, sock, initial: bytes = b"") -> Channel:
-        return Channel(sock, self.send, self.recv, encrypt=self.encrypt, initial=initial)
+    def channel(self, sock, reader: Optional[wire.FrameReader] = None) -> Channel:
+        """The sealed channel on ``sock``; ``reader``: the handshake's reader, holding any bytes
+        received past the handshake."""
+        return Channel(sock, self.send, self.recv, encrypt=self.encrypt, reader=reader)
 
 
 def _session(secret: bytes, hello: bytes, cnonce: bytes, mode: int, *, worker: bool) -> SessionKeys:
@@ -293,4 +295,4 @@ def client_handshake(sock, secret: Secret, address: str, *, integrity_only: bool
             "another secret); " + fix_hint(secret)
         )
     keys = _session(secret.value, hello, cnonce, mode, worker=False)
-    return keys.channel(sock, reader.leftover())
+    return keys.channel(sock, reader)

@@ -44,7 +44,6 @@ TAG = 16
 CHUNK = 256 * 1024  # plaintext bytes per record: large enough to amortise, small enough for cache
 _NONCE = struct.Struct(">4xQ")
 _SEND_BATCH = 1 << 20  # sealed bytes gathered into one sendmsg
-_STAGING = 64 * 1024
 
 
 class IntegrityError(ProtocolError):
@@ -59,8 +58,9 @@ class Channel:
     """
 
     def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes, *, encrypt: bool = True,
-                 initial: bytes = b""):
+                 reader: Optional[wire.FrameReader] = None):
         self.sock = sock
+        self._reader = reader or wire.FrameReader(sock)  # the staged byte stream under the records
         self.encrypt = encrypt
         self._send_aead = AESGCM(send_key)
         self._recv_aead = AESGCM(recv_key)
@@ -68,12 +68,6 @@ class Channel:
         self._recv_seq = 0
         self._scratch_out: Optional[bytearray] = None  # made on the first large send
         self._scratch_in = bytearray(CHUNK + TAG)
-        self._staging = bytearray(max(_STAGING, len(initial)))
-        self._view = memoryview(self._staging)
-        self._staging[: len(initial)] = initial  # bytes read past the handshake
-        self._start = 0
-        self._end = len(initial)
-        self.bytes_received = 0
         self.bytes_sent = 0
         # with SO_SNDTIMEO set on the socket: seconds without progress before a send fails
         self.send_stall_timeout: Optional[float] = None
@@ -139,41 +133,13 @@ class Channel:
         self._recv_seq += 1
         return nonce
 
-    def _recv_some(self) -> None:
-        if self._start == self._end:
-            self._start = self._end = 0
-        elif self._end == len(self._staging):
-            n = self._end - self._start
-            self._staging[:n] = self._staging[self._start : self._end]
-            self._start, self._end = 0, n
-        got = self.sock.recv_into(self._view[self._end :])
-        if not got:
-            raise ConnectionError("connection closed by peer")
-        self._end += got
-        self.bytes_received += got
+    @property
+    def bytes_received(self) -> int:
+        return self._reader.bytes_received
 
     def _fill(self, dest: memoryview) -> None:
         """Fill ``dest`` exactly from the stream (staged bytes first, then straight in)."""
-        total, pos = len(dest), 0
-        avail = self._end - self._start
-        if avail:
-            pos = min(avail, total)
-            dest[:pos] = self._view[self._start : self._start + pos]
-            self._start += pos
-        while pos < total:
-            remaining = total - pos
-            if remaining >= _STAGING // 2:
-                got = self.sock.recv_into(dest[pos:], remaining, socket.MSG_WAITALL)
-                if not got:
-                    raise ConnectionError("connection closed by peer")
-                self.bytes_received += got
-                pos += got
-            else:
-                self._recv_some()
-                n = min(self._end - self._start, remaining)
-                dest[pos : pos + n] = self._view[self._start : self._start + n]
-                self._start += n
-                pos += n
+        self._reader.read_into(dest)
 
     def _open_into(self, dest: memoryview) -> None:
         """Receive one record whose plaintext is ``len(dest)`` bytes into ``dest``."""

@@ -36,16 +36,23 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _procs(value: str) -> int:
-    if value == "auto":
-        return len(os.sched_getaffinity(0))
+def _positive(value: str) -> int:
     try:
         n = int(value)
     except ValueError:
         n = 0
     if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive number or 'auto', got {value!r}")
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {value!r}")
     return n
+
+
+def _procs(value: str) -> int:
+    if value == "auto":
+        return len(os.sched_getaffinity(0))
+    try:
+        return _positive(value)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be a positive number or 'auto', got {value!r}") from None
 
 
 def _level(value: str) -> str:
@@ -95,16 +102,6 @@ def _add_worker_parser(sub) -> None:
                         help="also accept clients that set TORCHFEED_TRUSTED_NETWORK_NO_ENCRYPTION=1: their "
                              "traffic is authenticated but NOT encrypted. Only for networks no one else can "
                              "listen on")
-
-
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {value!r}")
-    return n
 
 
 _LIMIT_OPTIONS = ("max_call_bytes", "max_queued_requests", "max_refs", "max_handshakes")

@@ -193,12 +193,13 @@ class FrameReader:
     ``recv_into`` straight into the caller's memory.
     """
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, initial: bytes = b""):
         self.sock = sock
-        self._buf = bytearray(_STAGING)
+        self._buf = bytearray(max(_STAGING, len(initial)))
         self._view = memoryview(self._buf)
+        self._buf[: len(initial)] = initial  # bytes already received (read past a handshake)
         self._start = 0
-        self._end = 0
+        self._end = len(initial)
         self.bytes_received = 0
 
     # -- low level -------------------------------------------------------
@@ -276,9 +277,7 @@ class FrameReader:
         for d in dests:
             self.read_into(d)
 
-    def leftover(self) -> bytes:
-        """Bytes received past the last frame read (handed on to the sealed channel)."""
-        return bytes(self._view[self._start : self._end])
+
 
     def skip_buffers(self, lengths: Sequence[int]) -> None:
         scratch = memoryview(bytearray(min(max(lengths, default=0), 1 << 20)))

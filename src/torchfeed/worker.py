@@ -397,7 +397,7 @@ class WorkerServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         # a blocked send returns every second, so the writer can tell a stalled peer
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(1.0))
-        conn = ServerConnection(self, sock, peer, keys.channel(sock, leftover))
+        conn = ServerConnection(self, sock, peer, keys.channel(sock, wire.FrameReader(sock, leftover)))
         with self._conns_lock:
             self._conns.add(conn)
         conn.start()
