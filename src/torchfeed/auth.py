@@ -283,8 +283,9 @@ def client_handshake(sock, secret: Secret, address: str, *, integrity_only: bool
     frame = reader.read_frame(wire.HANDSHAKE_LIMITS)
     if frame.kind == wire.AUTH_FAIL:
         reason = frame.meta.decode(errors="replace")
-        hint = fix_hint(secret) if reason == "wrong secret" else "see the worker's log"
-        raise AuthenticationError(f"worker {address} rejected this client ({reason}); {hint}")
+        if reason == "wrong secret":
+            raise AuthenticationError(f"worker {address} rejected this client's secret; " + fix_hint(secret))
+        raise AuthenticationError(f"worker {address} rejected this client: {reason}")
     if frame.kind == wire.BYE:
         raise ProtocolError(f"worker {address} refused the connection: {frame.meta.decode(errors='replace')}")
     if frame.kind != wire.AUTH_OK or len(frame.meta) != MAC_BYTES:
