@@ -91,3 +91,40 @@ class DatasetStateful(IterableDataset):
 
 def sum_collate(batch):
     return {"n": len(batch), "first": batch[0], "sum": sum(int(x[0][0]) for x in batch)}
+
+
+# --------------------------------------------------------------------------- shard readers
+def text_lines(url, storage_options=None):
+    from torchfeed.datasets import lines
+
+    return lines(url, storage_options)
+
+
+class SlowLines:
+    """Lines of a text shard as (pid, line); slow on the worker process ``slow_pid``."""
+
+    def __init__(self, slow_pid: int = -1, delay: float = 0.0, every: float = 0.0):
+        self.slow_pid = slow_pid
+        self.delay = delay
+        self.every = every  # a delay on every worker
+
+    def __call__(self, url):
+        import os
+
+        from torchfeed.datasets import lines
+
+        pid = os.getpid()
+        for line in lines(url):
+            if pid == self.slow_pid and self.delay:
+                time.sleep(self.delay)
+            if self.every:
+                time.sleep(self.every)
+            yield pid, line
+
+
+def wds_samples(url):
+    """The samples of a webdataset tar shard as (key, text)."""
+    import webdataset as wds
+
+    for sample in wds.DataPipeline(wds.SimpleShardList([url]), wds.tarfile_to_samples()):
+        yield sample["__key__"], sample["txt"].decode()

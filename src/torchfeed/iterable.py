@@ -23,7 +23,6 @@ the order depends on timing anyway, and a slow worker then does not hold the oth
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 import weakref
@@ -33,7 +32,8 @@ from typing import Any, Dict, List, Optional
 from . import client, errors, notices
 from .errors import RemoteError, Timeout, WorkerLost
 from .remote_dataset import wait_all
-from .sampling import INT63, mix_seed
+from .datasets.shards import shard_order
+from .sampling import INT63
 from .streams import BATCH, END, ERROR, NEED, open_stream, shard_plan
 
 _POLL = 0.05
@@ -142,10 +142,7 @@ class IterablePass:
         count, shuffle, seed = got
         epoch = self._plan.progress.record.epoch
         effective = (self._base_seed if seed is None else seed) & INT63
-        order = list(range(count))
-        if shuffle:
-            random.Random(mix_seed(effective, epoch, 0x5A4D)).shuffle(order)
-        self._queue = deque((i, mix_seed(effective, epoch, i) & INT63) for i in order)
+        self._queue = deque(shard_order(count, shuffle, effective, epoch))
         return True
 
     def _pick_worker(self) -> Optional[str]:
