@@ -170,7 +170,7 @@ class IterablePass:
         if self._dynamic:
             slot.latest_taken = taken
         start = {"position": position, "state": state, "rng": rng, "grants": slot.grants[taken:], "taken": taken,
-                 "final": self._dynamic and not self._queue}
+                 "total": self._total(slot)}
         if position and state is None and not self._said_replay and slot.incarnation > 1:
             self._said_replay = True
             self._notices.add(f"torchfeed: stream {slot.index} of an iterable-style dataset moved to {worker}: the "
@@ -252,7 +252,7 @@ class IterablePass:
                     me._on_result(slot, incarnation, ok, value)
 
             try:
-                slot.ref.request((grants, self._dynamic and not self._queue), callback=on_result, pin=self._pin)
+                slot.ref.request((grants, self._total(slot)), callback=on_result, pin=self._pin)
             except (WorkerLost, OSError) as exc:
                 if grants:  # not sent: back to the queue
                     del slot.grants[-len(grants):]
@@ -260,6 +260,10 @@ class IterablePass:
                 self._worker_lost(slot.worker, exc)
                 return
             slot.inflight += 1
+
+    def _total(self, slot: _Slot) -> Optional[int]:
+        """The number of shards ``slot`` gets in all, once the queue is empty (dynamic sharding)."""
+        return len(slot.grants) if self._dynamic and not self._queue else None
 
     def _grant(self, slot: _Slot) -> list:
         """A shard for ``slot`` when it has started every shard it was given."""

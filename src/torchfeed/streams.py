@@ -40,14 +40,21 @@ class NeedShard(Exception):
 class Inbox:
     """Shards granted to one stream, not yet taken by its iterator."""
 
-    def __init__(self, grants=(), final: bool = False, taken: int = 0):
+    def __init__(self, grants=(), final: bool = False, taken: int = 0, total: Optional[int] = None):
         self._grants: deque = deque(grants)
-        self.final = final  # no grant will come beyond those given
         self.taken = taken  # counted over the stream's life (it may have moved)
+        # the number of grants this stream gets in all, once the trainer knows it
+        self.total = taken + len(self._grants) if final else total
 
-    def add(self, grants, final: bool) -> None:
+    @property
+    def final(self) -> bool:
+        """Every grant this stream will get was taken (requests may run out of order)."""
+        return self.total is not None and self.taken >= self.total
+
+    def add(self, grants, total: Optional[int]) -> None:
         self._grants.extend(grants)
-        self.final = self.final or final
+        if total is not None:
+            self.total = total
 
     def take(self) -> Optional[Any]:
         """The next granted shard; None when none is waiting (then see :attr:`final`)."""
@@ -68,7 +75,8 @@ class Stream:
     ``context`` is ``(pass id, stream id, number of streams, base seed)``. ``start`` is
     None for a fresh stream, else a dict: ``position`` (batches delivered so far),
     ``state`` and ``rng`` (pickled, captured with the batch at that position; None for
-    iterables without state), ``grants`` and ``final`` (shards handed to it again).
+    iterables without state), ``grants`` (shards handed to it again), ``taken`` (grants
+    its state has taken) and ``total`` (see :meth:`__call__`).
     """
 
     manages_rng = True
@@ -86,7 +94,7 @@ class Stream:
         self._number = int(start.get("position", 0))
         self._ended = False
         self._partial: List[Any] = []  # items of a batch interrupted by NeedShard
-        self._inbox = Inbox(start.get("grants", ()), bool(start.get("final", False)), int(start.get("taken", 0)))
+        self._inbox = Inbox(start.get("grants", ()), taken=int(start.get("taken", 0)), total=start.get("total"))
         state, rng = start.get("state"), start.get("rng")
         dataset = self._pass.dataset
         with worker_context(self._pass.info):
@@ -115,10 +123,14 @@ class Stream:
         for _ in itertools.islice(self._iterator, batches * per_batch):
             pass
 
-    def __call__(self, grants=(), final: bool = False):
-        """The next batch: ``(number, kind, payload, state, rng, taken)``; errors are returned."""
+    def __call__(self, grants=(), total: Optional[int] = None):
+        """The next batch: ``(number, kind, payload, state, rng, taken)``; errors are returned.
+
+        ``grants`` are shards handed to the stream; ``total``, once known, the number of
+        grants it gets in all.
+        """
         with self._lock:
-            self._inbox.add(grants, final)
+            self._inbox.add(grants, total)
             number = self._number
             if self._ended:
                 return number, END, None, None, None, self._inbox.taken
