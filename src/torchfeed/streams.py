@@ -32,6 +32,11 @@ from .context import WorkerSetup, worker_context
 
 BATCH, END, ERROR, NEED = 0, 1, 2, 3
 
+# Python's, numpy's and torch's global generators are per process: two streams on one
+# worker draw from them one at a time (each with its own states, as in torch's worker
+# processes). Start more worker processes rather than more --parallel executors.
+_DRAWING = threading.Lock()
+
 
 class NeedShard(Exception):
     """Raised by an iterator that waits for the trainer to grant it another shard."""
@@ -97,7 +102,7 @@ class Stream:
         self._inbox = Inbox(start.get("grants", ()), taken=int(start.get("taken", 0)), total=start.get("total"))
         state, rng = start.get("state"), start.get("rng")
         dataset = self._pass.dataset
-        with worker_context(self._pass.info):
+        with _DRAWING, worker_context(self._pass.info):
             sampling.use(self._pass.stream)
             if rng is not None:
                 sampling._set_global_states(pickle.loads(rng))
@@ -135,7 +140,7 @@ class Stream:
             if self._ended:
                 return number, END, None, None, None, self._inbox.taken
             try:
-                with worker_context(self._pass.info):
+                with _DRAWING, worker_context(self._pass.info):
                     sampling.use(self._pass.stream)
                     items = self._next_items()
                     state, rng = self._capture()
