@@ -101,3 +101,25 @@ def test_resume_on_other_workers(workers2, fresh_workers, cls):
     assert deep_equal(head + rest, expected)
     again = [b[0] for b in second]  # the next epoch: all of it again (with a new base seed)
     assert deep_equal(again, [b[0] for b in expected])
+
+
+def test_a_cut_connection_moves_the_stream_too(fresh_workers):
+    w = fresh_workers(2)
+    ds = torchfeed.RemoteDataset(w.addresses, StatefulCounting, 40, 0.01)
+    torch.manual_seed(7)
+    ours = []
+    for batch in torchfeed.RemoteDataLoader(ds, batch_size=2, num_workers=3, prefetch_factor=1, timeout=60):
+        ours.append(batch)
+        if len(ours) == 4:
+            torchfeed.client.close_connections([w.addresses[0]])
+    assert deep_equal(ours, torch_batches(StatefulCounting(40), batch_size=2, num_workers=3))
+
+
+def test_persistent_workers_keep_each_streams_generators(workers2):
+    ds = torchfeed.RemoteDataset(workers2, Counting, 12)
+    ours = torchfeed.RemoteDataLoader(ds, batch_size=2, num_workers=3, persistent_workers=True)
+    theirs = DataLoader(Counting(12), batch_size=2, num_workers=3, persistent_workers=True)
+    torch.manual_seed(3)
+    mine = [list(ours) for _ in range(2)]
+    torch.manual_seed(3)
+    assert deep_equal(mine, [list(theirs) for _ in range(2)])

@@ -89,9 +89,7 @@ class Stream:
     def __init__(self, fetcher, context: tuple, batch_size: Optional[int], drop_last: bool,
                  start: Optional[dict] = None):
         start = start or {}
-        setup = fetcher.setup
-        # a setup of its own per stream: torch seeds worker i with base_seed + i
-        self._pass = WorkerSetup(setup.dataset, setup.worker_init_fn, False).enter(*context)
+        self._pass = _setup_for(fetcher, context, fresh=not start.get("position")).enter(*context)
         self._collate = fetcher.collate_fn
         self._batch_size = batch_size
         self._drop_last = drop_last
@@ -176,6 +174,22 @@ class Stream:
         if not items or (self._drop_last and len(items) < self._batch_size):
             raise StopIteration
         return items
+
+
+def _setup_for(fetcher, context: tuple, fresh: bool) -> WorkerSetup:
+    """A setup of its own per stream (torch seeds worker i with base_seed + i).
+
+    With persistent workers, a stream opened from its start keeps its setup between
+    passes (dataset copy, generators), as torch's worker i does.
+    """
+    setup = fetcher.setup
+    if not (setup.persistent and fresh):
+        return WorkerSetup(setup.dataset, setup.worker_init_fn, False)
+    kept = fetcher.__dict__.setdefault("_stream_setups", {})
+    key = (context[1], context[2])
+    if key not in kept:
+        kept[key] = WorkerSetup(setup.dataset, setup.worker_init_fn, True)
+    return kept[key]
 
 
 def open_stream(fetcher, context: tuple, batch_size: Optional[int], drop_last: bool,
