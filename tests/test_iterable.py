@@ -123,3 +123,26 @@ def test_persistent_workers_keep_each_streams_generators(workers2):
     mine = [list(ours) for _ in range(2)]
     torch.manual_seed(3)
     assert deep_equal(mine, [list(theirs) for _ in range(2)])
+
+
+def test_resume_in_a_new_process(workers2, tmp_path):
+    """The state goes through a checkpoint file; a new process with one new worker finishes the epoch."""
+    import subprocess
+    import sys
+
+    expected = torch_batches(StatefulCounting(29), batch_size=3, num_workers=3)
+    first = torchfeed.RemoteDataLoader(torchfeed.RemoteDataset(workers2, StatefulCounting, 29), batch_size=3,
+                                       num_workers=3)
+    head = our_batches(first, stop=5)
+    torch.save(first.state_dict(), tmp_path / "state.pt")
+    script = f"""
+import torch, torchfeed
+from stream_datasets import StatefulCounting
+with torchfeed.LocalWorkers(1) as w:
+    loader = torchfeed.RemoteDataLoader(torchfeed.RemoteDataset(w.addresses, StatefulCounting, 29), batch_size=3,
+                                        num_workers=3)
+    loader.load_state_dict(torch.load({str(tmp_path / "state.pt")!r}))
+    torch.save(list(loader), {str(tmp_path / "rest.pt")!r})
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=100)
+    assert deep_equal(head + torch.load(tmp_path / "rest.pt"), expected)
