@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import deep_equal
+from stream_datasets import Counting, DatasetStateful, StatefulCounting, sum_collate
 from torch.utils.data import DataLoader
 
 import torchfeed
-from helpers import deep_equal
-from stream_datasets import Counting, DatasetStateful, StatefulCounting, sum_collate
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,11 +8,11 @@ from collections import Counter
 
 import pytest
 import torch
+from stream_datasets import SlowLines, text_lines, wds_samples
 from torch.utils.data import DataLoader
 
 import torchfeed
 from torchfeed.datasets import Shards
-from stream_datasets import SlowLines, text_lines, wds_samples
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -110,7 +110,7 @@ def test_shards_over_s3(workers2, tmp_path):
     from s3server import S3Server
 
     s3 = S3Server.shared()
-    urls, every = make_shards(str(tmp_path), count=4, per_shard=5)
+    _urls, every = make_shards(str(tmp_path), count=4, per_shard=5)
     prefix = s3.new_prefix()
     s3.filesystem().put(str(tmp_path) + "/", f"{prefix}/shards/", recursive=True)
     opts = s3.storage_options

@@ -30,9 +30,9 @@ from collections import deque
 from typing import Any, Dict, List, Optional
 
 from . import client, errors, notices
+from .datasets.shards import shard_order
 from .errors import RemoteError, Timeout, WorkerLost
 from .remote_dataset import wait_all
-from .datasets.shards import shard_order
 from .sampling import INT63
 from .streams import BATCH, END, ERROR, NEED, open_stream, shard_plan
 
