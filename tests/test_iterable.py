@@ -146,3 +146,15 @@ with torchfeed.LocalWorkers(1) as w:
 """
     subprocess.run([sys.executable, "-c", script], check=True, timeout=100)
     assert deep_equal(head + torch.load(tmp_path / "rest.pt"), expected)
+
+
+def test_streams_on_one_worker_keep_dataset_state_apart(fresh_workers):
+    """Two streams of a dataset-level Stateful iterable on one worker, then moved: nothing mixed up."""
+    w = fresh_workers(2)
+    ds = torchfeed.RemoteDataset(w.addresses, DatasetStateful, 40, 0.005)
+    ours = []
+    for batch in torchfeed.RemoteDataLoader(ds, batch_size=3, num_workers=4, prefetch_factor=1, timeout=60):
+        ours.append(batch)
+        if len(ours) == 5:
+            w.kill(1)
+    assert deep_equal(ours, torch_batches(DatasetStateful(40), batch_size=3, num_workers=4))

@@ -58,7 +58,6 @@ class _Slot:
         self.taken = 0  # grants taken by the iterator at that batch
         self.latest_taken = 0  # the latest reply's count (for granting)
         self.grants: List[Any] = []  # every shard granted to this stream, in order
-        self.stateless_moves = 0
 
     def snapshot(self) -> dict:
         return {"delivered": self.delivered, "ended": self.ended, "state": self.state, "rng": self.rng,

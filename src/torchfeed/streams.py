@@ -28,7 +28,7 @@ from collections import deque
 from typing import Any, List, Optional
 
 from . import errors, sampling
-from .context import WorkerSetup, worker_context
+from .context import WorkerSetup, own_copy, worker_context
 
 BATCH, END, ERROR, NEED = 0, 1, 2, 3
 
@@ -89,7 +89,6 @@ class Stream:
     def __init__(self, fetcher, context: tuple, batch_size: Optional[int], drop_last: bool,
                  start: Optional[dict] = None):
         start = start or {}
-        self._pass = _setup_for(fetcher, context, fresh=not start.get("position")).enter(*context)
         self._collate = fetcher.collate_fn
         self._batch_size = batch_size
         self._drop_last = drop_last
@@ -98,23 +97,27 @@ class Stream:
         self._ended = False
         self._partial: List[Any] = []  # items of a batch interrupted by NeedShard
         self._inbox = Inbox(start.get("grants", ()), taken=int(start.get("taken", 0)), total=start.get("total"))
-        state, rng = start.get("state"), start.get("rng")
-        dataset = self._pass.dataset
-        with _DRAWING, worker_context(self._pass.info):
-            sampling.use(self._pass.stream)
-            if rng is not None:
-                sampling._set_global_states(pickle.loads(rng))
-            self._holder = dataset if stateful(dataset) else None
-            if state is not None and self._holder is not None:
-                self._holder.load_state_dict(pickle.loads(state))
-            dynamic = getattr(dataset, "_torchfeed_dynamic_iter", None)
-            self._iterator = dynamic(self._inbox) if dynamic is not None else iter(dataset)
-            if self._holder is None and stateful(self._iterator):
-                self._holder = self._iterator
-                if state is not None:
-                    self._iterator.load_state_dict(pickle.loads(state))
-            if state is None and self._number:
-                self._replay(self._number)
+        with _DRAWING:  # seeding takes the global generators too
+            self._pass = _setup_for(fetcher, context, fresh=not self._number).enter(*context)
+            with worker_context(self._pass.info):
+                self._start(self._pass.dataset, start.get("state"), start.get("rng"))
+
+    def _start(self, dataset, state: Optional[bytes], rng: Optional[bytes]) -> None:
+        """``iter(dataset)`` at the stream's position: from its state, else replayed."""
+        sampling.use(self._pass.stream)
+        if rng is not None:
+            sampling._set_global_states(pickle.loads(rng))
+        self._holder = dataset if stateful(dataset) else None
+        if state is not None and self._holder is not None:
+            self._holder.load_state_dict(pickle.loads(state))
+        dynamic = getattr(dataset, "_torchfeed_dynamic_iter", None)
+        self._iterator = dynamic(self._inbox) if dynamic is not None else iter(dataset)
+        if self._holder is None and stateful(self._iterator):
+            self._holder = self._iterator
+            if state is not None:
+                self._iterator.load_state_dict(pickle.loads(state))
+        if state is None and self._number:
+            self._replay(self._number)
 
     @property
     def is_stateful(self) -> bool:
@@ -183,12 +186,14 @@ def _setup_for(fetcher, context: tuple, fresh: bool) -> WorkerSetup:
     passes (dataset copy, generators), as torch's worker i does.
     """
     setup = fetcher.setup
+    # each stream iterates a copy of its own, as each of torch's worker processes does
+    # (attributes set in __iter__ or by load_state_dict stay with the stream)
     if not (setup.persistent and fresh):
-        return WorkerSetup(setup.dataset, setup.worker_init_fn, False)
+        return WorkerSetup(own_copy(setup.dataset), setup.worker_init_fn, False)
     kept = fetcher.__dict__.setdefault("_stream_setups", {})
     key = (context[1], context[2])
     if key not in kept:
-        kept[key] = WorkerSetup(setup.dataset, setup.worker_init_fn, True)
+        kept[key] = WorkerSetup(own_copy(setup.dataset), setup.worker_init_fn, True)
     return kept[key]
 
 
