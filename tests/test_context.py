@@ -110,7 +110,7 @@ def test_iterable_pass_losing_a_worker_moves_its_stream_and_the_next_pass_keeps_
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset(w.addresses, SlowShards, 40, 0.05)
     it = iter(torchfeed.RemoteDataLoader(ds, batch_size=2, prefetch_factor=1))
-    rows = [next(it)[0]]
+    rows = [next(it)[0], next(it)[0]]  # one batch of each stream delivered
     w.kill(1)
     with pytest.warns(UserWarning, match="drawn again"):  # SlowShards has no state: replayed
         rows += [x for x, _ in it]
