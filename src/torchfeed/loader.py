@@ -68,6 +68,8 @@ class RemoteDataLoader(Generic[T_co]):
     num_workers, multiprocessing_context, pin_memory_device, in_order
         Checked as torch checks them, then without effect (logged once): the remote workers
         do the loading, and batches always come in sampler order.
+        For an iterable-style dataset ``num_workers`` is the number of streams (default:
+        the number of workers), as torch's worker processes; see :mod:`torchfeed.iterable`.
     pin_memory : bool
         Receive batches directly into pinned memory (when CUDA is available).
     timeout : float
