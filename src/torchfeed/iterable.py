@@ -1,16 +1,24 @@
 """Iterable-style datasets (``torch.utils.data.IterableDataset``) on remote workers.
 
-As in torch's DataLoader with ``num_workers=N``: every worker iterates its own instance
-(``get_worker_info()`` in ``__iter__`` gives its id and the number of workers, to split
-the data), forms batches of ``batch_size`` items from its own stream and collates them;
-the trainer yields one batch of each worker in turn (worker 0, 1, ..., N-1, 0, ...),
-skipping workers whose stream has ended. Worker ids are positions in the dataset's
-worker list; ``num_workers`` is its length (counting only the workers reachable when the
-pass starts, so that their shards cover the data).
+As in torch's DataLoader with ``num_workers=K``: K logical *streams*; stream ``i`` runs
+``iter(dataset)`` with ``get_worker_info()`` giving id ``i`` and ``num_workers`` K, forms
+batches from its own items and collates them (on the worker), and the trainer yields one
+batch of each stream in turn (0, 1, ..., K-1, 0, ...), skipping streams that ended. K
+is the loader's ``num_workers`` (by default the number of workers of the dataset),
+whatever the number of physical workers: streams are spread over the reachable workers
+(:mod:`torchfeed.streams` holds the worker side).
 
-A stream lives in one worker process: when that worker is lost mid-pass its position
-is lost with it, and the pass raises :class:`~torchfeed.WorkerLost` (torch's loader
-raises when a worker dies, too).
+The trainer counts the batches delivered per stream. When a worker is lost, its streams
+are opened again on the others at the position delivered so far: from the state sent
+with the last batch for Stateful datasets, else by restarting the iterable and dropping
+the batches already delivered (said once per pass). :meth:`IterablePass.snapshot` is
+that bookkeeping as plain data: a new loader resumes from it (``load_state_dict``).
+
+Dynamically sharded datasets (:class:`torchfeed.datasets.Shards`): the trainer keeps the
+epoch's queue of shards and grants the next one to a stream with a request when the
+stream has started every shard it was given, so fast streams take more shards. Their
+batches are yielded as they come (round robin among the streams that have one ready):
+the order depends on timing anyway, and a slow worker then does not hold the others.
 """
 
 from __future__ import annotations
@@ -18,118 +26,86 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections import deque
 from typing import Any, Dict, List, Optional
 
-from . import client, errors, notices, sampling
-from .context import worker_context
+from . import client, errors, notices
+from .datasets.shards import shard_order
 from .errors import RemoteError, Timeout, WorkerLost
 from .remote_dataset import wait_all
+from .sampling import INT63
+from .streams import BATCH, END, ERROR, NEED, open_stream, shard_plan
 
-_BATCH, _END, _ERROR = 0, 1, 2
 _POLL = 0.05
+SNAPSHOT_FORMAT = "torchfeed.streams/1"
 
 
-class Stream:
-    """Worker side: one pass of one worker over its instance of an IterableDataset."""
+class _Slot:
+    """Trainer side of one stream: where it runs and what it delivered."""
 
-    manages_rng = True
+    def __init__(self, index: int):
+        self.index = index
+        self.worker: Optional[str] = None
+        self.ref: Optional[client.RemoteRef] = None
+        self.incarnation = 0  # bumped on every (re)open; older replies are ignored
+        self.opening = False
+        self.delivered = 0  # batches yielded to the user
+        self.results: Dict[int, tuple] = {}
+        self.inflight = 0
+        self.ended = False
+        self.state: Optional[bytes] = None  # captured with the last delivered batch
+        self.rng: Optional[bytes] = None
+        self.taken = 0  # grants taken by the iterator at that batch
+        self.latest_taken = 0  # the latest reply's count (for granting)
+        self.grants: List[Any] = []  # every shard granted to this stream, in order
 
-    def __init__(self, fetcher, context: tuple, batch_size: Optional[int], drop_last: bool):
-        self._fetcher = fetcher
-        self._pass = fetcher.setup.enter(*context)
-        self._batch_size = batch_size
-        self._drop_last = drop_last
-        self._lock = threading.Lock()
-        self._number = 0
-        self._ended = False
-        with worker_context(self._pass.info):
-            sampling.use(self._pass.stream)
-            self._iterator = iter(self._pass.dataset)
-
-    def __call__(self):
-        """The next batch as ``(number, kind, payload)``; errors are returned, not raised."""
-        with self._lock:
-            number = self._number
-            self._number += 1
-            if self._ended:
-                return number, _END, None
-            try:
-                with worker_context(self._pass.info):
-                    sampling.use(self._pass.stream)
-                    items = self._next_items()
-                batch = self._fetcher.collate_fn(items)  # outside the context, as the map-style fetcher
-            except StopIteration:
-                self._ended = True
-                return number, _END, None
-            except Exception as exc:  # raised in order by the trainer; the stream may go on
-                return number, _ERROR, errors.describe_exception(exc)
-            return number, _BATCH, batch
-
-    def _next_items(self):
-        if self._batch_size is None:
-            return next(self._iterator)
-        items: List[Any] = []
-        for item in self._iterator:
-            items.append(item)
-            if len(items) == self._batch_size:
-                break
-        if not items or (self._drop_last and len(items) < self._batch_size):
-            raise StopIteration
-        return items
-
-
-def open_stream(fetcher, context: tuple, batch_size: Optional[int], drop_last: bool) -> Stream:
-    """Runs on the worker: start a worker's pass (kept there as a remote reference)."""
-    return Stream(fetcher, context, batch_size, drop_last)
+    def snapshot(self) -> dict:
+        return {"delivered": self.delivered, "ended": self.ended, "state": self.state, "rng": self.rng,
+                "taken": self.taken, "grants": list(self.grants)}
 
 
 class IterablePass:
     """Trainer side: one pass over an iterable-style RemoteDataset."""
 
-    def __init__(self, loader, plan):
+    def __init__(self, loader, plan, resume: Optional[dict] = None):
         self._loader = loader
         self._plan = plan
+        self._source = plan.source
         self._timeout = loader.timeout
         self._credits = loader.prefetch_factor
         self._pin = loader.pin_memory
         self._cond = threading.Condition()
         self._notices = notices.Pending()
         self._closed = False
-        self._error: Dict[str, BaseException] = {}  # worker -> why its stream is gone
-        source = plan.source
-        alive = set(source.alive_workers())
-        self._workers = [w for w in source.workers if w in alive]
-        if not self._workers:
-            raise WorkerLost(f"no worker of the dataset is reachable: {source.workers}")
-        missing = [w for w in source.workers if w not in alive]
-        if missing:  # the data is split among the workers there are: ids count those
-            notices.warn(f"torchfeed: worker(s) {', '.join(missing)} unreachable: this pass over an iterable-style "
-                         f"dataset is split among the {len(self._workers)} others")
-        failed = plan.fetchers.ensure(self._workers)
-        if failed:
-            raise WorkerLost("could not prepare the iterable-style pass on " + ", ".join(failed), failed)
+        self._fatal: Optional[BaseException] = None
+        self._lost: Dict[str, BaseException] = {}
+        self._said_replay = False
         from .passes import new_pass_id
 
-        pass_id = new_pass_id()
-        futures = {}
-        for worker_id, w in enumerate(self._workers):
-            context = (pass_id, worker_id, len(self._workers), plan.base_seed)
-            futures[w] = client.rpc_async(w, open_stream, args=(plan.fetchers.get(w), context, loader.batch_size,
-                                                                loader.drop_last),
-                                          rref=True, timeout=source.timeout, secret=source.secret)
-        opened = wait_all(futures, source.timeout)
-        for value in opened.values():
-            if isinstance(value, BaseException):
-                raise value
-        self._streams: Dict[str, client.RemoteRef] = opened
-        self._results: Dict[str, Dict[int, tuple]] = {w: {} for w in self._workers}
-        self._next_number = {w: 0 for w in self._workers}  # the next batch to deliver per worker
-        self._requested = {w: 0 for w in self._workers}
-        self._ended: set = set()
+        self._pass_id = new_pass_id()
+        self._base_seed = plan.base_seed
+        if resume is not None:
+            if resume.get("format") != SNAPSHOT_FORMAT:
+                raise ValueError("this state does not describe a pass over an iterable-style dataset")
+            count = resume["streams"]
+        else:
+            count = loader._stream_count()
+        self._slots = [_Slot(i) for i in range(count)]
         self._turn = 0
+        self._queue: Optional[deque] = None  # shards not granted yet (dynamic sharding)
+        workers = self._reachable()
+        self._dynamic = self._shard_setup(workers, resume)
+        if resume is not None:
+            self._turn = resume["turn"]
+            for slot, saved in zip(self._slots, resume["slots"]):
+                slot.delivered, slot.ended = saved["delivered"], saved["ended"]
+                slot.state, slot.rng, slot.taken = saved["state"], saved["rng"], saved["taken"]
+                slot.latest_taken = slot.taken
+                slot.grants = list(saved["grants"])
         with self._cond:
-            for w in self._workers:
-                self._top_up(w)
+            for slot in self._slots:
+                if not slot.ended:
+                    self._open_locked(slot, workers[slot.index % len(workers)])
 
     def __iter__(self):
         return self
@@ -137,35 +113,184 @@ class IterablePass:
     def __len__(self) -> int:
         return len(self._loader)
 
-    # -- requests (lock held) --------------------------------------------------------
-    def _top_up(self, address: str) -> None:
-        if self._closed or address in self._ended or address in self._error:
+    # -- workers --------------------------------------------------------------------
+    def _reachable(self) -> List[str]:
+        source = self._source
+        alive = set(source.alive_workers())
+        workers = [w for w in source.workers if w in alive and w not in self._lost]
+        if not workers:
+            raise WorkerLost(f"no worker of the dataset is reachable: {source.workers}")
+        failed = self._plan.fetchers.ensure(workers)
+        workers = [w for w in workers if w not in failed]
+        if not workers:
+            raise WorkerLost("could not prepare the iterable-style pass on " + ", ".join(failed), failed)
+        return workers
+
+    def _shard_setup(self, workers: List[str], resume: Optional[dict]) -> bool:
+        first = workers[0]
+        got = wait_all({first: client.rpc_async(first, shard_plan, args=(self._plan.fetchers.get(first),),
+                                                timeout=self._source.timeout, secret=self._source.secret)},
+                       self._source.timeout)[first]
+        if isinstance(got, BaseException):
+            raise got
+        if got is None:
+            return False
+        if resume is not None:
+            self._queue = deque(resume["queue"])
+            return True
+        count, shuffle, seed = got
+        epoch = self._plan.progress.record.epoch
+        effective = (self._base_seed if seed is None else seed) & INT63
+        self._queue = deque(shard_order(count, shuffle, effective, epoch))
+        return True
+
+    def _pick_worker(self) -> Optional[str]:
+        """The reachable worker (prepared at the start of the pass) hosting the fewest streams."""
+        fetchers = self._plan.fetchers
+        workers = [w for w in self._source.alive_workers() if w not in self._lost
+                   and fetchers.get(w) is not None and not fetchers.get(w).closed]
+        if not workers:
+            return None
+        load = {w: 0 for w in workers}
+        for slot in self._slots:
+            if slot.worker in load and not slot.ended:
+                load[slot.worker] += 1
+        return min(workers, key=lambda w: load[w])
+
+    # -- streams (lock held) ----------------------------------------------------------
+    def _open_locked(self, slot: _Slot, worker: str) -> None:
+        slot.incarnation += 1
+        slot.worker, slot.ref, slot.opening, slot.inflight = worker, None, True, 0
+        position = slot.delivered + self._contiguous(slot)
+        state, rng, taken = slot.state, slot.rng, slot.taken
+        if position != slot.delivered:  # batches held here: start after the last of them
+            last = slot.results[position - 1]
+            state, rng, taken = last[2], last[3], last[4]
+        if self._dynamic:
+            slot.latest_taken = taken
+        start = {"position": position, "state": state, "rng": rng, "grants": slot.grants[taken:], "taken": taken,
+                 "total": self._total(slot)}
+        if position and state is None and not self._said_replay and slot.incarnation > 1:
+            self._said_replay = True
+            self._notices.add(f"torchfeed: stream {slot.index} of an iterable-style dataset moved to {worker}: the "
+                              f"dataset has no state_dict()/load_state_dict(), so it is restarted there and its "
+                              f"{position} batch(es) already delivered are drawn again and dropped (exact only "
+                              "for a deterministic iterable)")
+        fetcher = self._plan.fetchers.get(worker)
+        context = (self._pass_id, slot.index, len(self._slots), self._base_seed)
+        this, incarnation = weakref.ref(self), slot.incarnation
+
+        def opened(ok, value):
+            me = this()
+            if me is not None:
+                me._on_opened(slot, incarnation, worker, ok, value)
+
+        try:
+            client.call(worker, open_stream, args=(fetcher, context, self._loader.batch_size,
+                                                   self._loader.drop_last, start),
+                        rref=True, timeout=self._source.timeout, secret=self._source.secret, callback=opened)
+        except (WorkerLost, OSError) as exc:
+            self._worker_lost(worker, exc)
+
+    def _contiguous(self, slot: _Slot) -> int:
+        n = 0
+        while slot.results.get(slot.delivered + n, (END,))[0] == BATCH:
+            n += 1
+        return n
+
+    def _on_opened(self, slot: _Slot, incarnation: int, worker: str, ok: bool, value: Any) -> None:
+        with self._cond:
+            if self._closed or incarnation != slot.incarnation:
+                if ok:
+                    value.release()
+                return
+            slot.opening = False
+            if ok:
+                slot.ref = value
+                self._top_up(slot)
+            elif isinstance(value, (WorkerLost, OSError)):
+                self._worker_lost(worker, value)
+            else:
+                self._fatal = self._fatal or value
+            self._cond.notify_all()
+
+    def _worker_lost(self, worker: str, exc: BaseException) -> None:
+        """Move the streams of a lost worker elsewhere (lock held)."""
+        if worker not in self._lost:
+            self._lost[worker] = exc
+            self._source.worker_lost(worker, exc)
+        for slot in self._slots:
+            if slot.worker == worker and not slot.ended:
+                # keep what arrived in order; drop what came after a gap (it is made again)
+                keep = slot.delivered + self._contiguous(slot)
+                slot.results = {n: r for n, r in slot.results.items() if n < keep}
+                if slot.ref is not None:
+                    slot.ref.release()
+                slot.ref, slot.worker = None, None
+                slot.incarnation += 1  # replies of the lost incarnation are void
+        for slot in self._slots:
+            if slot.worker is None and not slot.ended:
+                target = self._pick_worker()
+                if target is None:
+                    self._fatal = self._fatal or WorkerLost(
+                        f"every worker was lost during a pass over an iterable-style dataset ({exc})",
+                        {w: repr(e) for w, e in self._lost.items()})
+                    return
+                self._open_locked(slot, target)
+
+    def _top_up(self, slot: _Slot) -> None:
+        if self._closed or slot.ended or slot.ref is None:
             return
-        this = weakref.ref(self)
-        while self._requested[address] - self._next_number[address] < self._credits:
-            def on_result(ok, value, _address=address):
+        this, incarnation = weakref.ref(self), slot.incarnation
+        while slot.inflight + len(slot.results) < self._credits:
+            grants = self._grant(slot)
+
+            def on_result(ok, value):
                 me = this()
                 if me is not None:
-                    me._on_result(_address, ok, value)
+                    me._on_result(slot, incarnation, ok, value)
 
             try:
-                self._streams[address].request((), callback=on_result, pin=self._pin)
+                slot.ref.request((grants, self._total(slot)), callback=on_result, pin=self._pin)
             except (WorkerLost, OSError) as exc:
-                self._error[address] = exc
+                if grants:  # not sent: back to the queue
+                    del slot.grants[-len(grants):]
+                    self._queue.extendleft(reversed(grants))
+                self._worker_lost(slot.worker, exc)
                 return
-            self._requested[address] += 1
+            slot.inflight += 1
 
-    def _on_result(self, address: str, ok: bool, value: Any) -> None:
+    def _total(self, slot: _Slot) -> Optional[int]:
+        """The number of shards ``slot`` gets in all, once the queue is empty (dynamic sharding)."""
+        return len(slot.grants) if self._dynamic and not self._queue else None
+
+    def _grant(self, slot: _Slot) -> list:
+        """A shard for ``slot`` when it has started every shard it was given."""
+        if not self._dynamic or not self._queue or slot.latest_taken < len(slot.grants):
+            return []
+        shard = self._queue.popleft()
+        slot.grants.append(shard)
+        return [shard]
+
+    def _on_result(self, slot: _Slot, incarnation: int, ok: bool, value: Any) -> None:
         with self._cond:
-            if self._closed:
+            if self._closed or incarnation != slot.incarnation or slot.ended:
                 return
+            slot.inflight -= 1
             if ok:
-                number, kind, payload = value
-                if kind == _ERROR:
-                    payload = errors.rebuild_remote_error(address, payload)
-                self._results[address][number] = (kind, payload)
-            elif address not in self._error:
-                self._error[address] = value  # a lost connection (or an unpicklable batch)
+                number, kind, payload, state, rng, taken = value
+                slot.latest_taken = max(slot.latest_taken, taken)
+                if kind == NEED:  # the next request carries a shard, or says there is none left
+                    self._top_up(slot)
+                else:
+                    if kind == ERROR:
+                        payload = errors.rebuild_remote_error(slot.worker, payload)
+                    slot.results[number] = (kind, payload, state, rng, taken)
+                    self._top_up(slot)
+            elif isinstance(value, (RemoteError, errors.SerializationError)):
+                self._fatal = self._fatal or value
+            else:
+                self._worker_lost(slot.worker, value)  # a lost connection
             self._cond.notify_all()
 
     # -- consumer ------------------------------------------------------------------------
@@ -178,48 +303,86 @@ class IterablePass:
         finally:
             self._notices.emit()
 
+    def _ready(self, slot: _Slot) -> bool:
+        return slot.delivered in slot.results
+
+    def _choose(self) -> Optional[_Slot]:
+        live = [s for s in self._slots if not s.ended]
+        if not live:
+            return None
+        start = self._turn % len(live)
+        if not self._dynamic:
+            return live[start]
+        for k in range(len(live)):  # any stream with a batch ready, in turn
+            slot = live[(start + k) % len(live)]
+            if self._ready(slot):
+                return slot
+        return live[start]
+
     def _next(self):
         deadline = time.monotonic() + self._timeout if self._timeout else None
         with self._cond:
             while True:
-                live = [w for w in self._workers if w not in self._ended]
-                if self._closed or not live:
+                if self._closed:
+                    raise StopIteration
+                slot = self._choose()
+                if slot is None:
+                    self._plan.progress.finished = True
                     self._close_locked()
                     raise StopIteration
-                address = live[self._turn % len(live)]
-                number = self._next_number[address]
-                result = self._results[address].pop(number, None)
+                result = slot.results.pop(slot.delivered, None)
                 if result is not None:
-                    kind, payload = result
-                    self._next_number[address] += 1
-                    if kind == _END:
-                        self._ended.add(address)
+                    kind, payload, state, rng, taken = result
+                    live = [s for s in self._slots if not s.ended]
+                    slot.delivered += 1
+                    if kind == END:
+                        slot.ended = True
+                        if slot.ref is not None:
+                            slot.ref.release()
                         continue
-                    self._turn = (live.index(address) + 1) % len(live)
-                    self._top_up(address)
-                    if kind == _ERROR:
+                    self._turn = (live.index(slot) + 1) % len(live)
+                    if kind == BATCH and state is not None:
+                        slot.state, slot.rng, slot.taken = state, rng, taken
+                    self._plan.progress.batches += 1
+                    self._top_up(slot)
+                    if kind == ERROR:
                         raise payload
                     return payload
-                if address in self._error:
-                    exc = self._error[address]
+                if self._fatal is not None:
+                    exc = self._fatal
                     self._close_locked()
-                    if isinstance(exc, (RemoteError, errors.SerializationError)):
-                        raise exc
-                    raise WorkerLost(f"worker {address} was lost during a pass over an iterable-style dataset: "
-                                     f"its stream cannot continue elsewhere ({exc})", {address: repr(exc)}) from exc
+                    raise exc
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
-                    raise Timeout(f"the next batch of worker {address} (an iterable-style dataset) did not arrive "
-                                  f"within timeout={self._timeout:g} s")
+                    raise Timeout(f"the next batch of stream {slot.index} (an iterable-style dataset, on worker "
+                                  f"{slot.worker}) did not arrive within timeout={self._timeout:g} s")
                 self._cond.wait(_POLL if deadline is None else min(_POLL, deadline - now))
+
+    # -- state ---------------------------------------------------------------------------
+    @property
+    def pass_id(self) -> int:
+        return self._pass_id
+
+    def snapshot(self) -> dict:
+        """Plain data: what a new loader needs to yield exactly the batches not yielded yet."""
+        with self._cond:
+            return self._snapshot_locked()
+
+    def _snapshot_locked(self) -> dict:
+        return {"format": SNAPSHOT_FORMAT, "streams": len(self._slots), "turn": self._turn,
+                "slots": [s.snapshot() for s in self._slots],
+                "queue": list(self._queue) if self._queue is not None else None}
 
     def _close_locked(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for stream in self._streams.values():
-            stream.release()  # requests still queued there end with an error nobody waits for
-        self._results.clear()
+        # a pass left early (break, del) can still be resumed: the loader keeps where it stood
+        self._loader._iterable_closed(self._pass_id, self._snapshot_locked())
+        for slot in self._slots:
+            if slot.ref is not None:
+                slot.ref.release()  # requests still queued there end with an error nobody waits for
+            slot.results.clear()
 
     def close(self) -> None:
         with self._cond:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import threading
+import weakref
 from typing import Any, Callable, Generic, Iterable, List, Optional, Sequence, TypeVar, Union
 
 import torch
@@ -67,6 +68,8 @@ class RemoteDataLoader(Generic[T_co]):
     num_workers, multiprocessing_context, pin_memory_device, in_order
         Checked as torch checks them, then without effect (logged once): the remote workers
         do the loading, and batches always come in sampler order.
+        For an iterable-style dataset ``num_workers`` is the number of streams (default:
+        the number of workers), as torch's worker processes; see :mod:`torchfeed.iterable`.
     pin_memory : bool
         Receive batches directly into pinned memory (when CUDA is available).
     timeout : float
@@ -151,6 +154,8 @@ class RemoteDataLoader(Generic[T_co]):
         self._initialized = False
         self._source = source
         self.num_workers = len(source.workers) if num_workers is None else num_workers
+        self._num_streams = num_workers  # iterable-style: the number of streams (None: one per worker)
+        self._iterable_pass = None  # (pass id, weakref, snapshot once closed) of the latest iterable-style pass
         self.multiprocessing_context = multiprocessing_context  # checked by the property, as in torch
         self._log_ignored(num_workers, multiprocessing_context, pin_memory_device, in_order)
         batch_size, drop_last, sampler, batch_sampler = self._samplers(
@@ -212,7 +217,7 @@ class RemoteDataLoader(Generic[T_co]):
 
     def _log_ignored(self, num_workers, context, pin_memory_device, in_order) -> None:
         workers = len(self._source.workers)
-        if num_workers:
+        if num_workers and not self._source.iterable:  # iterable-style: the number of streams
             _log_once("num_workers", f"RemoteDataLoader: num_workers={num_workers} has no effect: loading runs on "
                       f"the RemoteDataset's {workers} worker process(es); for more, start more `torchfeed worker` "
                       "processes (--procs) and list them all")
@@ -272,7 +277,18 @@ class RemoteDataLoader(Generic[T_co]):
         Loaded into a new loader (same dataset, sampler settings and seed; any workers),
         the next pass yields exactly the batches this pass had not yet yielded.
         """
-        return resume.state_of(self._progress, self._epoch, self.seed)
+        state = resume.state_of(self._progress, self._epoch, self.seed)
+        if state["active"] and self._iterable_pass is not None:
+            running = self._iterable_pass[1]()
+            streams = running.snapshot() if running is not None else self._iterable_pass[2]
+            if streams is not None:
+                state["streams"] = streams
+        return state
+
+    def _iterable_closed(self, pass_id: int, snapshot: dict) -> None:
+        """Called by the latest iterable-style pass when it closes: keep where it stood."""
+        if self._iterable_pass is not None and self._iterable_pass[0] == pass_id:
+            self._iterable_pass = (pass_id, self._iterable_pass[1], snapshot)
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`: the next pass continues where that one stopped."""
@@ -299,8 +315,6 @@ class RemoteDataLoader(Generic[T_co]):
     def __iter__(self) -> Union[MapPass, IterablePass]:
         serialize.check_pinnable(self.pin_memory)
         resume_from, self._resume_from = self._resume_from, None
-        if self._source.iterable and resume_from is not None:
-            raise ValueError("a pass over an iterable-style dataset cannot be resumed from a state dict")
         # torch's persistent workers draw their base seed once, at the first pass
         kept = self._persistent_seed if self.persistent_workers else None
         sampler_iter, progress = resume.begin_pass(self, self._epoch, resume_from, kept)
@@ -313,8 +327,17 @@ class RemoteDataLoader(Generic[T_co]):
                         auto_collation=self._auto_collation, base_seed=base_seed,
                         sample_seed=base_seed if self.per_sample_seeding else None)
         if self._source.iterable:
-            return IterablePass(self, plan)
+            streams = resume_from.get("streams") if resume_from is not None else None
+            running = IterablePass(self, plan, streams)
+            self._iterable_pass = (running.pass_id, weakref.ref(running), None)
+            return running
         return MapPass(self, plan)
+
+    def _stream_count(self) -> int:
+        """Iterable-style: K streams, as torch's K worker processes (one per worker by default)."""
+        if self._num_streams is None:
+            return max(len(self._source.workers), 1)
+        return max(self._num_streams, 1)
 
     # -- per-worker setup ----------------------------------------------------
     def _make_fetcher(self, address: str):

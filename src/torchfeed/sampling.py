@@ -139,6 +139,7 @@ def use(stream: Stream) -> bool:
         else:
             previous.stash()
         _Owner.current = stream
+        stream.load()  # its own states, if it held the generators before
     return True
 
 

@@ -7,6 +7,8 @@ retry transient storage errors, and work in DataLoader workers and as
 """
 
 from .folder import IMG_EXTENSIONS, FileDataset, ImageFolder, decode_rgb
+from .shards import ShardReader, Shards, lines, shard_order
 from .storage import is_transient, retry
 
-__all__ = sorted(["FileDataset", "IMG_EXTENSIONS", "ImageFolder", "decode_rgb", "is_transient", "retry"])
+__all__ = sorted(["FileDataset", "IMG_EXTENSIONS", "ImageFolder", "ShardReader", "Shards", "decode_rgb", "is_transient",
+                  "lines", "retry", "shard_order"])
