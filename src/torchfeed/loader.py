@@ -17,11 +17,12 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 
-from . import building, client, limits, resume, serialize
+from . import building, client, limits, prefetch, resume, serialize
 from .fetch import Fetcher
 from .iterable import IterablePass
-from .passes import FetcherSet, MapPass, PassPlan
+from .passes import FetcherSet, MapPass, PassPlan, new_pass_id
 from .remote_dataset import RemoteDataset
+from .sampling import mix_seed
 from .views import Source
 
 log = logging.getLogger("torchfeed.loader")
@@ -181,6 +182,9 @@ class RemoteDataLoader(Generic[T_co]):
         self._progress: Optional[resume.Progress] = None  # the latest pass
         self._resume_from: Optional[dict] = None
         self._persistent_seed: Optional[int] = None
+        self._estimates: dict = {}  # seconds per batch of each worker, from the latest pass
+        self._head = None  # the next pass's first batches, prefetched (prefetch.Head)
+        self._prefetch = True  # load the next pass's first batches ahead when it is predictable
         self._initialized = True
 
     # -- construction ---------------------------------------------------------------
@@ -314,7 +318,29 @@ class RemoteDataLoader(Generic[T_co]):
                         sample_seed=base_seed if self.per_sample_seeding else None)
         if self._source.iterable:
             return IterablePass(self, plan)
-        return MapPass(self, plan)
+        head, self._head = self._head, None
+        return MapPass(self, plan, head)
+
+    def _prefetch_next(self, ending: MapPass):
+        """Called by a pass whose last batch is dispatched: start loading the next pass's
+        first batches if they can be known now (:mod:`torchfeed.prefetch`); the head, or None."""
+        old, self._head = self._head, None
+        if old is not None:
+            old.discard()
+        if not self._prefetch:
+            return None
+        epoch = self._epoch
+        count = ending.prefetch_count()
+        indices = prefetch.predict(self, epoch, count)
+        if not indices:
+            return None
+        base_seed = mix_seed(self.seed, epoch)
+        head = prefetch.Head(fetchers=self._fetchers, source=self._source, auto=self._auto_collation,
+                             pin=self.pin_memory, epoch=epoch, base_seed=base_seed,
+                             sample_seed=base_seed if self.per_sample_seeding else None, indices=indices,
+                             pass_id=new_pass_id(), estimates=ending.estimates())
+        self._head = head
+        return head
 
     # -- per-worker setup ----------------------------------------------------
     def _make_fetcher(self, address: str):
