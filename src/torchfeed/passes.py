@@ -28,6 +28,7 @@ from .views import Source, keys_of
 log = logging.getLogger("torchfeed.loader")
 
 _POLL = 0.05  # seconds between straggler checks while the consumer waits
+_JOIN_SECONDS = 1.0  # how long close() waits for the dispatch thread to end
 _STALL_DEFAULT = 120.0  # seconds to wait for a worker when none is left and timeout=0
 _pass_ids = itertools.count(1)
 _live: "weakref.WeakSet" = weakref.WeakSet()  # passes not closed yet
@@ -303,7 +304,7 @@ class MapPass:
 
     def prefetch_count(self) -> int:
         """How many of the next pass's batches to load ahead: a round of every worker's credits."""
-        return self._sched.credits * max(len(self._sched.workers), 1) * 2
+        return self._sched.credits * max(len(self._sched.workers), 1) * 4
 
     def estimates(self) -> Dict[str, float]:
         with self._lock:
@@ -477,7 +478,8 @@ class MapPass:
                     self._plan.progress.batches += 1
                     self._plan.progress.samples += len(keys_of(self._indices.pop(seq, None), self._auto))
                     sched.take_delivered()
-                    self._wake()  # the window moved: more can be pulled
+                    if sched.known >= seq + sched.window:  # the window held the dispatch back
+                        self._wake()
                     return result
                 if self._fatal is not None:
                     self._close_locked()
@@ -529,6 +531,9 @@ class MapPass:
             self._close_locked()
             cancels, self._to_cancel = self._to_cancel, {}
         self._send_cancels(cancels)
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread is not threading.current_thread() and thread.is_alive():
+            thread.join(_JOIN_SECONDS)  # it was woken by the close: it ends at once (or after a send)
 
     def __del__(self):
         try:
