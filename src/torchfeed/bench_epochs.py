@@ -201,6 +201,9 @@ def _fork_workers(n: int, path: str) -> None:
 
 def shared_trainer(kind: str, addresses: List[str], start_at: float, seconds: float) -> None:
     """One trainer process of ``shared``: prints one JSON line (batches in the window, CPU)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="This DataLoader will create")  # the point of the case
     if kind == "torch":
         loader = DataLoader(SleepyDataset(BIG, SHARED_SLEEP), batch_size=SHARED_BATCH,
                             sampler=CountSampler(10 ** 7), num_workers=SHARED_WORKERS // SHARED_TRAINERS,

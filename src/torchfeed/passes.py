@@ -298,7 +298,7 @@ class MapPass:
         if head and free:
             head.waker = self._poke
             head.fill(free)
-        if more or (head and free):
+        if more:  # the window allows more pulls (a head's results wake this thread themselves)
             with self._lock:
                 self._wake()
 
