@@ -87,7 +87,11 @@ class RemoteDataLoader(Generic[T_co]):
         Makes loading exactly reproducible: the shuffle order comes from (seed, epoch), and
         with per-sample seeding every sample's draws from (seed, epoch, key). Without it the
         base seed is drawn from ``generator`` (or torch's global generator) each pass, as
-        torch's DataLoader does.
+        torch's DataLoader does. With it (and per-sample seeding), when the next pass's
+        order is known in advance (a sequential sampler, ``shuffle=True``, or torch's
+        ``DistributedSampler`` advanced by ``set_epoch``), the next pass's first batches
+        are loaded while this one drains; they are used only if that pass asks for the
+        same keys (results are identical either way).
     per_sample_seeding : bool
         True (default): every sample's ``__getitem__`` runs with Python's, numpy's and torch's
         global generators seeded from (base seed, key), so results do not depend on which
