@@ -168,3 +168,24 @@ def test_prefetch_and_resume(rds):
     rest = list(resumed)
     assert deep_equal(part + rest, expected[1])
     assert deep_equal(part + list(it), expected[1])
+
+
+class FailingSampler(Sampler):
+    """Raises after ``good`` indices (beyond the first window: on the dispatch thread)."""
+
+    def __init__(self, good: int):
+        self.good = good
+
+    def __len__(self):
+        return self.good + 1
+
+    def __iter__(self):
+        yield from range(self.good)
+        raise ValueError("sampler broke")
+
+
+def test_sampler_error_reaches_the_consumer(rds):
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=1, sampler=FailingSampler(30), prefetch_factor=1)
+    with pytest.raises(ValueError, match="sampler broke"):
+        for _ in loader:
+            pass

@@ -595,8 +595,8 @@ def _later(name: str) -> Callable[[Context], Result]:
 
 
 CASES.update({
-    "epochs": (_later("case_epochs"), "4 sleep-bound workers, one 4x slower, 5 passes of 64 batches with "
-               "the gaps between them: % of ideal rate"),
-    "tiny": (_later("case_tiny"), "tiny samples, batch_size=1: items/s and trainer CPU per batch"),
+    "epochs": (_later("case_epochs"), "4 sleep-bound workers, one 4x slower, 5 passes of 64 batches with the gaps "
+               "between them"),
+    "tiny": (_later("case_tiny"), "tiny samples, batch_size=1: items/s and the trainer's CPU per batch"),
     "shared": (_later("case_shared"), "48 sleep-bound workers shared by 4 trainer processes: % of ideal"),
 })

@@ -279,7 +279,7 @@ class MapPass:
                         break
                     sends.append((*choice, self._indices.get(choice[1])))
             cancels, self._to_cancel = self._to_cancel, {}
-            more = sched.wants_more()
+            more = sched.wants_more() and self._fatal is None
             if self._next_head is None and self._fatal is None and sched.exhausted and not sched.has_pending():
                 self._next_head = False  # decided once per pass
                 predict = True
@@ -303,7 +303,8 @@ class MapPass:
                 self._wake()
 
     def prefetch_count(self) -> int:
-        """How many of the next pass's batches to load ahead: a round of every worker's credits."""
+        """How many of the next pass's batches to load ahead (at most): four rounds of every
+        worker's credits; in practice the free credits of the pass's tail take fewer."""
         return self._sched.credits * max(len(self._sched.workers), 1) * 4
 
     def estimates(self) -> Dict[str, float]:
@@ -576,10 +577,10 @@ def _dispatch_loop(ref: "weakref.ref[MapPass]", work: threading.Condition) -> No
                 return
         try:
             it._pump()
-        except Exception:  # noqa: BLE001 - this thread must not die silently
-            log.exception("torchfeed dispatch thread")
+        except Exception as exc:  # noqa: BLE001 - the sampler's own error (or ours) reaches the user
+            log.debug("torchfeed dispatch thread", exc_info=True)
             with work:
-                it._fatal = it._fatal or RuntimeError("torchfeed: the dispatch thread failed (see the log)")
+                it._fatal = it._fatal or exc
                 it._ready.notify()
         del it
 
