@@ -503,7 +503,7 @@ def run_cases(names: Sequence[str] = (), workers: int = 2, seconds: float = 6.0,
         raise ValueError("workers and repeats must be >= 1 and seconds > 0")
     # Trainer and workers share a secret; a throw-away one unless the user set their own.
     os.environ.setdefault("TORCHFEED_SECRET", secrets.token_hex(32))
-    pool = max(workers, STRAGGLER_WORKERS if {"straggler", "stall"} & set(names) else 1)
+    pool = max(workers, STRAGGLER_WORKERS if {"straggler", "stall", "epochs"} & set(names) else 1)
     results = []
     log(f"starting {pool} local torchfeed worker processes")
     with LocalWorkers(pool) as lw, warnings.catch_warnings():
@@ -523,10 +523,11 @@ def _fmt(value: float, fraction: bool) -> str:
 
 
 def table_rows(results: Sequence[Result]) -> List[List[str]]:
-    rows = [["case", "metric", "torch", "torchfeed", "ratio", "target", "result"]]
+    rows = [["case", "metric", "torch", "torchfeed", "ratio", "target", "result", "trainer CPU ms/batch"]]
     for r in results:
+        cpu = " / ".join(f"{r.cpu_ms[k][0]:.2f}" for k in ("torch", "torchfeed") if k in r.cpu_ms)
         rows.append([r.case, r.metric, _fmt(r.torch, r.fraction), _fmt(r.torchfeed, r.fraction),
-                     f"{r.ratio:.2f}x", r.target_text, "PASS" if r.passed else "FAIL"])
+                     f"{r.ratio:.2f}x", r.target_text, "PASS" if r.passed else "FAIL", cpu])
     return rows
 
 
@@ -543,7 +544,8 @@ def format_table(results: Sequence[Result]) -> str:
 
 def format_markdown(results: Sequence[Result]) -> str:
     rows = table_rows(results)
-    out = ["| " + " | ".join(rows[0]) + " |", "|" + "|".join(["---", "---", "---:", "---:", "---:", "---", "---"]) + "|"]
+    out = ["| " + " | ".join(rows[0]) + " |",
+           "|" + "|".join(["---", "---", "---:", "---:", "---:", "---", "---", "---:"]) + "|"]
     out += ["| " + " | ".join(r) + " |" for r in rows[1:]]
     return "\n".join(out)
 
@@ -552,7 +554,8 @@ def format_notes(results: Sequence[Result]) -> List[str]:
     lines = []
     for r in results:
         runs = "; ".join(f"{k} " + ", ".join(_fmt(x, r.fraction) for x in v) for k, v in r.runs.items())
-        cpu = "; ".join(f"{k} {t:.2f} ms in the trainer + {w:.2f} ms in the workers" for k, (t, w) in r.cpu_ms.items())
+        cpu = "; ".join(f"{k} {t:.2f} ms in the trainer" + ("" if math.isnan(w) else f" + {w:.2f} ms in the workers")
+                        for k, (t, w) in r.cpu_ms.items())
         lines.append(f"{r.case}: " + "; ".join(r.notes) + f". Runs: {runs}. CPU per batch: {cpu}.")
     return lines
 
@@ -576,3 +579,24 @@ def run_bench(args) -> int:
         print(line)
     print(f"load average at the end: {machine_info()['load average (1/5/15 min)']}")
     return 0
+
+
+# issue 12's cases (epoch boundaries, the trainer's cost per batch, shared workers) live in
+# bench_epochs.py, which imports this module: looked up when run
+
+
+def _later(name: str) -> Callable[[Context], Result]:
+    def run(ctx: Context) -> Result:
+        from . import bench_epochs
+
+        return getattr(bench_epochs, name)(ctx)
+
+    return run
+
+
+CASES.update({
+    "epochs": (_later("case_epochs"), "4 sleep-bound workers, one 4x slower, 5 passes of 64 batches with the gaps "
+               "between them"),
+    "tiny": (_later("case_tiny"), "tiny samples, batch_size=1: items/s and the trainer's CPU per batch"),
+    "shared": (_later("case_shared"), "48 sleep-bound workers shared by 4 trainer processes: % of ideal"),
+})

@@ -24,6 +24,9 @@ BENCH_CASES = {
     "overhead": "tiny samples, batch_size=1: items/s",
     "straggler": "4 sleep-bound workers, one 4x slower: % of ideal rate",
     "stall": "4 sleep-bound workers, one 4x slower, one stalling 5 s every 50 batches",
+    "epochs": "4 sleep-bound workers, one 4x slower, 5 passes of 64 batches with the gaps between them",
+    "tiny": "tiny samples, batch_size=1: items/s and the trainer's CPU per batch",
+    "shared": "48 sleep-bound workers shared by 4 trainer processes: % of ideal",
 }
 ENV_SYS_PATH = "TORCHFEED_SYS_PATH"  # set by LocalWorkers: the parent's sys.path, for imports
 START_TIMEOUT = 300.0  # seconds the processes of --procs N have to get ready

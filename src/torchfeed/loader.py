@@ -18,11 +18,12 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 
-from . import building, client, limits, resume, serialize
+from . import building, client, limits, prefetch, resume, serialize
 from .fetch import Fetcher
 from .iterable import IterablePass
-from .passes import FetcherSet, MapPass, PassPlan
+from .passes import FetcherSet, MapPass, PassPlan, new_pass_id
 from .remote_dataset import RemoteDataset
+from .sampling import mix_seed
 from .views import Source
 
 log = logging.getLogger("torchfeed.loader")
@@ -89,7 +90,11 @@ class RemoteDataLoader(Generic[T_co]):
         Makes loading exactly reproducible: the shuffle order comes from (seed, epoch), and
         with per-sample seeding every sample's draws from (seed, epoch, key). Without it the
         base seed is drawn from ``generator`` (or torch's global generator) each pass, as
-        torch's DataLoader does.
+        torch's DataLoader does. With it (and per-sample seeding), when the next pass's
+        order is known in advance (a sequential sampler, ``shuffle=True``, or torch's
+        ``DistributedSampler`` advanced by ``set_epoch``), the next pass's first batches
+        are loaded while this one drains; they are used only if that pass asks for the
+        same keys (results are identical either way).
     per_sample_seeding : bool
         True (default): every sample's ``__getitem__`` runs with Python's, numpy's and torch's
         global generators seeded from (base seed, key), so results do not depend on which
@@ -186,6 +191,9 @@ class RemoteDataLoader(Generic[T_co]):
         self._progress: Optional[resume.Progress] = None  # the latest pass
         self._resume_from: Optional[dict] = None
         self._persistent_seed: Optional[int] = None
+        self._estimates: dict = {}  # seconds per batch of each worker, from the latest pass
+        self._head = None  # the next pass's first batches, prefetched (prefetch.Head)
+        self._prefetch = True  # load the next pass's first batches ahead when it is predictable
         self._initialized = True
 
     # -- construction ---------------------------------------------------------------
@@ -331,7 +339,29 @@ class RemoteDataLoader(Generic[T_co]):
             running = IterablePass(self, plan, streams)
             self._iterable_pass = (running.pass_id, weakref.ref(running), None)
             return running
-        return MapPass(self, plan)
+        head, self._head = self._head, None
+        return MapPass(self, plan, head)
+
+    def _prefetch_next(self, ending: MapPass):
+        """Called by a pass whose last batch is dispatched: start loading the next pass's
+        first batches if they can be known now (:mod:`torchfeed.prefetch`); the head, or None."""
+        old, self._head = self._head, None
+        if old is not None:
+            old.discard()
+        if not self._prefetch:
+            return None
+        epoch = self._epoch
+        count = ending.prefetch_count()
+        indices = prefetch.predict(self, epoch, count)
+        if not indices:
+            return None
+        base_seed = mix_seed(self.seed, epoch)
+        head = prefetch.Head(fetchers=self._fetchers, source=self._source, auto=self._auto_collation,
+                             pin=self.pin_memory, epoch=epoch, base_seed=base_seed,
+                             sample_seed=base_seed if self.per_sample_seeding else None, indices=indices,
+                             pass_id=new_pass_id(), estimates=ending.estimates())
+        self._head = head
+        return head
 
     def _stream_count(self) -> int:
         """Iterable-style: K streams, as torch's K worker processes (one per worker by default)."""

@@ -531,6 +531,33 @@ class Scheduler:
             out.append((target.address, seq))
         return out
 
+    # -- batches loaded ahead (the previous pass prefetched them) ----------------------
+    def has_pending(self) -> bool:
+        """Whether some added batch waits to be dispatched."""
+        return bool(self._pending)
+
+    def preloaded(self, seq: int) -> None:
+        """Batch ``seq`` (just added) already has its result."""
+        self._remove_pending(seq)
+        self.done.add(seq)
+
+    def adopt(self, address: str, started: float, seq: int) -> bool:
+        """Batch ``seq`` (just added) is already running on ``address`` since ``started``.
+
+        Returns False (and leaves it pending) when that worker does not serve this pass.
+        """
+        state = self.workers.get(address)
+        if state is None or not state.alive:
+            return False
+        self._remove_pending(seq)
+        self._assign(state, seq, started)
+        return True
+
+    def _remove_pending(self, seq: int) -> None:
+        i = bisect.bisect_left(self._pending, seq)
+        if i < len(self._pending) and self._pending[i] == seq:
+            del self._pending[i]
+
     def take_delivered(self) -> None:
         self.done.discard(self.delivered)
         self.hedged.discard(self.delivered)

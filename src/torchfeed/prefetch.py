@@ -1,0 +1,260 @@
+"""Zero-gap epochs: the next pass's first batches, loaded while the current one drains.
+
+When the order of the next pass can be known without touching anything the user can
+see (``seed=`` is given, so the base seed is (seed, epoch); and the sampler is
+sequential, the loader's own seeded shuffle, or torch's ``DistributedSampler``, whose
+order follows ``set_epoch``), the ending pass predicts the next pass's first batches of
+keys and sends them to the workers' unused credits. The next pass compares every batch
+its real sampler yields with the prediction: while they are equal it takes the
+prefetched request (finished or still running) instead of sending its own; at the
+first difference the rest is cancelled and dropped. So results are those of a pass
+without prefetch, and ``state_dict`` (which counts batches handed to the user) is not
+affected. See the NOTE in passes.py for the threads and the lock order.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import itertools
+import operator
+import threading
+import time
+import weakref
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+from torch.utils.data.distributed import DistributedSampler
+
+from .errors import WorkerLost
+from .resume import _INT63, _SHUFFLE_TAG
+from .sampling import mix_seed
+
+_LOOKAHEAD_RATIO = 1.5  # a worker this much slower than the fastest gets later batches
+
+
+def predict(loader, epoch: int, count: int) -> Optional[List[Any]]:
+    """The first ``count`` batches of keys of the pass of ``epoch``, or None if unknown.
+
+    Uses copies (or fresh generators): nothing the user's samplers hold is touched.
+    """
+    if loader.seed is None or not loader.per_sample_seeding or loader._source.iterable or count < 1:
+        return None
+    batches = loader.batch_sampler
+    if type(batches) is not BatchSampler:
+        return None
+    sampler = batches.sampler
+    if type(sampler) is SequentialSampler:
+        ahead = sampler
+    elif (type(sampler) is RandomSampler and loader._shuffle_generator is not None
+          and sampler.generator is loader._shuffle_generator):
+        ahead = copy.copy(sampler)
+        ahead.generator = torch.Generator()
+        ahead.generator.manual_seed(mix_seed(loader.seed, epoch, _SHUFFLE_TAG) & _INT63)
+    elif type(sampler) is DistributedSampler:
+        ahead = copy.copy(sampler)
+        ahead.set_epoch(sampler.epoch + 1)  # what a training loop calling set_epoch(e) does next
+    else:
+        return None
+    return list(itertools.islice(iter(BatchSampler(ahead, batches.batch_size, batches.drop_last)), count))
+
+
+class _Entry:
+    __slots__ = ("state", "address", "rid", "started", "result", "owner")
+
+    def __init__(self):
+        self.state = "unsent"  # unsent | sending | running | done | lost | dropped
+        self.address: Optional[str] = None
+        self.rid: Optional[int] = None
+        self.started = 0.0
+        self.result: Optional[tuple] = None
+        self.owner = None  # weakref to the pass that claimed it
+
+
+class Head:
+    """The prefetched first batches of one predicted pass (see the module doc)."""
+
+    def __init__(self, *, fetchers, source, auto: bool, pin: bool, epoch: int, base_seed: int,
+                 sample_seed: Optional[int], indices: List[Any], pass_id: int, estimates: Dict[str, float]):
+        self.fetchers, self.source, self.auto, self.pin = fetchers, source, auto, pin
+        self.epoch, self.base_seed, self.sample_seed = epoch, base_seed, sample_seed
+        self.indices = indices
+        self.pass_id = pass_id
+        self._estimates = dict(estimates)
+        self._lock = threading.Lock()
+        self._entries = [_Entry() for _ in indices]
+        self._unsent = list(range(len(indices)))
+        self._in_flight: Dict[str, int] = {}
+        self._dead = False
+        self.waker = None  # wakes the dispatch thread of the pass that fills this head
+
+    def matches(self, plan, pin: bool) -> bool:
+        """Whether a pass built from ``plan`` loads what this head predicted (keys aside)."""
+        record = plan.progress.record
+        return (not self._dead and plan.fetchers is self.fetchers and plan.progress.batches == 0
+                and record.epoch == self.epoch and plan.base_seed == self.base_seed
+                and plan.sample_seed == self.sample_seed and pin == self.pin and plan.auto_collation == self.auto)
+
+    # -- sending (the dispatch thread of the pass that ends; no lock held) ------------------
+    def fill(self, free: Dict[str, int]) -> None:
+        """Send predicted batches to the credits the ending pass leaves free."""
+        with self._lock:
+            if self._dead:
+                return
+            picks = []
+            fastest = min(self._estimates.values(), default=None)
+            rate = sum(1.0 / s for s in self._estimates.values() if s > 0)
+            for address in sorted(free, key=lambda a: self._estimates.get(a, fastest or 0.0)):
+                n = free[address] - self._in_flight.get(address, 0)
+                own = self._estimates.get(address)
+                start = 0
+                if own and fastest and own > _LOOKAHEAD_RATIO * fastest:
+                    start = int((rate - 1.0 / own) * own)  # what the others load meanwhile
+                for _ in range(max(n, 0)):
+                    if not self._unsent:
+                        break
+                    i = bisect.bisect_left(self._unsent, start)
+                    if i >= len(self._unsent):
+                        break
+                    seq = self._unsent.pop(i)
+                    entry = self._entries[seq]
+                    entry.state, entry.address, entry.started = "sending", address, time.monotonic()
+                    self._in_flight[address] = self._in_flight.get(address, 0) + 1
+                    picks.append((address, seq))
+        for address, seq in picks:
+            self._send(address, seq)
+
+    def _send(self, address: str, seq: int) -> None:
+        this = weakref.ref(self)
+
+        def on_result(ok, value, _seq=seq, _address=address):
+            head = this()
+            if head is not None:
+                head._on_result(_address, _seq, ok, value)
+
+        try:
+            fetcher = self.fetchers.get(address)
+            if fetcher is None:
+                raise WorkerLost(f"no fetcher on worker {address}")
+            keys = self.source.map_index(self.indices[seq], self.auto)
+            worker_id, num_workers = self.source.worker_id(address)
+            context = (self.pass_id, worker_id, num_workers, self.base_seed)
+            rid = fetcher.request((keys, self.sample_seed, context), callback=on_result, pin=self.pin)
+        except Exception:  # noqa: BLE001 - a prefetch that cannot go out is simply not used
+            with self._lock:
+                self._finish(self._entries[seq], "lost")
+            return
+        cancel = False
+        with self._lock:
+            entry = self._entries[seq]
+            entry.rid = rid
+            if entry.state == "sending":
+                entry.state = "running"
+            elif entry.state == "dropped":
+                cancel = True
+        if cancel:
+            fetcher.cancel([rid])
+
+    def _finish(self, entry: _Entry, state: str) -> None:
+        if entry.state in ("sending", "running") and entry.address is not None:
+            self._in_flight[entry.address] -= 1
+        entry.state = state
+
+    # -- results (reader threads) ----------------------------------------------------------
+    def _on_result(self, address: str, seq: int, ok: bool, value: Any) -> None:
+        with self._lock:
+            entry = self._entries[seq]
+            owner = entry.owner() if entry.owner is not None else None
+            if owner is None:
+                if entry.state in ("sending", "running"):
+                    lost = not ok and isinstance(value, WorkerLost)
+                    self._finish(entry, "lost" if lost else "done")
+                    if not lost:
+                        entry.result = (ok, value)
+                waker = self.waker if not self._dead and self._unsent else None
+            else:
+                self._finish(entry, "claimed")
+        if owner is not None:
+            owner._on_result(address, seq, ok, value)  # outside the head's lock
+        elif waker is not None:
+            waker()  # a credit is free for the next predicted batch
+
+    # -- the next pass (its lock held: takes only the head's lock) -----------------------------
+    def claim(self, seq: int, idx: Any, owner) -> Optional[tuple]:
+        """What the pass ``owner`` gets for its batch ``seq`` with keys ``idx``.
+
+        ``None``: no more prefetched batches for it (the head is used up, or this batch
+        differs: the rest is dropped, its cancels via :meth:`take_cancels`).
+        ``("miss",)``: this batch was not prefetched; ``("done", address, (ok, value))``;
+        ``("running", address, (request id, started))``.
+        """
+        with self._lock:
+            if self._dead or seq >= len(self._entries):
+                self._dead = True
+                return None
+            if _keys(idx) != _keys(self.indices[seq]):
+                self._dead = True
+                return None
+            entry = self._entries[seq]
+            state = entry.state
+            if state == "unsent":
+                self._unsent.remove(seq)
+                entry.state = "dropped"
+                return ("miss",)
+            if state == "done":
+                entry.state = "claimed"
+                result, entry.result = entry.result, None
+                return ("done", entry.address, result)
+            if state == "running":
+                entry.owner = weakref.ref(owner)
+                return ("running", entry.address, (entry.rid, entry.started))
+            if state == "sending":
+                self._finish(entry, "dropped")  # its sender cancels it once it has an id
+            return ("miss",)
+
+    def release(self, seq: int) -> Optional[tuple]:
+        """The claiming pass could not use the running batch ``seq``: (address, rid) to cancel."""
+        with self._lock:
+            entry = self._entries[seq]
+            entry.owner = None
+            if entry.state != "running":
+                return None
+            self._finish(entry, "dropped")
+            return entry.address, entry.rid
+
+    def take_cancels(self) -> Dict[str, List[int]]:
+        """Drop everything not claimed; return the requests to cancel (sent by the caller,
+        with no lock held)."""
+        cancels: Dict[str, List[int]] = {}
+        with self._lock:
+            self._dead = True
+            self._unsent.clear()
+            for entry in self._entries:
+                if entry.owner is not None:
+                    continue
+                if entry.state == "running":
+                    cancels.setdefault(entry.address, []).append(entry.rid)
+                if entry.state in ("sending", "running", "done"):
+                    self._finish(entry, "dropped")
+                    entry.result = None
+        return cancels
+
+    def discard(self) -> None:
+        """Drop this head from a thread that holds no pass lock."""
+        for address, rids in self.take_cancels().items():
+            fetcher = self.fetchers.get(address)
+            if fetcher is not None:
+                fetcher.cancel(rids)
+
+
+def _keys(idx: Any) -> Any:
+    """Comparable keys of a sampler output (tensors and numpy ints as Python ints)."""
+    if isinstance(idx, (list, tuple)):
+        return [_keys(i) for i in idx]
+    if isinstance(idx, torch.Tensor):
+        return idx.tolist()
+    try:
+        return operator.index(idx)
+    except TypeError:
+        return idx

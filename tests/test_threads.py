@@ -1,0 +1,191 @@
+"""The loader's thread rules (no user code and no blocking send on reader threads) and the
+next pass's prefetch (zero-gap epochs: identical results with and without it)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from torch.utils.data import Sampler
+from torch.utils.data.distributed import DistributedSampler
+
+import torchfeed
+from helpers import RandomAugmentDataset, RangeDataset, deep_equal
+
+N = 41
+
+
+@pytest.fixture(scope="module")
+def rds(workers2):
+    return torchfeed.RemoteDataset(workers2, RandomAugmentDataset, N)
+
+
+class RecordingSampler(Sampler):
+    """Yields 0..n-1 and records the thread of every step of its iteration."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.threads: set = set()
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        for i in range(self.n):
+            self.threads.add(threading.current_thread().name)
+            yield i
+
+
+def test_sampler_never_runs_on_reader_threads(rds):
+    sampler = RecordingSampler(N)
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=2, sampler=sampler, prefetch_factor=1)
+    assert len(list(loader)) == (N + 1) // 2
+    assert sampler.threads
+    assert not [t for t in sampler.threads if t.startswith("torchfeed-rx")], sampler.threads
+    allowed = {threading.current_thread().name}
+    assert all(t in allowed or t.startswith("torchfeed-dispatch") for t in sampler.threads), sampler.threads
+
+
+class _BlockingFetcher:
+    """A worker's fetcher whose sends block while ``gate`` is closed (a full socket buffer)."""
+
+    def __init__(self, ref, armed: threading.Event, entered: threading.Event, gate: threading.Event):
+        self.ref, self.armed, self.entered, self.gate = ref, armed, entered, gate
+
+    @property
+    def closed(self):
+        return self.ref.closed
+
+    def request(self, *args, **kwargs):
+        if self.armed.is_set():
+            self.entered.set()
+            self.gate.wait(30)
+        return self.ref.request(*args, **kwargs)
+
+    def cancel(self, request_ids):
+        self.ref.cancel(request_ids)
+
+
+def test_blocked_send_to_one_worker_does_not_delay_the_others(workers2):
+    rds = torchfeed.RemoteDataset(workers2, RangeDataset, N)
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=1, prefetch_factor=2, timeout=20)
+    blocked = workers2[0]
+    armed, entered, gate = threading.Event(), threading.Event(), threading.Event()
+    fetchers = loader._fetchers
+    original = fetchers.get
+
+    def get(address):
+        ref = original(address)
+        return _BlockingFetcher(ref, armed, entered, gate) if ref is not None and address == blocked else ref
+
+    fetchers.get = get
+    try:
+        it = iter(loader)
+        got = [next(it)]
+        armed.set()
+        assert entered.wait(10), "no send to the blocked worker happened"
+        # batches already in flight keep coming while that send is stuck
+        start = time.monotonic()
+        got.append(next(it))
+        assert time.monotonic() - start < 5 and not gate.is_set()
+    finally:
+        gate.set()
+    got += list(it)
+    assert deep_equal(got, list(torch_loader(N)))
+
+
+def torch_loader(n):
+    from torch.utils.data import DataLoader
+
+    return DataLoader(RangeDataset(n), batch_size=1)
+
+
+def _epochs(loader, epochs, set_epoch=None):
+    out, prefetched = [], []
+    for e in range(epochs):
+        if set_epoch is not None:
+            set_epoch(e)
+        it = iter(loader)
+        out.append(list(it))
+        prefetched.append(it.prefetched)
+    return out, prefetched
+
+
+@pytest.mark.parametrize("kw", [dict(shuffle=True), dict(shuffle=False), dict(shuffle=True, drop_last=True)])
+def test_prefetch_gives_identical_batches(rds, kw):
+    on = torchfeed.RemoteDataLoader(rds, batch_size=3, seed=7, **kw)
+    off = torchfeed.RemoteDataLoader(rds, batch_size=3, seed=7, **kw)
+    off._prefetch = False
+    with_prefetch, counts = _epochs(on, 3)
+    without, none = _epochs(off, 3)
+    assert deep_equal(with_prefetch, without)
+    assert sum(none) == 0
+    assert sum(counts[1:]) > 0  # the later passes did use batches loaded ahead
+
+
+def test_prefetch_with_distributed_sampler_set_epoch(rds):
+    def make(prefetch):
+        sampler = DistributedSampler(range(N), num_replicas=1, rank=0, shuffle=True, seed=3)
+        loader = torchfeed.RemoteDataLoader(rds, batch_size=4, sampler=sampler, seed=1)
+        loader._prefetch = prefetch
+        return loader, sampler
+
+    (on, s_on), (off, s_off) = make(True), make(False)
+    with_prefetch, counts = _epochs(on, 3, s_on.set_epoch)
+    without, _ = _epochs(off, 3, s_off.set_epoch)
+    assert deep_equal(with_prefetch, without)
+    assert sum(counts[1:]) > 0
+
+
+def test_prefetch_discarded_when_the_next_pass_differs(rds):
+    on = torchfeed.RemoteDataLoader(rds, batch_size=3, seed=7, shuffle=True)
+    off = torchfeed.RemoteDataLoader(rds, batch_size=3, seed=7, shuffle=True)
+    off._prefetch = False
+    results = {}
+    for name, loader in (("on", on), ("off", off)):
+        first = list(loader)
+        loader.set_epoch(5)  # not the epoch predicted
+        it = iter(loader)
+        second = list(it)
+        results[name] = (first, second, it.prefetched)
+    assert deep_equal(results["on"][:2], results["off"][:2])
+    assert results["on"][2] == 0
+
+
+def test_prefetch_and_resume(rds):
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=3, seed=11, shuffle=True)
+    reference = torchfeed.RemoteDataLoader(rds, batch_size=3, seed=11, shuffle=True)
+    reference._prefetch = False
+    expected = [list(reference) for _ in range(2)]
+    assert deep_equal(list(loader), expected[0])  # ends with the next pass prefetched
+    it = iter(loader)
+    part = [next(it) for _ in range(4)]
+    state = loader.state_dict()
+    assert state["batches"] == 4 and state["epoch"] == 1
+    resumed = torchfeed.RemoteDataLoader(rds, batch_size=3, seed=11, shuffle=True)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert deep_equal(part + rest, expected[1])
+    assert deep_equal(part + list(it), expected[1])
+
+
+class FailingSampler(Sampler):
+    """Raises after ``good`` indices (beyond the first window: on the dispatch thread)."""
+
+    def __init__(self, good: int):
+        self.good = good
+
+    def __len__(self):
+        return self.good + 1
+
+    def __iter__(self):
+        yield from range(self.good)
+        raise ValueError("sampler broke")
+
+
+def test_sampler_error_reaches_the_consumer(rds):
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=1, sampler=FailingSampler(30), prefetch_factor=1)
+    with pytest.raises(ValueError, match="sampler broke"):
+        for _ in loader:
+            pass
