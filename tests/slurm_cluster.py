@@ -217,8 +217,19 @@ PartitionName=cpu Nodes=c[1-2] MaxTime=INFINITE State=UP
         raise TimeoutError(f"job {job_id} still {info.get('JobState')} after {timeout:g} s "
                            f"({info.get('Reason')}); see {self.root / 'slurmctld.log'}")
 
-    def release(self, job_id: str) -> None:
-        """Start a requeued job now: Slurm otherwise holds it about two minutes (Reason=BeginTime)."""
+    def _completing(self) -> bool:
+        out = self._run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False).stdout.split()
+        return any(state.startswith("comp") for state in out[1::2])
+
+    def release(self, job_id: str, settle: float = 30.0) -> None:
+        """Start a requeued job now: Slurm otherwise holds it about two minutes (Reason=BeginTime).
+
+        Waits (up to ``settle`` seconds) for nodes still completing the previous run's steps:
+        a launch onto a node in that state can fail the restarted job outright.
+        """
+        deadline = time.monotonic() + settle
+        while self._completing() and time.monotonic() < deadline:
+            time.sleep(0.2)
         self._run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
 
     def signal_batch(self, job_id: str, sig: str = "USR2") -> None:
