@@ -68,6 +68,7 @@ class Channel:
         self._recv_seq = 0
         self._scratch_out: Optional[bytearray] = None  # made on the first large send
         self._scratch_in = bytearray(CHUNK + TAG)
+        self._scratch_skip: Optional[memoryview] = None  # made on the first skip of a payload
         self.bytes_sent = 0
         # with SO_SNDTIMEO set on the socket: seconds without progress before a send fails
         self.send_stall_timeout: Optional[float] = None
@@ -208,16 +209,11 @@ class Channel:
         for d in dests:
             self._open_payload(d.cast("B") if d.format != "B" or d.ndim != 1 else d)
 
-    def read_buffer_chunks(self, dest: memoryview):
-        """Receive one buffer, yielding after each record (for liveness tracking)."""
-        for start in range(0, len(dest), CHUNK):
-            self._open_into(dest[start : start + CHUNK])
-            yield
-
     def skip(self, frame: wire.Frame, meta: bool = True) -> None:
         """Authenticate and discard the unread rest of ``frame`` (its meta when
         ``meta`` is true, and its buffers)."""
-        scratch = memoryview(bytearray(CHUNK))
         for n in ([frame.meta_len] if meta else []) + list(frame.buffer_lengths):
+            if n and self._scratch_skip is None:  # heartbeats have nothing to skip: no allocation
+                self._scratch_skip = memoryview(bytearray(CHUNK))
             for start in range(0, n, CHUNK):
-                self._open_into(scratch[: min(CHUNK, n - start)])
+                self._open_into(self._scratch_skip[: min(CHUNK, n - start)])

@@ -115,7 +115,7 @@ class Connection:
         self._pending: Dict[int, _Pending] = {}
         self._ids = itertools.count(1)
         self._releases: list = []
-        self.last_rx = self.last_tx = time.monotonic()
+        self.last_tx = time.monotonic()
         self.closed = False
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._read_loop, name=f"torchfeed-rx-{self.address}", daemon=True)
@@ -183,7 +183,6 @@ class Connection:
                     channel.skip(exc.frame)
                     self._fail_request(exc.frame.request_id, exc)
                     continue
-                self.last_rx = time.monotonic()
                 if frame.kind not in (wire.REPLY, wire.ERROR, wire.PONG, wire.BYE):
                     raise ProtocolError(f"unexpected {wire.KIND_NAMES[frame.kind]} message from worker")
                 with self._pending_lock:
@@ -197,9 +196,7 @@ class Connection:
                 try:
                     channel.read_meta(frame)
                     buffers = serialize.allocate(frame.buffer_lengths, pending.pin) if frame.buffer_lengths else []
-                    for view in buffers:
-                        for _ in channel.read_buffer_chunks(view):
-                            self.last_rx = time.monotonic()
+                    channel.read_buffers(buffers)  # each record received counts as life
                 except BaseException as exc:
                     with self._pending_lock:  # the request being received fails with the connection
                         closed = self.closed
@@ -283,7 +280,7 @@ class Connection:
             except Exception:
                 log.exception("a result callback failed")
         # alive: a record arrived, or a large upload to it made progress (it reads)
-        heard = max(self.last_rx, self.channel.last_activity)
+        heard = self.channel.last_activity
         if waiting and now - heard > HEARTBEAT_TIMEOUT:
             self._fail(WorkerLost(f"worker {self.address} sent nothing for {now - heard:.1f} s "
                                   "(no heartbeat): it hangs or the network is cut"))

@@ -141,7 +141,6 @@ class ServerConnection:
         self.channel = channel
         self.channel.send_stall_timeout = server.timeout
         self.limits: ConnectionLimits = server.limits
-        self.last_rx = time.monotonic()
         self.cancelled: set = set()
         self.closed = False
         self._cond = threading.Condition()
@@ -218,7 +217,7 @@ class ServerConnection:
         return bool(self._outbox) or self.sending or self.waiting_for_room
 
     def silent_for(self, now: float) -> float:
-        return now - max(self.last_rx, self.channel.last_activity)
+        return now - self.channel.last_activity
 
     # -- reader thread -----------------------------------------------------
     def serve(self) -> None:
@@ -245,7 +244,6 @@ class ServerConnection:
                 channel.skip(exc.frame)
                 self._refuse(exc.frame.request_id, exc)
                 continue
-            self.last_rx = time.monotonic()
             kind = frame.kind
             if kind in (wire.CALL, wire.CALL_REF):
                 refusal = self._over_limits(frame)
@@ -256,7 +254,6 @@ class ServerConnection:
                 channel.read_meta(frame)
                 buffers = serialize.allocate(frame.buffer_lengths) if frame.buffer_lengths else []
                 channel.read_buffers(buffers)
-                self.last_rx = time.monotonic()
                 with self._cond:
                     self.queued += 1
                     self.queued_bytes += frame.size
