@@ -56,9 +56,12 @@ def markdown_report(info, results, args, command: str) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="*", default=[], choices=list(bench.CASES),
-                        help="cases to run (default: all)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--cases", nargs="*", default=[], choices=list(bench.CASES), help="cases to run (default: all)"
+    )
     parser.add_argument("--workers", type=int, default=2, help="worker processes per side (default 2)")
     parser.add_argument("--seconds", type=float, default=6.0, help="approximate seconds per measurement")
     parser.add_argument("--repeats", type=int, default=2, help="measurements per side (the best is kept)")

@@ -52,7 +52,11 @@ def run(scenario: str, heartbeat) -> dict:
                 now = time.monotonic()
                 times.append(now)
                 rows.append(b)
-                if detected is None and injected is not None and any("lost worker" in str(c.message) for c in caught):
+                if (
+                    detected is None
+                    and injected is not None
+                    and any("lost worker" in str(c.message) for c in caught)
+                ):
                     detected = now
                 if i == 40:
                     injected = now
@@ -90,17 +94,30 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="skip the default-heartbeat SIGSTOP case (15 s)")
     args = p.parse_args(argv)
-    cases = [("kill", (2.0, 15.0)), ("sigstop", (0.5, 3.0)), ("sigstop+hedging", (2.0, 15.0)),
-             ("restart", (2.0, 15.0))]
+    cases = [
+        ("kill", (2.0, 15.0)),
+        ("sigstop", (0.5, 3.0)),
+        ("sigstop+hedging", (2.0, 15.0)),
+        ("restart", (2.0, 15.0)),
+    ]
     if not args.quick:
         cases.insert(1, ("sigstop", (2.0, 15.0)))
-    print(f"{'scenario':18} {'heartbeat':>12} {'detected':>9} {'longest gap':>12} {'typical gap':>12} {'epoch':>7}")
+    print(
+        f"{'scenario':18} {'heartbeat':>12} {'detected':>9} {'longest gap':>12} {'typical gap':>12} {'epoch':>7}"
+    )
     for scenario, hb in cases:
         r = run(scenario, hb)
         det = "-" if r["detected_s"] is None else f"{r['detected_s']:.2f} s"
-        back = "" if r["rejoined_s"] is None else f"   restarted worker serving again after {r['rejoined_s']:.2f} s"
-        print(f"{r['scenario']:18} {r['heartbeat']:>12} {det:>9} {r['longest_gap_s']:>10.2f} s "
-              f"{r['typical_gap_s']:>10.4f} s {r['epoch_s']:>5.1f} s{back}", flush=True)
+        back = (
+            ""
+            if r["rejoined_s"] is None
+            else f"   restarted worker serving again after {r['rejoined_s']:.2f} s"
+        )
+        print(
+            f"{r['scenario']:18} {r['heartbeat']:>12} {det:>9} {r['longest_gap_s']:>10.2f} s "
+            f"{r['typical_gap_s']:>10.4f} s {r['epoch_s']:>5.1f} s{back}",
+            flush=True,
+        )
     return 0
 
 

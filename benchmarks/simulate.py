@@ -51,9 +51,9 @@ import random
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
 
 POLL = 0.05  # loader._POLL
 STRAGGLER_FACTOR = 4.0  # RemoteDataLoader defaults
@@ -62,11 +62,12 @@ MAX_RETRIES = 2
 
 
 # -- the scheduler under test ---------------------------------------------------------
-def load_scheduler(path: Optional[str]):
+def load_scheduler(path: str | None):
     if path is None:
         src = Path(__file__).resolve().parents[1] / "src"
         sys.path.insert(0, str(src))
         from torchfeed.scheduler import Scheduler
+
         return Scheduler
     spec = importlib.util.spec_from_file_location("scheduler_under_test", path)
     module = importlib.util.module_from_spec(spec)
@@ -79,8 +80,8 @@ class Meter:
     """Thread CPU time of calls into the scheduler, the timer's own cost subtracted."""
 
     def __init__(self):
-        self.ns: Dict[str, int] = {}
-        self.count: Dict[str, int] = {}
+        self.ns: dict[str, int] = {}
+        self.count: dict[str, int] = {}
         clock = time.thread_time_ns
         t0 = clock()
         for _ in range(20000):
@@ -91,7 +92,7 @@ class Meter:
         self.ns[key] = self.ns.get(key, 0) + max(ns - self.overhead, 0)
         self.count[key] = self.count.get(key, 0) + n
 
-    def per(self, key: str, per_key: Optional[str] = None) -> float:
+    def per(self, key: str, per_key: str | None = None) -> float:
         n = self.count.get(per_key or key, 0)
         return self.ns.get(key, 0) / n / 1000 if n else float("nan")
 
@@ -99,7 +100,7 @@ class Meter:
 # -- simulated workers --------------------------------------------------------------
 @dataclass(eq=False)
 class Request:
-    trainer: "Trainer"
+    trainer: Trainer
     pass_id: int
     seq: int
     work: float  # seconds of this worker's time
@@ -113,14 +114,14 @@ class Worker:
     alive: bool = True
     stalled: bool = False
     queue: deque = field(default_factory=deque)
-    running: Optional[Request] = None
+    running: Request | None = None
     remaining: float = 0.0  # of the running request, as of `since`
     since: float = 0.0
     version: int = 0  # invalidates scheduled completion events
 
 
 class Sim:
-    def __init__(self, case: "Case", scheduler_cls, mode: str, meter: Meter, seed: int):
+    def __init__(self, case: Case, scheduler_cls, mode: str, meter: Meter, seed: int):
         self.case = case
         self.rng = random.Random(seed)
         self.scheduler_cls = scheduler_cls
@@ -129,8 +130,8 @@ class Sim:
         self.now = 0.0
         self.events: list = []
         self.counter = 0
-        self.workers: Dict[str, Worker] = {}
-        self.order: List[Worker] = []
+        self.workers: dict[str, Worker] = {}
+        self.order: list[Worker] = []
         self.capacity = 0.0  # batches per second of the workers alive and not stalled
         self.capacity_integral = 0.0
         self.capacity_since = 0.0
@@ -271,7 +272,7 @@ class Sim:
             elif kind == "join":
                 self.at(when * duration, self.join, arg)
 
-    def alive_addresses(self) -> List[str]:
+    def alive_addresses(self) -> list[str]:
         return [w.address for w in self.order if w.alive]
 
 
@@ -285,7 +286,7 @@ class Trainer:
         self.delivered = 0
         self.passes = 0
         self.pass_started = 0.0
-        self.pass_seconds: List[float] = []
+        self.pass_seconds: list[float] = []
         self.poison = 0
         self.estimates = None
 
@@ -309,13 +310,14 @@ class Trainer:
                 kwargs["estimates"] = self.estimates
         self.sched = None  # the previous pass's scheduler is freed outside the timing
         t0 = time.thread_time_ns()
-        sched = sim.scheduler_cls(workers, credits=case.credits,
-                                  window=max(2 * case.credits * n, n + 2 * case.credits), **kwargs)
+        sched = sim.scheduler_cls(
+            workers, credits=case.credits, window=max(2 * case.credits * n, n + 2 * case.credits), **kwargs
+        )
         sim.meter.add("start", time.thread_time_ns() - t0)
         self.sched = sched
         self.added = 0
         self.results: set = set()
-        self.requests: Dict[int, Dict[str, Request]] = {}
+        self.requests: dict[int, dict[str, Request]] = {}
         self.dispatch()
 
     def end_pass(self) -> None:
@@ -346,7 +348,9 @@ class Trainer:
 
     def send(self, address: str, seq: int) -> None:
         sim = self.sim
-        work = sim.workers[address].seconds * sim.rng.lognormvariate(-sim.case.jitter ** 2 / 2, sim.case.jitter)
+        work = sim.workers[address].seconds * sim.rng.lognormvariate(
+            -(sim.case.jitter**2) / 2, sim.case.jitter
+        )
         req = Request(self, self.pass_id, seq, work)
         self.requests.setdefault(seq, {})[address] = req
         sim.enqueue(sim.workers[address], req)
@@ -412,14 +416,16 @@ class Trainer:
 
 # -- cases ------------------------------------------------------------------------------
 def pareto(alpha: float, cap: float):
-    def draw(rng: random.Random, n: int) -> List[float]:
+    def draw(rng: random.Random, n: int) -> list[float]:
         return [min(rng.paretovariate(alpha), cap) for _ in range(n)]
+
     return draw
 
 
 def one_slow(factor: float):
-    def draw(rng: random.Random, n: int) -> List[float]:
+    def draw(rng: random.Random, n: int) -> list[float]:
         return [factor if i == n - 1 else 1.0 for i in range(n)]
+
     return draw
 
 
@@ -441,18 +447,41 @@ class Case:
     scripted: tuple = ()
 
 
-def cases() -> List[Case]:
+def cases() -> list[Case]:
     tail = pareto(2.0, 20.0)
     return [
         Case("4w/1t, one 4x slower", 4, 1, one_slow(4.0), seconds=120),
-        Case("4w/1t, one 4x slower, faults", 4, 1, one_slow(4.0), seconds=120,
-             scripted=(("stall", 0.3, 0, 3.0), ("die", 0.5, 1, None), ("join", 0.7, None, 1.0))),
+        Case(
+            "4w/1t, one 4x slower, faults",
+            4,
+            1,
+            one_slow(4.0),
+            seconds=120,
+            scripted=(("stall", 0.3, 0, 3.0), ("die", 0.5, 1, None), ("join", 0.7, None, 1.0)),
+        ),
         Case("48w/4t, Pareto", 48, 4, tail, seconds=60),
-        Case("48w/4t, Pareto, faults", 48, 4, tail, seconds=60, death_fraction=0.05, stall_fraction=0.1, joins=3),
+        Case(
+            "48w/4t, Pareto, faults",
+            48,
+            4,
+            tail,
+            seconds=60,
+            death_fraction=0.05,
+            stall_fraction=0.1,
+            joins=3,
+        ),
         Case("48w/4t, Pareto, pass 1024", 48, 4, tail, pass_length=1024, seconds=120),
         Case("1000w/64t, Pareto", 1000, 64, tail, seconds=40),
-        Case("1000w/64t, Pareto, faults", 1000, 64, tail, seconds=40, death_fraction=0.05,
-             stall_fraction=0.1, joins=50),
+        Case(
+            "1000w/64t, Pareto, faults",
+            1000,
+            64,
+            tail,
+            seconds=40,
+            death_fraction=0.05,
+            stall_fraction=0.1,
+            joins=50,
+        ),
         Case("1000w/8t, Pareto, pass 1024", 1000, 8, tail, pass_length=1024, seconds=40),
     ]
 
@@ -474,12 +503,20 @@ def run_case(case: Case, scheduler_cls, mode: str, seed: int, scale: float) -> d
     delivered = sum(t.delivered for t in sim.trainers)
     passes = [s for t in sim.trainers for s in t.pass_seconds]
     return {
-        "case": case.name, "mode": mode, "fraction": delivered / sim.capacity_integral,
-        "busy": sim.busy_integral / sim.capacity_integral, "wasted": sim.wasted / sim.capacity_integral,
-        "delivered": delivered, "passes": len(passes),
+        "case": case.name,
+        "mode": mode,
+        "fraction": delivered / sim.capacity_integral,
+        "busy": sim.busy_integral / sim.capacity_integral,
+        "wasted": sim.wasted / sim.capacity_integral,
+        "delivered": delivered,
+        "passes": len(passes),
         "pass_s": sum(passes) / len(passes) if passes else float("nan"),
-        "dispatch_us": meter.per("dispatch"), "completion_us": meter.per("completion"),
-        "poll_us": meter.per("poll"), "start_ms": meter.per("start") / 1000, "poison": sum(t.poison for t in sim.trainers), "wall_s": wall,
+        "dispatch_us": meter.per("dispatch"),
+        "completion_us": meter.per("completion"),
+        "poll_us": meter.per("poll"),
+        "start_ms": meter.per("start") / 1000,
+        "poison": sum(t.poison for t in sim.trainers),
+        "wall_s": wall,
     }
 
 
@@ -487,16 +524,22 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scheduler", help="path of a scheduler.py to drive (default: this checkout's)")
     parser.add_argument("--cases", nargs="*", help="substrings of the case names to run (default: all)")
-    parser.add_argument("--modes", nargs="*", default=["as-is", "hints"],
-                        help="as-is: the loader's current calls; hints: also pass_length= and the previous "
-                             "pass's estimates= (where the scheduler takes them)")
+    parser.add_argument(
+        "--modes",
+        nargs="*",
+        default=["as-is", "hints"],
+        help="as-is: the loader's current calls; hints: also pass_length= and the previous "
+        "pass's estimates= (where the scheduler takes them)",
+    )
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every case's simulated seconds")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
     scheduler_cls = load_scheduler(args.scheduler)
     params = inspect.signature(scheduler_cls).parameters
     modes = [m for m in args.modes if m == "as-is" or "pass_length" in params]
-    print("| case | mode | fraction of ideal | passes | mean pass s | µs/dispatch | µs/completion | µs/poll | ms/pass start | busy | wasted | sim wall s |")
+    print(
+        "| case | mode | fraction of ideal | passes | mean pass s | µs/dispatch | µs/completion | µs/poll | ms/pass start | busy | wasted | sim wall s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for case in cases():
         if args.cases and not any(c in case.name for c in args.cases):
@@ -504,10 +547,12 @@ def main(argv=None) -> None:
         for mode in modes:
             r = run_case(case, scheduler_cls, mode, args.seed, args.scale)
             poison = f" ({r['poison']} poison)" if r["poison"] else ""
-            print(f"| {r['case']} | {r['mode']} | {r['fraction']:.1%}{poison} | {r['passes']} | {r['pass_s']:.2f} | "
-                  f"{r['dispatch_us']:.1f} | {r['completion_us']:.1f} | {r['poll_us']:.1f} | {r['start_ms']:.2f} | "
-                  f"{r['busy']:.1%} | {r['wasted']:.1%} | {r['wall_s']:.1f} |",
-                  flush=True)
+            print(
+                f"| {r['case']} | {r['mode']} | {r['fraction']:.1%}{poison} | {r['passes']} | {r['pass_s']:.2f} | "
+                f"{r['dispatch_us']:.1f} | {r['completion_us']:.1f} | {r['poll_us']:.1f} | {r['start_ms']:.2f} | "
+                f"{r['busy']:.1%} | {r['wasted']:.1%} | {r['wall_s']:.1f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

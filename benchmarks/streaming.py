@@ -25,7 +25,6 @@ import sys
 import tarfile
 import tempfile
 import time
-from typing import List
 
 import numpy as np
 import torch
@@ -36,7 +35,7 @@ from torchfeed.datasets import Shards, lines
 
 
 # --------------------------------------------------------------------------- jpeg
-def make_jpeg_shards(root: str, shards: int, per_shard: int, size: int = 256) -> List[str]:
+def make_jpeg_shards(root: str, shards: int, per_shard: int, size: int = 256) -> list[str]:
     from PIL import Image
 
     rng = np.random.default_rng(0)
@@ -50,7 +49,10 @@ def make_jpeg_shards(root: str, shards: int, per_shard: int, size: int = 256) ->
                 pixels = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
                 out = io.BytesIO()
                 Image.fromarray(pixels).save(out, format="JPEG", quality=90)
-                for name, data in ((f"{s:04d}{k:05d}.jpg", out.getvalue()), (f"{s:04d}{k:05d}.cls", b"%d" % (k % 10))):
+                for name, data in (
+                    (f"{s:04d}{k:05d}.jpg", out.getvalue()),
+                    (f"{s:04d}{k:05d}.cls", b"%d" % (k % 10)),
+                ):
                     info = tarfile.TarInfo(name)
                     info.size = len(data)
                     tar.addfile(info, io.BytesIO(data))
@@ -61,7 +63,7 @@ def make_jpeg_shards(root: str, shards: int, per_shard: int, size: int = 256) ->
 class JpegTarStream(IterableDataset):
     """JPEG records from tar shards; stream i of K reads every K-th shard."""
 
-    def __init__(self, urls: List[str], crop: int = 224):
+    def __init__(self, urls: list[str], crop: int = 224):
         self.urls = list(urls)
         self.crop = crop
 
@@ -96,8 +98,9 @@ def case_jpeg(repeats: int, shards: int = 16, per_shard: int = 96, batch: int = 
     with tempfile.TemporaryDirectory() as root, torchfeed.LocalWorkers(2) as workers:
         urls = make_jpeg_shards(root, shards, per_shard)
         theirs = DataLoader(JpegTarStream(urls), batch_size=batch, num_workers=2, persistent_workers=True)
-        ours = torchfeed.RemoteDataLoader(torchfeed.RemoteDataset(workers.addresses, JpegTarStream, urls),
-                                          batch_size=batch)
+        ours = torchfeed.RemoteDataLoader(
+            torchfeed.RemoteDataset(workers.addresses, JpegTarStream, urls), batch_size=batch
+        )
         _epoch_rate(theirs), _epoch_rate(ours)  # warm up (start-up, caches)
         rates = {"torch": [], "torchfeed": []}
         for _ in range(repeats):
@@ -105,8 +108,13 @@ def case_jpeg(repeats: int, shards: int = 16, per_shard: int = 96, batch: int = 
             rates["torchfeed"].append(_epoch_rate(ours))
         del theirs
     best = {k: max(v) for k, v in rates.items()}
-    return {"case": "jpeg", "samples": shards * per_shard, "rates": rates, "best": best,
-            "ratio": best["torchfeed"] / best["torch"]}
+    return {
+        "case": "jpeg",
+        "samples": shards * per_shard,
+        "rates": rates,
+        "best": best,
+        "ratio": best["torchfeed"] / best["torch"],
+    }
 
 
 # --------------------------------------------------------------------------- straggler
@@ -121,8 +129,9 @@ class SleepyLines:
 
     def _delay(self) -> float:
         info = get_worker_info()
-        slow = os.getpid() == self.slow_pid or (info is not None and info.id == self.slow_worker_id
-                                                and self.slow_pid == -1)
+        slow = os.getpid() == self.slow_pid or (
+            info is not None and info.id == self.slow_worker_id and self.slow_pid == -1
+        )
         return self.seconds * (self.factor if slow else 1.0)
 
     def __call__(self, url):
@@ -141,8 +150,14 @@ def _single_rate(url: str, seconds: float) -> float:
     return n / (time.perf_counter() - start)
 
 
-def case_straggler(repeats: int, shards: int = 320, per_shard: int = 10, seconds: float = 0.002,
-                   slowdown: float = 4.0, batch: int = 10) -> dict:
+def case_straggler(
+    repeats: int,
+    shards: int = 320,
+    per_shard: int = 10,
+    seconds: float = 0.002,
+    slowdown: float = 4.0,
+    batch: int = 10,
+) -> dict:
     with tempfile.TemporaryDirectory() as root, torchfeed.LocalWorkers(4) as workers:
         urls = []
         for s in range(shards):
@@ -153,17 +168,27 @@ def case_straggler(repeats: int, shards: int = 320, per_shard: int = 10, seconds
         single = _single_rate(urls[0], seconds)
         slow_pid = workers.processes[0].pid
         even = torchfeed.RemoteDataLoader(
-            torchfeed.RemoteDataset(workers.addresses, Shards, urls, SleepyLines(seconds)), batch_size=batch,
-            num_workers=4)
+            torchfeed.RemoteDataset(workers.addresses, Shards, urls, SleepyLines(seconds)),
+            batch_size=batch,
+            num_workers=4,
+        )
         _epoch_rate(even)
         # the ideal: 3 fast workers and 1/4 of one, at the rate 4 fast workers reach here
         all_fast = max(_epoch_rate(even) for _ in range(repeats))
         ideal = all_fast / 4 * (3 + 1 / slowdown)
         ours = torchfeed.RemoteDataLoader(
-            torchfeed.RemoteDataset(workers.addresses, Shards, urls, SleepyLines(seconds, slow_pid, factor=slowdown)),
-            batch_size=batch, num_workers=4)
-        theirs = DataLoader(Shards(urls, SleepyLines(seconds, slow_worker_id=0, factor=slowdown)), batch_size=batch,
-                            num_workers=4, persistent_workers=True)
+            torchfeed.RemoteDataset(
+                workers.addresses, Shards, urls, SleepyLines(seconds, slow_pid, factor=slowdown)
+            ),
+            batch_size=batch,
+            num_workers=4,
+        )
+        theirs = DataLoader(
+            Shards(urls, SleepyLines(seconds, slow_worker_id=0, factor=slowdown)),
+            batch_size=batch,
+            num_workers=4,
+            persistent_workers=True,
+        )
         _epoch_rate(ours), _epoch_rate(theirs)
         rates = {"torch": [], "torchfeed": []}
         for _ in range(repeats):
@@ -171,9 +196,17 @@ def case_straggler(repeats: int, shards: int = 320, per_shard: int = 10, seconds
             rates["torch"].append(_epoch_rate(theirs))
         del theirs
     best = {k: max(v) for k, v in rates.items()}
-    return {"case": "straggler", "samples": shards * per_shard, "single": single, "all_fast": all_fast,
-            "nominal": (3 + 1 / slowdown) / seconds, "ideal": ideal, "rates": rates,
-            "best": best, "fraction": {k: v / ideal for k, v in best.items()}}
+    return {
+        "case": "straggler",
+        "samples": shards * per_shard,
+        "single": single,
+        "all_fast": all_fast,
+        "nominal": (3 + 1 / slowdown) / seconds,
+        "ideal": ideal,
+        "rates": rates,
+        "best": best,
+        "fraction": {k: v / ideal for k, v in best.items()},
+    }
 
 
 def main(argv=None) -> int:
@@ -184,17 +217,23 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     if args.case in ("jpeg", "all"):
         r = case_jpeg(args.repeats)
-        print(f"jpeg: {r['samples']} samples/epoch, batch 32, 2 workers: torch {r['best']['torch']:.0f} samples/s, "
-              f"torchfeed {r['best']['torchfeed']:.0f} samples/s, ratio {r['ratio']:.2f}x (target >= 1.0x); "
-              f"runs {({k: [round(x) for x in v] for k, v in r['rates'].items()})}", flush=True)
+        print(
+            f"jpeg: {r['samples']} samples/epoch, batch 32, 2 workers: torch {r['best']['torch']:.0f} samples/s, "
+            f"torchfeed {r['best']['torchfeed']:.0f} samples/s, ratio {r['ratio']:.2f}x (target >= 1.0x); "
+            f"runs { ({k: [round(x) for x in v] for k, v in r['rates'].items()}) }",
+            flush=True,
+        )
     if args.case in ("straggler", "all"):
         r = case_straggler(args.repeats)
         f = r["fraction"]
-        print(f"straggler: Shards, 4 streams on 4 workers, one 4x slower, ideal {r['ideal']:.0f} samples/s "
-              f"(4 fast workers reach {r['all_fast']:.0f}; nominal ideal from the sleep alone {r['nominal']:.0f}; "
-              f"one fast reader in-process {r['single']:.0f}): torchfeed {r['best']['torchfeed']:.0f} samples/s = {f['torchfeed']:.0%} "
-              f"of ideal (target >= 90%); torch {r['best']['torch']:.0f} = {f['torch']:.0%}; "
-              f"runs {({k: [round(x) for x in v] for k, v in r['rates'].items()})}", flush=True)
+        print(
+            f"straggler: Shards, 4 streams on 4 workers, one 4x slower, ideal {r['ideal']:.0f} samples/s "
+            f"(4 fast workers reach {r['all_fast']:.0f}; nominal ideal from the sleep alone {r['nominal']:.0f}; "
+            f"one fast reader in-process {r['single']:.0f}): torchfeed {r['best']['torchfeed']:.0f} samples/s = {f['torchfeed']:.0%} "
+            f"of ideal (target >= 90%); torch {r['best']['torch']:.0f} = {f['torch']:.0%}; "
+            f"runs { ({k: [round(x) for x in v] for k, v in r['rates'].items()}) }",
+            flush=True,
+        )
     return 0
 
 

@@ -60,10 +60,18 @@ def main() -> int:
     local_flag = pre.requested
     agreed = pre.should_stop()
     pre.close()
-    result = {"rank": env.rank, "world_size": env.world_size, "local_rank": env.local_rank,
-              "source": env.source, "master_port": env.master_port, "devices": [str(d) for d in devices],
-              "params": [p.detach().flatten().tolist() for p in model.module.parameters()],
-              "local_flag": local_flag, "agreed": agreed, "backend": dist.get_backend()}
+    result = {
+        "rank": env.rank,
+        "world_size": env.world_size,
+        "local_rank": env.local_rank,
+        "source": env.source,
+        "master_port": env.master_port,
+        "devices": [str(d) for d in devices],
+        "params": [p.detach().flatten().tolist() for p in model.module.parameters()],
+        "local_flag": local_flag,
+        "agreed": agreed,
+        "backend": dist.get_backend(),
+    }
     dist.destroy_process_group()
     with open(out, "w") as f:
         json.dump(result, f)

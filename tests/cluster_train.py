@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torchfeed
+from helpers import RangeDataset
 from torchfeed import checkpoint
 from torchfeed.cluster import environment, init_distributed, workers
-from helpers import RangeDataset
 
 
 def main() -> int:
@@ -71,9 +71,17 @@ def main() -> int:
                 states = [None] * world
                 dist.all_gather_object(states, {"loader": loader.state_dict(), "seen": seen})
                 if rank == 0:
-                    checkpoint.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(),
-                                     "loader": [s["loader"] for s in states], "seen": [s["seen"] for s in states],
-                                     "epoch": epoch, "step": step}, ckpt)
+                    checkpoint.save(
+                        {
+                            "model": model.module.state_dict(),
+                            "optimizer": opt.state_dict(),
+                            "loader": [s["loader"] for s in states],
+                            "seen": [s["seen"] for s in states],
+                            "epoch": epoch,
+                            "step": step,
+                        },
+                        ckpt,
+                    )
                     print(f"rank 0: checkpoint at step {step} (epoch {epoch})", flush=True)
                 pre.requeue()
                 stopped = True
@@ -84,10 +92,15 @@ def main() -> int:
         with open(os.path.join(job_dir, f"seen.{rank}.json"), "w") as f:
             json.dump(seen, f)
         if rank == 0:
-            result = {"params": [p.detach().flatten().tolist() for p in model.module.parameters()],
-                      "steps": step, "world_size": world, "source": env.source, "workers": my_workers,
-                      "restarts": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
-                      "environment": environment().__dict__}
+            result = {
+                "params": [p.detach().flatten().tolist() for p in model.module.parameters()],
+                "steps": step,
+                "world_size": world,
+                "source": env.source,
+                "workers": my_workers,
+                "restarts": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
+                "environment": environment().__dict__,
+            }
             with open(os.path.join(job_dir, "result.json"), "w") as f:
                 json.dump(result, f)
     if dist.is_initialized():

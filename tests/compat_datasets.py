@@ -130,8 +130,15 @@ class Random(Dataset):
         return self.n
 
     def __getitem__(self, i):
-        return torch.tensor([i, torch.initial_seed(), random.randint(0, 10**6), np.random.randint(10**6),
-                             int(torch.randint(10**6, ()))])
+        return torch.tensor(
+            [
+                i,
+                torch.initial_seed(),
+                random.randint(0, 10**6),
+                np.random.randint(10**6),
+                int(torch.randint(10**6, ())),
+            ]
+        )
 
 
 class Info(Dataset):
@@ -154,8 +161,17 @@ class Info(Dataset):
         if self.delay:
             time.sleep(self.delay)
         info = get_worker_info()
-        return torch.tensor([i, info.id, info.num_workers, info.seed, int(info.dataset is self),
-                             torch.initial_seed(), os.getpid()]), self.tag
+        return torch.tensor(
+            [
+                i,
+                info.id,
+                info.num_workers,
+                info.seed,
+                int(info.dataset is self),
+                torch.initial_seed(),
+                os.getpid(),
+            ]
+        ), self.tag
 
 
 def tag_with_worker(worker_id: int) -> None:

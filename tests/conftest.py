@@ -17,8 +17,7 @@ os.environ["TORCHFEED_SECRET"] = SECRET
 os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
 sys.path.insert(0, str(TESTS))
 
-from torchfeed import LocalWorkers  # noqa: E402
-from torchfeed import client  # noqa: E402
+from torchfeed import LocalWorkers, client
 
 
 @pytest.fixture(scope="session")

@@ -127,8 +127,9 @@ class RandomAugmentDataset(Dataset):
 
         if self.delay:
             time.sleep(self.delay)
-        return torch.tensor([float(i), random.random(), float(np.random.rand()), float(torch.rand(()))],
-                            dtype=torch.float64)
+        return torch.tensor(
+            [float(i), random.random(), float(np.random.rand()), float(torch.rand(()))], dtype=torch.float64
+        )
 
 
 class PidDataset(RangeDataset):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import Callable, Dict, List, Optional
+from collections.abc import Callable
 
 from torchfeed import auth, wire
 
@@ -22,15 +22,15 @@ Hook = Callable[[int, str, int, bytes], bytes]
 
 
 class Relay:
-    def __init__(self, target: str, hook: Optional[Hook] = None, capture_limit: int = 64 << 20):
+    def __init__(self, target: str, hook: Hook | None = None, capture_limit: int = 64 << 20):
         host, port = target.rsplit(":", 1)
         self.target = (host, int(port))
         self.hook = hook
-        self.capture: Dict[str, bytearray] = {"c2w": bytearray(), "w2c": bytearray()}
+        self.capture: dict[str, bytearray] = {"c2w": bytearray(), "w2c": bytearray()}
         self.capture_limit = capture_limit
         self.connections = 0
         self._lock = threading.Lock()
-        self._socks: List[socket.socket] = []
+        self._socks: list[socket.socket] = []
         self.listener = socket.socket()
         self.listener.bind(("127.0.0.1", 0))
         self.listener.listen(64)

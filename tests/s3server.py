@@ -21,7 +21,6 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Dict, List, Optional
 
 PORT_NAMES = ("s3", "s3.grpc", "master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc")
 
@@ -51,7 +50,7 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _free_ports(n: int) -> List[int]:
+def _free_ports(n: int) -> list[int]:
     socks = []
     try:
         while len(socks) < n:
@@ -70,13 +69,13 @@ def _free_ports(n: int) -> List[int]:
 class S3Server:
     """``weed server`` with S3 on 127.0.0.1; ``endpoint`` and ``storage_options`` for s3fs."""
 
-    _shared: Optional["S3Server"] = None
+    _shared: S3Server | None = None
     _lock = threading.Lock()
 
     def __init__(self, ready_timeout: float = 40.0, attempts: int = 3):
         self.dir = tempfile.mkdtemp(prefix="torchfeed-weed-")
-        self.proc: Optional[subprocess.Popen] = None
-        self.ports: Dict[str, int] = {}
+        self.proc: subprocess.Popen | None = None
+        self.ports: dict[str, int] = {}
         self.bucket = "torchfeed-tests"
         errors = []
         for _ in range(attempts):  # a port taken by someone else between picking and binding: retry
@@ -96,8 +95,12 @@ class S3Server:
     @property
     def storage_options(self) -> dict:
         # any key works when no identities are configured
-        return {"key": "test-key", "secret": "test-secret", "client_kwargs": {"endpoint_url": self.endpoint},
-                "skip_instance_cache": True}
+        return {
+            "key": "test-key",
+            "secret": "test-secret",
+            "client_kwargs": {"endpoint_url": self.endpoint},
+            "skip_instance_cache": True,
+        }
 
     def filesystem(self):
         import s3fs
@@ -117,19 +120,39 @@ class S3Server:
         os.makedirs(logs, exist_ok=True)
         weed = weed_binary()
         known = _weed_server_flags(weed)
-        options = [f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3", f"-s3.port={p['s3']}",
-                   f"-s3.port.grpc={p['s3.grpc']}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                   f"-master.port={p['master']}", f"-master.port.grpc={p['master.grpc']}",
-                   "-master.telemetry=false", "-master.volumeSizeLimitMB=16", f"-volume.port={p['volume']}",
-                   f"-volume.port.grpc={p['volume.grpc']}", f"-filer.port={p['filer']}",
-                   f"-filer.port.grpc={p['filer.grpc']}", "-volume.max=32", "-volume.preStopSeconds=0",
-                   f"-filer.localSocket={self.dir}/filer.sock", f"-s3.localSocket={self.dir}/s3.sock"]
+        options = [
+            f"-dir={data}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-s3",
+            f"-s3.port={p['s3']}",
+            f"-s3.port.grpc={p['s3.grpc']}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-master.port={p['master']}",
+            f"-master.port.grpc={p['master.grpc']}",
+            "-master.telemetry=false",
+            "-master.volumeSizeLimitMB=16",
+            f"-volume.port={p['volume']}",
+            f"-volume.port.grpc={p['volume.grpc']}",
+            f"-filer.port={p['filer']}",
+            f"-filer.port.grpc={p['filer.grpc']}",
+            "-volume.max=32",
+            "-volume.preStopSeconds=0",
+            f"-filer.localSocket={self.dir}/filer.sock",
+            f"-s3.localSocket={self.dir}/s3.sock",
+        ]
         options = [o for o in options if o[1:].split("=")[0] in known]  # older releases lack some
         cmd = [weed, f"-logdir={logs}", "server", *options]
         self.log_path = os.path.join(self.dir, "weed.log")
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
         deadline = time.monotonic() + ready_timeout
         last = None
         while time.monotonic() < deadline:
@@ -169,7 +192,7 @@ class S3Server:
             shutil.rmtree(self.dir, ignore_errors=True)
 
     @classmethod
-    def shared(cls) -> "S3Server":
+    def shared(cls) -> S3Server:
         with cls._lock:
             if cls._shared is None:
                 cls._shared = cls()

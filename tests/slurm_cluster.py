@@ -22,13 +22,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo", "srun")
 NODES = ("g1", "c1", "c2")
 
 
-def missing_binaries() -> List[str]:
+def missing_binaries() -> list[str]:
     """Names of the Slurm/munge programs this machine lacks (searching PATH and /usr/sbin)."""
     path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/usr/local/sbin"])
     return [b for b in BINARIES if shutil.which(b, path=path) is None]
@@ -80,18 +79,21 @@ class LocalSlurm:
         self.root = Path(root).resolve()
         self.start_timeout = start_timeout
         self.conf = self.root / "slurm.conf"
-        self.procs: Dict[str, subprocess.Popen] = {}
-        self.env: Dict[str, str] = dict(os.environ, SLURM_CONF=str(self.conf))
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.env: dict[str, str] = dict(os.environ, SLURM_CONF=str(self.conf))
 
     # -- start ----------------------------------------------------------------
-    def start(self) -> "LocalSlurm":
+    def start(self) -> LocalSlurm:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             self._start_munge()
             self._write_conf()
             self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(self.conf)])
-            self._wait(lambda: self._run(["scontrol", "ping"], check=False).stdout.count("UP") > 0,
-                       "slurmctld to answer `scontrol ping`", self.root / "slurmctld.log")
+            self._wait(
+                lambda: self._run(["scontrol", "ping"], check=False).stdout.count("UP") > 0,
+                "slurmctld to answer `scontrol ping`",
+                self.root / "slurmctld.log",
+            )
             for node in NODES:
                 self._spawn(f"slurmd-{node}", [_which("slurmd"), "-D", "-N", node, "-f", str(self.conf)])
             self._wait(self._nodes_idle, "nodes g1, c1, c2 to be idle", self.root / "slurmctld.log")
@@ -114,9 +116,16 @@ class LocalSlurm:
                 os.chown(p, munge.pw_uid, munge.pw_gid)
             self.root.chmod(0o755)
         self.socket = rundir / "munge.socket"
-        cmd = [_which("munged"), "-F", f"--socket={self.socket}", f"--key-file={key}",
-               f"--pid-file={mdir / 'munged.pid'}", f"--log-file={mdir / 'munged.log'}",
-               f"--seed-file={mdir / 'munged.seed'}", "--num-threads=2"]
+        cmd = [
+            _which("munged"),
+            "-F",
+            f"--socket={self.socket}",
+            f"--key-file={key}",
+            f"--pid-file={mdir / 'munged.pid'}",
+            f"--log-file={mdir / 'munged.log'}",
+            f"--seed-file={mdir / 'munged.seed'}",
+            "--num-threads=2",
+        ]
         kw = {"user": munge.pw_uid, "group": munge.pw_gid, "extra_groups": []} if munge else {}
         self._spawn("munged", cmd, **kw)
         self._wait(self.socket.exists, "munged to create its socket", mdir / "munged.log")
@@ -163,10 +172,11 @@ PartitionName=gpu Nodes=g1 Default=YES MaxTime=INFINITE State=UP
 PartitionName=cpu Nodes=c[1-2] MaxTime=INFINITE State=UP
 """)
 
-    def _spawn(self, name: str, cmd: List[str], **kw) -> None:
+    def _spawn(self, name: str, cmd: list[str], **kw) -> None:
         log = open(self.root / f"{name}.stdio", "wb")
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                            stdin=subprocess.DEVNULL, **kw)
+        self.procs[name] = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, stdin=subprocess.DEVNULL, **kw
+        )
         log.close()
 
     def _nodes_idle(self) -> bool:
@@ -179,21 +189,23 @@ PartitionName=cpu Nodes=c[1-2] MaxTime=INFINITE State=UP
         while time.monotonic() < deadline:
             for name, p in self.procs.items():
                 if p.poll() is not None:
-                    raise RuntimeError(f"{name} exited with code {p.returncode} while waiting for {what}; "
-                                       f"see {self.root / (name + '.stdio')} and {log}")
+                    raise RuntimeError(
+                        f"{name} exited with code {p.returncode} while waiting for {what}; "
+                        f"see {self.root / (name + '.stdio')} and {log}"
+                    )
             if ready():
                 return
             time.sleep(0.2)
         raise TimeoutError(f"timed out after {self.start_timeout:g} s waiting for {what}; see {log}")
 
     # -- use --------------------------------------------------------------------
-    def _run(self, cmd: List[str], check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
+    def _run(self, cmd: list[str], check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
         return subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout, check=check)
 
     def scontrol(self, *args: str) -> str:
         return self._run(["scontrol", *args]).stdout
 
-    def job(self, job_id: str) -> Dict[str, str]:
+    def job(self, job_id: str) -> dict[str, str]:
         """``scontrol show job`` of the (leader) job as a dict (first component for a hetjob)."""
         out = self._run(["scontrol", "-o", "show", "job", job_id], check=False).stdout
         line = out.splitlines()[0] if out.strip() else ""
@@ -203,19 +215,24 @@ PartitionName=cpu Nodes=c[1-2] MaxTime=INFINITE State=UP
             fields.setdefault(k, v)
         return fields
 
-    def wait_job(self, job_id: str, timeout: float = 90.0, states=("COMPLETED", "FAILED", "CANCELLED",
-                                                                    "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
-                 ) -> Dict[str, str]:
+    def wait_job(
+        self,
+        job_id: str,
+        timeout: float = 90.0,
+        states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"),
+    ) -> dict[str, str]:
         """Poll until the job reaches one of ``states``; return its fields."""
         deadline = time.monotonic() + timeout
-        info: Dict[str, str] = {}
+        info: dict[str, str] = {}
         while time.monotonic() < deadline:
             info = self.job(job_id)
             if info.get("JobState") in states:
                 return info
             time.sleep(0.5)
-        raise TimeoutError(f"job {job_id} still {info.get('JobState')} after {timeout:g} s "
-                           f"({info.get('Reason')}); see {self.root / 'slurmctld.log'}")
+        raise TimeoutError(
+            f"job {job_id} still {info.get('JobState')} after {timeout:g} s "
+            f"({info.get('Reason')}); see {self.root / 'slurmctld.log'}"
+        )
 
     def _completing(self) -> bool:
         out = self._run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False).stdout.split()
@@ -259,14 +276,14 @@ PartitionName=cpu Nodes=c[1-2] MaxTime=INFINITE State=UP
                 p.wait()
         self.procs.clear()
 
-    def __enter__(self) -> "LocalSlurm":
+    def __enter__(self) -> LocalSlurm:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     root = (argv or sys.argv[1:] or ["/tmp/tfslurm"])[0]
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop the daemons on SIGTERM too
     with LocalSlurm(root) as cluster:

@@ -34,6 +34,7 @@ SECRET = os.environ["TORCHFEED_SECRET"]
 
 # -- helpers -----------------------------------------------------------------------
 
+
 class WorkerProcess:
     """``torchfeed worker`` in a process of its own, with optional limits on open files."""
 
@@ -44,8 +45,14 @@ class WorkerProcess:
 
         cmd = [sys.executable, "-m", "torchfeed", "worker", "--host", "127.0.0.1", "--port", "0", *args]
         self.log = log
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=limit,
-                                     stderr=open(log, "w") if log else None, env=dict(os.environ, **(env or {})))
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=limit,
+            stderr=open(log, "w") if log else None,
+            env=dict(os.environ, **(env or {})),
+        )
         self.address = self.proc.stdout.readline().strip()
         assert self.address, f"worker did not start (exit code {self.proc.poll()})"
 
@@ -157,6 +164,7 @@ def expected_batches(n: int, batch_size: int):
 
 # -- the relay ---------------------------------------------------------------------------
 
+
 def test_relay_forwards_honestly(workers2, relays):
     """Control: the relay itself works, so the failures below are the attacks' doing."""
     r = relays(workers2[0])
@@ -214,10 +222,12 @@ def test_loader_finishes_the_epoch_exactly_once_under_attack(fresh_workers, rela
         "tamper-reply": flip_byte_at(W2C_SEALED + 150_000, "w2c", conn=0),
         # after the calls that build the dataset (a failure there fails RemoteDataset at once)
         "replay-request": replay_first_sealed("c2w", conn=0, after=2),
-        "inject-call": inject_before_sealed(clear_frame(wire.CALL, pickle.dumps((Marker(str(marker)), (), {}))),
-                                            "c2w", conn=0, after=2),
-        "inject-reply": inject_before_sealed(clear_frame(wire.REPLY, pickle.dumps(Marker(str(marker)))),
-                                             "w2c", conn=0, after=2),
+        "inject-call": inject_before_sealed(
+            clear_frame(wire.CALL, pickle.dumps((Marker(str(marker)), (), {}))), "c2w", conn=0, after=2
+        ),
+        "inject-reply": inject_before_sealed(
+            clear_frame(wire.REPLY, pickle.dumps(Marker(str(marker)))), "w2c", conn=0, after=2
+        ),
     }
     r = relays(w.addresses[1], hooks[attack])
     n, bs = 48, 4
@@ -293,15 +303,35 @@ def test_opt_out_needs_both_sides(spawn, relays, monkeypatch):
     assert KEY_MARKER.encode() not in wire_bytes and BATCH_MARKER not in wire_bytes
 
 
-@pytest.mark.skipif(not os.path.exists("/usr/bin/tcpdump") and not os.path.exists("/usr/sbin/tcpdump"),
-                    reason="tcpdump is not installed")
+@pytest.mark.skipif(
+    not os.path.exists("/usr/bin/tcpdump") and not os.path.exists("/usr/sbin/tcpdump"),
+    reason="tcpdump is not installed",
+)
 @pytest.mark.skipif(os.geteuid() != 0, reason="capturing on loopback needs root")
 def test_tcpdump_of_loopback_holds_nothing_in_clear(spawn, tmp_path):
     w = spawn()
     port = w.address.rsplit(":", 1)[1]
     pcap, err = tmp_path / "lo.pcap", tmp_path / "tcpdump.err"
-    dump = subprocess.Popen(["tcpdump", "-i", "lo", "--immediate-mode", "-Z", "root", "-U", "-s", "0", "-w", str(pcap), "tcp", "port", port],
-                            stdout=subprocess.DEVNULL, stderr=open(err, "w"))
+    dump = subprocess.Popen(
+        [
+            "tcpdump",
+            "-i",
+            "lo",
+            "--immediate-mode",
+            "-Z",
+            "root",
+            "-U",
+            "-s",
+            "0",
+            "-w",
+            str(pcap),
+            "tcp",
+            "port",
+            port,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(err, "w"),
+    )
     try:
         assert wait_for(lambda: "listening on" in err.read_text(), timeout=10)
         time.sleep(1.0)  # the filter is attached just after tcpdump says it listens
@@ -319,6 +349,7 @@ def test_tcpdump_of_loopback_holds_nothing_in_clear(spawn, tmp_path):
 
 
 # -- floods ------------------------------------------------------------------------------------
+
 
 def _connect_many(address: str, n: int, first_bytes: bytes = b"") -> list:
     host, port = address.rsplit(":", 1)
@@ -363,8 +394,10 @@ def test_idle_and_half_open_floods_under_a_low_fd_limit(spawn, many_fds, tmp_pat
         s.close()
     assert w.alive()
     served_within(w.address, 10)
-    print(f"served during the flood after {during:.2f} s, after 600 idle {after_idle:.2f} s, "
-          f"after 300 half-open {after_half_open:.2f} s")
+    print(
+        f"served during the flood after {during:.2f} s, after 600 idle {after_idle:.2f} s, "
+        f"after 300 half-open {after_half_open:.2f} s"
+    )
 
 
 def test_accept_survives_running_out_of_file_descriptors(spawn, many_fds, tmp_path):
@@ -495,6 +528,7 @@ def test_an_exception_that_cannot_be_printed_still_gets_an_answer(workers2):
 
 # -- a client that stops reading, and per-connection bounds ----------------------------------
 
+
 def big_reply(nbytes: int):
     return torch.empty(nbytes, dtype=torch.uint8)
 
@@ -521,11 +555,15 @@ def test_a_client_that_stops_reading_does_not_stall_others(spawn):
 
 
 def test_per_connection_bounds_answer_with_clear_errors(spawn):
-    w = spawn("--parallel", "1", "--max-call-bytes", "1000000", "--max-refs", "3", "--max-queued-requests", "4")
+    w = spawn(
+        "--parallel", "1", "--max-call-bytes", "1000000", "--max-refs", "3", "--max-queued-requests", "4"
+    )
     # call size
     with pytest.raises(torchfeed.TorchfeedError, match="--max-call-bytes"):
         torchfeed.rpc_async(w.address, len, args=(b"x" * 2_000_000,), timeout=20).wait()
-    assert torchfeed.rpc_async(w.address, len, args=(b"x" * 1000,), timeout=20).wait() == 1000  # same connection
+    assert (
+        torchfeed.rpc_async(w.address, len, args=(b"x" * 1000,), timeout=20).wait() == 1000
+    )  # same connection
     # remote references
     refs = [torchfeed.rpc_async(w.address, dict, rref=True, timeout=20).wait() for _ in range(3)]
     with pytest.raises(torchfeed.TorchfeedError, match="--max-refs"):
@@ -555,6 +593,7 @@ def _try_ref(address: str) -> bool:
 
 
 # -- address files ------------------------------------------------------------------------------
+
 
 def test_address_file_others_can_write_is_refused(tmp_path):
     from torchfeed.addrfile import UnsafeAddressFile, announce, read_address_file

@@ -13,18 +13,30 @@ import pytest
 def test_bench_overhead_prints_a_table_row():
     proc = subprocess.run(
         [sys.executable, "-m", "torchfeed", "bench", "overhead", "--seconds", "0.3"],
-        capture_output=True, text=True, timeout=28,
+        capture_output=True,
+        text=True,
+        timeout=28,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"^case\s+metric\s+torch\s+torchfeed\s+ratio\s+target\s+result\s+trainer CPU ms/batch",
-                     proc.stdout, re.M), proc.stdout
-    row = re.search(r"^overhead\s+items/s\s+[\d,.]+\s+[\d,.]+\s+[\d.]+x\s+>= 3x\s+(PASS|FAIL)\s+[\d.]+ / [\d.]+\s*$",
-                    proc.stdout, re.M)
+    assert re.search(
+        r"^case\s+metric\s+torch\s+torchfeed\s+ratio\s+target\s+result\s+trainer CPU ms/batch",
+        proc.stdout,
+        re.M,
+    ), proc.stdout
+    row = re.search(
+        r"^overhead\s+items/s\s+[\d,.]+\s+[\d,.]+\s+[\d.]+x\s+>= 3x\s+(PASS|FAIL)\s+[\d.]+ / [\d.]+\s*$",
+        proc.stdout,
+        re.M,
+    )
     assert row, proc.stdout
 
 
 def test_bench_rejects_unknown_case():
-    proc = subprocess.run([sys.executable, "-m", "torchfeed", "bench", "nosuchcase", "--seconds", "0.1"],
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchfeed", "bench", "nosuchcase", "--seconds", "0.1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 2
     assert "unknown benchmark case" in proc.stderr

@@ -18,12 +18,20 @@ from torchfeed.checkpoint import Preemption
 
 
 def _state(v: float) -> dict:
-    return {"model": {"w": torch.full((3, 4), v), "b": torch.arange(3)}, "step": int(v), "tags": ["a", {"x": v}]}
+    return {
+        "model": {"w": torch.full((3, 4), v), "b": torch.arange(3)},
+        "step": int(v),
+        "tags": ["a", {"x": v}],
+    }
 
 
 def _same(a: dict, b: dict) -> bool:
-    return (torch.equal(a["model"]["w"], b["model"]["w"]) and torch.equal(a["model"]["b"], b["model"]["b"])
-            and a["step"] == b["step"] and a["tags"] == b["tags"])
+    return (
+        torch.equal(a["model"]["w"], b["model"]["w"])
+        and torch.equal(a["model"]["b"], b["model"]["b"])
+        and a["step"] == b["step"]
+        and a["tags"] == b["tags"]
+    )
 
 
 def test_local_roundtrip_leaves_no_temporary_files(tmp_path):
@@ -120,7 +128,7 @@ def test_requeue(monkeypatch, tmp_path, caplog):
     record = tmp_path / "args"
     fake = tmp_path / "bin" / "scontrol"
     fake.parent.mkdir()
-    fake.write_text(f"#!/bin/sh\necho \"$@\" > {record}\n")
+    fake.write_text(f'#!/bin/sh\necho "$@" > {record}\n')
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("SLURM_JOB_ID", "4242")

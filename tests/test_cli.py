@@ -19,13 +19,14 @@ import torch
 from torch.utils.data import DataLoader
 
 import torchfeed
-from torchfeed import cli
 from helpers import RangeDataset, deep_equal
 from helpers import wait_for as _wait_for
+from torchfeed import cli
 
 
 def wait_for(predicate, timeout: float = 10.0) -> bool:
     return _wait_for(predicate, timeout)
+
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,6 +36,7 @@ LAUNCH = [sys.executable, "-m", "torchfeed.launch", "--host", "127.0.0.1", "--po
 
 
 # -- helpers ------------------------------------------------------------------------
+
 
 def child_env():
     env = dict(os.environ)
@@ -48,8 +50,14 @@ class Command:
     def __init__(self, argv, tmp_path: Path):
         self.stderr_path = tmp_path / f"stderr-{time.monotonic_ns()}"
         self._stderr = open(self.stderr_path, "w")
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
-                                     env=child_env(), start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            env=child_env(),
+            start_new_session=True,
+        )
         self.pid = self.proc.pid
         self._pending = ""  # read from stdout, not yet returned
 
@@ -144,8 +152,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-
-
 def serving_pid(address: str) -> int:
     return torchfeed.rpc_async(address, os.getpid, timeout=20).wait()
 
@@ -159,13 +165,16 @@ def check_addresses(lines, n: int):
 
 # -- one process ----------------------------------------------------------------------
 
+
 def test_single_workers_print_one_line_share_an_address_file_and_stop_on_signals(run, tmp_path):
     """`torchfeed worker` and the seed's `python -m torchfeed.launch`, started at once and
     appending to one address file; one stops on SIGTERM, the other on SIGINT."""
     path = tmp_path / "workers.txt"
     path.write_text("previous:1\n")  # appended to, never truncated
-    commands = {signal.SIGTERM: run(WORKER + ["--address-file", str(path)]),
-                signal.SIGINT: run(LAUNCH + ["--address-file", str(path)])}
+    commands = {
+        signal.SIGTERM: run(WORKER + ["--address-file", str(path)]),
+        signal.SIGINT: run(LAUNCH + ["--address-file", str(path)]),
+    }
     printed = {}
     for sig, cmd in commands.items():
         [line] = cmd.read_lines(1)  # flushed: stdout is a pipe and PYTHONUNBUFFERED is unset
@@ -216,6 +225,7 @@ def test_worker_stops_whichever_thread_receives_the_signal(run):
 
 
 # -- several processes ------------------------------------------------------------------
+
 
 def test_procs_three_and_sigterm(run):
     cmd = run(WORKER + ["--procs", "3"])
@@ -276,6 +286,7 @@ def test_procs_exit_code_reports_a_killed_worker(run):
 
 
 # -- help and usage errors -----------------------------------------------------------------
+
 
 def test_help_exits_0():
     script = shutil.which("torchfeed")
@@ -343,17 +354,35 @@ def test_procs_start_all_or_none(run, tmp_path):
     holder, port = _taken_port()
     path = tmp_path / "workers"
     with holder:
-        cmd = run([sys.executable, "-m", "torchfeed", "worker", "--host", "127.0.0.1", "--port", str(port - 1),
-                   "--procs", "3", "--address-file", str(path)])
+        cmd = run(
+            [
+                sys.executable,
+                "-m",
+                "torchfeed",
+                "worker",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port - 1),
+                "--procs",
+                "3",
+                "--address-file",
+                str(path),
+            ]
+        )
         assert wait_for(lambda: cmd.children(), 20)
         kids = cmd.children()
         assert cmd.proc.wait(90) == 1
         err = cmd.stderr()
         assert err.count("\n") == 1, err
-        assert (f"torchfeed worker: process 2 of 3 (127.0.0.1:{port}) could not start: cannot serve on "
-                f"127.0.0.1:{port}: Address already in use; all 3 processes were stopped") in err
+        assert (
+            f"torchfeed worker: process 2 of 3 (127.0.0.1:{port}) could not start: cannot serve on "
+            f"127.0.0.1:{port}: Address already in use; all 3 processes were stopped"
+        ) in err
     assert cmd.rest_of_stdout() == "" and not path.exists()
-    assert wait_for(lambda: not any(alive(k) for k in kids), 10), "a process of the failed start is still running"
+    assert wait_for(lambda: not any(alive(k) for k in kids), 10), (
+        "a process of the failed start is still running"
+    )
 
 
 def test_procs_output_of_the_processes_is_prefixed(run, tmp_path):
@@ -375,7 +404,9 @@ def test_version_and_help_for_every_option(capsys):
     for name, sub in subcommands.items():
         for action in sub._actions:
             if action.dest != "help":
-                assert action.help, f"`torchfeed {name}` option {action.option_strings or action.dest} has no help"
+                assert action.help, (
+                    f"`torchfeed {name}` option {action.option_strings or action.dest} has no help"
+                )
     assert "DEBUG, INFO, WARNING, ERROR, CRITICAL" in subcommands["worker"].format_help()
     bench_help = subcommands["bench"].format_help()
     assert all(case in bench_help for case in cli.BENCH_CASES)
@@ -388,10 +419,14 @@ def test_bench_cases_listed_by_the_command_are_the_benchmarks():
 
 
 def test_help_does_not_import_torch():
-    code = ("import sys, atexit\n"
-            "atexit.register(lambda: print('torch imported' if 'torch' in sys.modules else 'no torch'))\n"
-            "from torchfeed.cli import main\nmain(['{}', '--help'])\n")
+    code = (
+        "import sys, atexit\n"
+        "atexit.register(lambda: print('torch imported' if 'torch' in sys.modules else 'no torch'))\n"
+        "from torchfeed.cli import main\nmain(['{}', '--help'])\n"
+    )
     for sub in ["worker", "demo", "bench", "slurm"]:
-        proc = subprocess.run([sys.executable, "-c", code.format(sub)], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-c", code.format(sub)], capture_output=True, text=True, timeout=60
+        )
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.rstrip().endswith("no torch"), (sub, proc.stdout[-300:])

@@ -17,15 +17,34 @@ import pytest
 import torch
 
 from torchfeed import LocalWorkers
-from torchfeed.cluster import Environment, device_group, environment, init_distributed, split_workers, workers
-from torchfeed.cluster import discovery
+from torchfeed.cluster import (
+    Environment,
+    device_group,
+    discovery,
+    environment,
+    init_distributed,
+    split_workers,
+    workers,
+)
 from torchfeed.cluster import env as cenv
 from torchfeed.errors import Timeout, TorchfeedError
 
 TESTS = Path(__file__).resolve().parent
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-               "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHFEED_WORKERS", "TORCHFEED_ADDRESS_FILE",
-               "TORCHFEED_NUM_WORKERS", "TORCHFEED_GPUS_PER_MODEL")
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHFEED_WORKERS",
+    "TORCHFEED_ADDRESS_FILE",
+    "TORCHFEED_NUM_WORKERS",
+    "TORCHFEED_GPUS_PER_MODEL",
+)
 
 
 @pytest.fixture
@@ -42,10 +61,22 @@ def clean_env(monkeypatch):
 
 # -- environment() for each launcher ------------------------------------------------
 
+
 def test_torchrun_variables():
-    env = environment({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
-                       "GROUP_RANK": "1", "MASTER_ADDR": "node0", "MASTER_PORT": "29511",
-                       "TORCHELASTIC_RUN_ID": "abc", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2"})
+    env = environment(
+        {
+            "RANK": "5",
+            "WORLD_SIZE": "8",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "4",
+            "GROUP_RANK": "1",
+            "MASTER_ADDR": "node0",
+            "MASTER_PORT": "29511",
+            "TORCHELASTIC_RUN_ID": "abc",
+            "SLURM_PROCID": "0",
+            "SLURM_STEP_NUM_TASKS": "2",
+        }
+    )
     assert env == Environment(5, 1, 8, 4, 1, "node0", 29511, "torchrun", "abc")
     plain = environment({"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "1234"})
     assert (plain.source, plain.local_rank, plain.local_world_size, plain.node_rank) == ("env", 0, 1, 3)
@@ -53,29 +84,68 @@ def test_torchrun_variables():
 
 # Variables as Slurm 22.05 sets them in the tasks of `srun --het-group=0` (2 tasks on g1)
 # and of `srun --het-group=0,1` (tasks on g1, c1, c2) in a heterogeneous job.
-HET_COMMON = {"SLURM_JOB_ID": "41", "SLURM_HET_SIZE": "2", "SLURM_JOB_NODELIST_HET_GROUP_0": "g1",
-              "SLURM_JOB_NODELIST_HET_GROUP_1": "c[1-2]"}
+HET_COMMON = {
+    "SLURM_JOB_ID": "41",
+    "SLURM_HET_SIZE": "2",
+    "SLURM_JOB_NODELIST_HET_GROUP_0": "g1",
+    "SLURM_JOB_NODELIST_HET_GROUP_1": "c[1-2]",
+}
 
 
 def test_slurm_het_group_step():
-    env = environment({**HET_COMMON, "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
-                       "SLURM_STEP_ID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "g1",
-                       "SLURM_STEP_TASKS_PER_NODE": "2", "SLURMD_NODENAME": "g1", "SLURM_JOB_NODELIST": "g1"})
+    env = environment(
+        {
+            **HET_COMMON,
+            "SLURM_PROCID": "1",
+            "SLURM_LOCALID": "1",
+            "SLURM_NODEID": "0",
+            "SLURM_STEP_ID": "1",
+            "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_STEP_NODELIST": "g1",
+            "SLURM_STEP_TASKS_PER_NODE": "2",
+            "SLURMD_NODENAME": "g1",
+            "SLURM_JOB_NODELIST": "g1",
+        }
+    )
     assert env == Environment(1, 1, 2, 2, 0, "g1", cenv.derive_port("41.1"), "slurm", "41")
 
 
 def test_slurm_step_spanning_het_groups():
-    env = environment({**HET_COMMON, "SLURM_PROCID": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
-                       "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NODELIST": "c[1-2],g1",
-                       "SLURM_STEP_TASKS_PER_NODE": "1(x2),2", "SLURMD_NODENAME": "c1"})
+    env = environment(
+        {
+            **HET_COMMON,
+            "SLURM_PROCID": "2",
+            "SLURM_LOCALID": "0",
+            "SLURM_NODEID": "1",
+            "SLURM_STEP_ID": "0",
+            "SLURM_STEP_NUM_TASKS": "4",
+            "SLURM_STEP_NODELIST": "c[1-2],g1",
+            "SLURM_STEP_TASKS_PER_NODE": "1(x2),2",
+            "SLURMD_NODENAME": "c1",
+        }
+    )
     # rank 0 runs on group 0's first node, although the sorted node list starts with c1
-    assert (env.rank, env.world_size, env.local_world_size, env.node_rank, env.master_addr) == (2, 4, 1, 1, "g1")
+    assert (env.rank, env.world_size, env.local_world_size, env.node_rank, env.master_addr) == (
+        2,
+        4,
+        1,
+        1,
+        "g1",
+    )
 
 
 def test_slurm_multi_node_and_respected_variables():
-    base = {"SLURM_JOB_ID": "77", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
-            "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "6", "SLURM_STEP_NODELIST": "gpu[08-10]",
-            "SLURM_STEP_TASKS_PER_NODE": "2(x3)", "SLURMD_NODENAME": "gpu10"}
+    base = {
+        "SLURM_JOB_ID": "77",
+        "SLURM_PROCID": "5",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "2",
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NUM_TASKS": "6",
+        "SLURM_STEP_NODELIST": "gpu[08-10]",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x3)",
+        "SLURMD_NODENAME": "gpu10",
+    }
     env = environment(base)
     assert (env.local_world_size, env.node_rank, env.master_addr) == (2, 2, "gpu08")
     assert environment({**base, "SLURM_STEP_RESV_PORTS": "12010-12013"}).master_port == 12010
@@ -85,27 +155,60 @@ def test_slurm_multi_node_and_respected_variables():
 
 def test_batch_script_is_a_single_process():
     env = environment({"SLURM_JOB_ID": "9", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"})  # no step variables
-    assert (env.source, env.world_size, env.job_id, env.master_port) == ("single", 1, "9", cenv.derive_port("9"))
+    assert (env.source, env.world_size, env.job_id, env.master_port) == (
+        "single",
+        1,
+        "9",
+        cenv.derive_port("9"),
+    )
     assert environment({}) == Environment()
 
 
 def test_mpi_launchers():
-    ompi = environment({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-                        "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "n0", "PMIX_NAMESPACE": "ns1"})
+    ompi = environment(
+        {
+            "OMPI_COMM_WORLD_RANK": "3",
+            "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            "MASTER_ADDR": "n0",
+            "PMIX_NAMESPACE": "ns1",
+        }
+    )
     assert ompi == Environment(3, 1, 4, 2, 1, "n0", cenv.derive_port("ns1"), "openmpi", "ns1")
-    one_node = environment({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
-                            "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+    one_node = environment(
+        {
+            "OMPI_COMM_WORLD_RANK": "0",
+            "OMPI_COMM_WORLD_SIZE": "2",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        }
+    )
     assert one_node.master_addr == "127.0.0.1"
-    mpich = environment({"PMI_RANK": "2", "PMI_SIZE": "3", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1",
-                         "MASTER_ADDR": "a", "MASTER_PORT": "2000"})
+    mpich = environment(
+        {
+            "PMI_RANK": "2",
+            "PMI_SIZE": "3",
+            "MPI_LOCALRANKID": "0",
+            "MPI_LOCALNRANKS": "1",
+            "MASTER_ADDR": "a",
+            "MASTER_PORT": "2000",
+        }
+    )
     assert mpich == Environment(2, 0, 3, 1, 2, "a", 2000, "mpich", None)
     pmi = environment({"PMI_RANK": "1", "PMI_SIZE": "2", "MASTER_ADDR": "b", "MASTER_PORT": "2001"})
     assert (pmi.source, pmi.rank, pmi.world_size) == ("pmi", 1, 2)
 
 
 def test_unknown_master_is_a_clear_error():
-    multi_node = environment({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4",
-                              "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+    multi_node = environment(
+        {
+            "OMPI_COMM_WORLD_RANK": "0",
+            "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        }
+    )
     assert multi_node.master_addr is None
     with pytest.raises(TorchfeedError, match="set MASTER_ADDR"):
         init_distributed(env=multi_node)
@@ -119,8 +222,9 @@ def test_dask_worker(clean_env):
     fake = types.SimpleNamespace(get_worker=lambda: me, get_client=lambda: client)
     clean_env.setitem(sys.modules, "distributed", fake)
     env = environment()
-    assert env == Environment(1, 1, 3, 2, 0, "10.0.0.1", cenv.derive_port("tcp://10.0.0.9:8786"), "dask",
-                              "tcp://10.0.0.9:8786")
+    assert env == Environment(
+        1, 1, 3, 2, 0, "10.0.0.1", cenv.derive_port("tcp://10.0.0.9:8786"), "dask", "tcp://10.0.0.9:8786"
+    )
 
     def outside():
         raise ValueError("No worker found")
@@ -131,8 +235,12 @@ def test_dask_worker(clean_env):
 
 def test_dask_local_cluster(clean_env):
     distributed = pytest.importorskip("distributed")
-    with distributed.LocalCluster(n_workers=2, processes=False, threads_per_worker=1, dashboard_address=None) as lc, \
-            distributed.Client(lc) as client:
+    with (
+        distributed.LocalCluster(
+            n_workers=2, processes=False, threads_per_worker=1, dashboard_address=None
+        ) as lc,
+        distributed.Client(lc) as client,
+    ):
         addresses = sorted(client.scheduler_info()["workers"])
         envs = [client.submit(environment, pure=False, workers=[a]).result(timeout=30) for a in addresses]
     assert [(e.source, e.rank, e.world_size) for e in envs] == [("dask", 0, 2), ("dask", 1, 2)]
@@ -141,6 +249,7 @@ def test_dask_local_cluster(clean_env):
 
 
 # -- ports ---------------------------------------------------------------------------
+
 
 def test_derived_ports_are_stable_and_spread():
     assert cenv.derive_port("123") == cenv.derive_port("123")
@@ -164,18 +273,26 @@ def test_choose_port_checks_the_port_is_free():
 def test_port_helper_command(clean_env):
     job = f"cmd-{secrets.token_hex(4)}"
     env = dict(os.environ, SLURM_JOB_ID=job)
-    out = subprocess.run([sys.executable, "-m", "torchfeed.cluster", "port"], env=env, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "torchfeed.cluster", "port"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0 and int(out.stdout) in (cenv.derive_port(job, 0), cenv.derive_port(job, 1))
 
 
 def test_export_keeps_existing_variables(clean_env):
     clean_env.setenv("MASTER_PORT", "1111")
     cenv._export(Environment(1, 0, 2, 2, 0, "h", 2222, "slurm", "1"))
-    assert os.environ["MASTER_PORT"] == "1111" and os.environ["RANK"] == "1" and os.environ["MASTER_ADDR"] == "h"
+    assert (
+        os.environ["MASTER_PORT"] == "1111" and os.environ["RANK"] == "1" and os.environ["MASTER_ADDR"] == "h"
+    )
 
 
 # -- workers() -------------------------------------------------------------------------
+
 
 def test_split_and_shared(clean_env):
     addrs = [f"w{i}:1" for i in range(5)]
@@ -231,8 +348,12 @@ def test_address_file_from_real_workers(clean_env, tmp_path):
     with LocalWorkers(2, extra_args=["--address-file", str(path)]) as w:
         got = workers(address_file=str(path), expected=2, shared=True, timeout=30)
         assert sorted(got) == sorted(w.addresses)
-        out = subprocess.run([sys.executable, "-m", "torchfeed.cluster", "wait-workers", str(path), "2",
-                              "--timeout", "10"], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "torchfeed.cluster", "wait-workers", str(path), "2", "--timeout", "10"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0 and out.stdout.split() == got
 
 
@@ -240,13 +361,29 @@ def test_wait_workers_command_fails_fast_when_the_workers_died(tmp_path):
     dead = subprocess.Popen(["true"])
     dead.wait()
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "torchfeed.cluster", "wait-workers", str(tmp_path / "none"), "2",
-                          "--timeout", "60", "--pid", str(dead.pid)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchfeed.cluster",
+            "wait-workers",
+            str(tmp_path / "none"),
+            "2",
+            "--timeout",
+            "60",
+            "--pid",
+            str(dead.pid),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1 and "stopped before registering: 0 of 2" in out.stderr
     assert time.monotonic() - t0 < 30
 
 
 # -- device_group --------------------------------------------------------------------
+
 
 def test_device_group_cpu(clean_env):
     assert device_group(2, local_rank=3) == [torch.device("cpu")] * 2
@@ -277,6 +414,7 @@ def test_device_group_real_gpus():
 
 # -- torch.distributed ---------------------------------------------------------------------
 
+
 def test_single_process_is_a_no_op(clean_env):
     import torch.distributed as dist
 
@@ -299,13 +437,28 @@ def test_ddp_over_a_model_split_across_two_devices(clean_env, tmp_path):
     from cluster_ddp import SplitModel, batch
 
     job = f"ddp-{secrets.token_hex(4)}"
-    base = dict(os.environ, SLURM_JOB_ID=job, SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="2", SLURM_NODEID="0",
-                SLURM_STEP_NODELIST="localhost", SLURMD_NODENAME="localhost", SLURM_STEP_TASKS_PER_NODE="2",
-                TORCHFEED_GPUS_PER_MODEL="2", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    base = dict(
+        os.environ,
+        SLURM_JOB_ID=job,
+        SLURM_STEP_ID="0",
+        SLURM_STEP_NUM_TASKS="2",
+        SLURM_NODEID="0",
+        SLURM_STEP_NODELIST="localhost",
+        SLURMD_NODENAME="localhost",
+        SLURM_STEP_TASKS_PER_NODE="2",
+        TORCHFEED_GPUS_PER_MODEL="2",
+        CUDA_VISIBLE_DEVICES="",
+        OMP_NUM_THREADS="1",
+    )
     if not cenv.port_is_free(cenv.derive_port(f"{job}.0")):
         pytest.skip("the derived port happens to be busy on this machine")
-    procs = [subprocess.Popen([sys.executable, str(TESTS / "cluster_ddp.py"), str(tmp_path / f"r{r}.json")],
-                              env=dict(base, SLURM_PROCID=str(r), SLURM_LOCALID=str(r))) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(TESTS / "cluster_ddp.py"), str(tmp_path / f"r{r}.json")],
+            env=dict(base, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)),
+        )
+        for r in range(2)
+    ]
     try:
         codes = [p.wait(timeout=90) for p in procs]
     finally:

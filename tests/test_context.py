@@ -23,7 +23,10 @@ def pids_of(addresses):
 
 def test_get_worker_info_in_getitem(workers2):
     ds = torchfeed.RemoteDataset(workers2, Info, 16)
-    assert torchfeed.rpc_async(workers2[0], lambda d: d.built_with_info, args=(ds.ref(workers2[0]),)).wait() is None
+    assert (
+        torchfeed.rpc_async(workers2[0], lambda d: d.built_with_info, args=(ds.ref(workers2[0]),)).wait()
+        is None
+    )
     by_pid = pids_of(workers2)
     rows = torch.cat([x for x, _ in torchfeed.RemoteDataLoader(ds, batch_size=2, shuffle=True)])
     assert sorted(rows[:, 0].tolist()) == list(range(16))
@@ -52,7 +55,9 @@ def test_worker_init_fn_configures_the_instance_that_loads(workers2):
             for row, tag in zip(rows.tolist(), tags):
                 assert tag == f"init{row[1]}"
                 assert row[4] == 1  # info.dataset is what loads: the loader's own copy
-    for address in workers2:  # the workers' instances themselves are untouched; other loaders see them as built
+    for (
+        address
+    ) in workers2:  # the workers' instances themselves are untouched; other loaders see them as built
         assert torchfeed.rpc_async(address, lambda d: d.tag, args=(ds.ref(address),)).wait() == "built"
     assert {t for _, tags in torchfeed.RemoteDataLoader(ds, batch_size=4) for t in tags} == {"built"}
 
@@ -60,7 +65,9 @@ def test_worker_init_fn_configures_the_instance_that_loads(workers2):
 def test_per_sample_seeds_are_collatable_and_independent_of_worker_init_fn(workers2):
     ds = torchfeed.RemoteDataset(workers2, Random, 12)
     plain = list(torchfeed.RemoteDataLoader(ds, batch_size=4, seed=7))
-    with_init = list(torchfeed.RemoteDataLoader(ds, batch_size=4, seed=7, worker_init_fn=seed_numpy_like_torch_docs))
+    with_init = list(
+        torchfeed.RemoteDataLoader(ds, batch_size=4, seed=7, worker_init_fn=seed_numpy_like_torch_docs)
+    )
     assert deep_equal(plain, with_init)  # per-sample seeding overrides what worker_init_fn seeded
     seeds = torch.cat(plain)[:, 1]
     assert (seeds >= 0).all() and len(set(seeds.tolist())) == 12  # one seed per sample, in [0, 2**63)
@@ -72,7 +79,9 @@ def test_without_per_sample_seeding_one_worker_is_torchs_worker(fresh_workers, i
     order: with one worker the batches are torch's (num_workers=1), bit for bit."""
     w = fresh_workers(1)
     ds = torchfeed.RemoteDataset(w.addresses, Random, 12)
-    ours = torchfeed.RemoteDataLoader(ds, batch_size=4, shuffle=True, per_sample_seeding=False, worker_init_fn=init)
+    ours = torchfeed.RemoteDataLoader(
+        ds, batch_size=4, shuffle=True, per_sample_seeding=False, worker_init_fn=init
+    )
     for epoch in range(2):
         torch.manual_seed(epoch)
         got = list(ours)
@@ -80,7 +89,9 @@ def test_without_per_sample_seeding_one_worker_is_torchs_worker(fresh_workers, i
         # other calls on the worker between batches must not disturb the pass's stream
         torchfeed.rpc_async(w.addresses[0], lambda: torch.rand(3)).wait()
         torch.manual_seed(epoch)
-        expected = list(DataLoader(Random(12), batch_size=4, shuffle=True, num_workers=1, worker_init_fn=init))
+        expected = list(
+            DataLoader(Random(12), batch_size=4, shuffle=True, num_workers=1, worker_init_fn=init)
+        )
         assert deep_equal(got, expected)
         assert torch.equal(after, torch.get_rng_state())
 
@@ -96,7 +107,9 @@ def test_context_is_per_thread_on_a_parallel_worker(workers2, fresh_workers):
     def run(name, ds):
         results[name] = torch.cat([x for x, _ in torchfeed.RemoteDataLoader(ds, batch_size=1)])
 
-    threads = [threading.Thread(target=run, args=(name, ds)) for name, ds in [("alone", alone), ("second", second)]]
+    threads = [
+        threading.Thread(target=run, args=(name, ds)) for name, ds in [("alone", alone), ("second", second)]
+    ]
     for t in threads:
         t.start()
     for t in threads:

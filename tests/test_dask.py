@@ -33,8 +33,17 @@ RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR
 
 @pytest.fixture(scope="module")
 def client():
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address=None, silence_logs=logging.ERROR) as cluster, Client(cluster) as c:
+    with (
+        LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            host="127.0.0.1",
+            dashboard_address=None,
+            silence_logs=logging.ERROR,
+        ) as cluster,
+        Client(cluster) as c,
+    ):
         c.wait_for_workers(2, timeout=60)
         yield c
 
@@ -56,14 +65,20 @@ def alive(pid: int) -> bool:
 
 # ---------------------------------------------------------------- functions run as ranks
 
+
 def allreduce(scale):
     import distributed
 
     t = torch.tensor([float(dist.get_rank() + 1) * scale])
     dist.all_reduce(t)
-    return {"sum": t.item(), "rank": dist.get_rank(), "world": dist.get_world_size(),
-            "backend": dist.get_backend(), "env": {k: os.environ[k] for k in RANK_ENV},
-            "worker": distributed.get_worker().address}
+    return {
+        "sum": t.item(),
+        "rank": dist.get_rank(),
+        "world": dist.get_world_size(),
+        "backend": dist.get_backend(),
+        "env": {k: os.environ[k] for k in RANK_ENV},
+        "worker": distributed.get_worker().address,
+    }
 
 
 def train_step(x, y, lr):
@@ -121,14 +136,16 @@ def secret_here():
 
 # ---------------------------------------------------------------- DDP
 
+
 def rank_env():
     return {k: os.environ.get(k) for k in RANK_ENV}
 
 
 def test_allreduce_across_two_ranks(client):
     before = client.run(rank_env)
-    futures = tfd.run(client, allreduce, 2.0, backend="gloo",
-                      init_kwargs={"timeout": datetime.timedelta(seconds=60)})
+    futures = tfd.run(
+        client, allreduce, 2.0, backend="gloo", init_kwargs={"timeout": datetime.timedelta(seconds=60)}
+    )
     results = client.gather(futures)
     assert [r["sum"] for r in results] == [6.0, 6.0]  # 2 * (1 + 2)
     assert [r["rank"] for r in results] == [0, 1] and {r["world"] for r in results} == {2}
@@ -136,7 +153,9 @@ def test_allreduce_across_two_ranks(client):
     assert sorted(r["worker"] for r in results) == sorted(client.scheduler_info()["workers"])
     envs = [r["env"] for r in results]
     assert [e["RANK"] for e in envs] == ["0", "1"] and [e["LOCAL_RANK"] for e in envs] == ["0", "1"]
-    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"} and {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"}
+    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"} and {e["MASTER_ADDR"] for e in envs} == {
+        "127.0.0.1"
+    }
     assert len({e["MASTER_PORT"] for e in envs}) == 1 and int(envs[0]["MASTER_PORT"]) > 0
     # the rank's environment is undone afterwards, and the default backend here is gloo
     assert client.run(rank_env) == before
@@ -173,9 +192,11 @@ def test_error_in_rank_1_is_reported_with_its_rank(client):
 
 
 def test_worker_order_groups_hosts():
-    infos = {"tcp://10.0.0.2:1": {"host": "b", "pid": 1, "name": "0"},
-             "tcp://10.0.0.1:2": {"host": "a", "pid": 2, "name": "w-10"},
-             "tcp://10.0.0.1:3": {"host": "a", "pid": 3, "name": "w-9"}}
+    infos = {
+        "tcp://10.0.0.2:1": {"host": "b", "pid": 1, "name": "0"},
+        "tcp://10.0.0.1:2": {"host": "a", "pid": 2, "name": "w-10"},
+        "tcp://10.0.0.1:3": {"host": "a", "pid": 3, "name": "w-9"},
+    }
     assert _order_workers(infos) == ["tcp://10.0.0.1:3", "tcp://10.0.0.1:2", "tcp://10.0.0.2:1"]
     infos["tcp://10.0.0.1:3"]["pid"] = 2
     with pytest.raises(RuntimeError, match="same process"):
@@ -191,6 +212,7 @@ def test_run_needs_worker_processes():
 
 # ---------------------------------------------------------------- results and metrics
 
+
 def test_results_and_metrics_are_collected(client, tmp_path):
     handler = tfd.ResultsHandler(inline_limit=1024)
     big = os.urandom(4096)
@@ -199,15 +221,24 @@ def test_results_and_metrics_are_collected(client, tmp_path):
     written = handler.process_results(str(tmp_path / "out"), futures, on_metrics=metrics.append)
     out = tmp_path / "out"
     assert sorted(os.path.relpath(p, out) for p in written) == sorted(
-        ["rank0/hello.txt", "rank1/hello.txt", "rank0/raw.bin", "rank1/raw.bin", "big.bin",
-         "checkpoint-2026-01-01T00:00:00.pt"])
+        [
+            "rank0/hello.txt",
+            "rank1/hello.txt",
+            "rank0/raw.bin",
+            "rank1/raw.bin",
+            "big.bin",
+            "checkpoint-2026-01-01T00:00:00.pt",
+        ]
+    )
     assert (out / "rank1" / "hello.txt").read_text() == "hello from 1"
     assert (out / "rank1" / "raw.bin").read_bytes() == b"\x01\x01\x01"
     assert (out / "big.bin").read_bytes() == big
     state = torch.load(out / "checkpoint-2026-01-01T00:00:00.pt", weights_only=True)
     assert torch.equal(state["w"], torch.arange(4.0))
-    assert sorted(metrics, key=lambda m: m["rank"]) == [{"loss": 0.5, "step": 1, "rank": 0},
-                                                        {"loss": 1.5, "step": 1, "rank": 1}]
+    assert sorted(metrics, key=lambda m: m["rank"]) == [
+        {"loss": 0.5, "step": 1, "rank": 0},
+        {"loss": 1.5, "step": 1, "rank": 1},
+    ]
     assert not [p for p in out.rglob("*") if ".tmp-" in p.name]  # no temporary file left
     handler.close()
 
@@ -255,6 +286,7 @@ def test_results_to_s3(client):
 
 # ---------------------------------------------------------------- Dask-hosted torchfeed workers
 
+
 def test_dask_hosted_workers_feed_remote_loaders(client, tmp_path):
     assert os.environ["TORCHFEED_SECRET"] == SECRET
     s3 = S3Server.shared()
@@ -264,22 +296,35 @@ def test_dask_hosted_workers_feed_remote_loaders(client, tmp_path):
 
     addresses = tfd.start_workers(client)
     try:
-        assert len(addresses) == 2 and sorted(addresses.by_dask_worker) == sorted(client.scheduler_info()["workers"])
+        assert len(addresses) == 2 and sorted(addresses.by_dask_worker) == sorted(
+            client.scheduler_info()["workers"]
+        )
         assert os.environ["TORCHFEED_SECRET"] == addresses.secret.value.decode() != SECRET  # a fresh secret
         assert set(client.run(secret_here).values()) == {addresses.secret.value.decode()}
         assert type(pickle.loads(pickle.dumps(addresses))) is list  # the secret never travels with it
 
         ds = torchfeed.RemoteDataset(addresses, RangeDataset, 10)
-        got = list(torchfeed.RemoteDataLoader(ds, batch_size=3, shuffle=True,
-                                              generator=torch.Generator().manual_seed(3)))
-        want = list(DataLoader(RangeDataset(10), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(3)))
-        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want, strict=True))
+        got = list(
+            torchfeed.RemoteDataLoader(
+                ds, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(3)
+            )
+        )
+        want = list(
+            DataLoader(
+                RangeDataset(10), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(3)
+            )
+        )
+        assert all(
+            torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want, strict=True)
+        )
 
-        images = torchfeed.RemoteDataset(addresses, ImageFolder, url, transform=to_tensor,
-                                         storage_options=s3.storage_options)
+        images = torchfeed.RemoteDataset(
+            addresses, ImageFolder, url, transform=to_tensor, storage_options=s3.storage_options
+        )
         local = ImageFolder(url, transform=to_tensor, storage_options=s3.storage_options)
-        for (x, y), (ex, ey) in zip(torchfeed.RemoteDataLoader(images, batch_size=4), DataLoader(local, batch_size=4),
-                                    strict=True):
+        for (x, y), (ex, ey) in zip(
+            torchfeed.RemoteDataLoader(images, batch_size=4), DataLoader(local, batch_size=4), strict=True
+        ):
             assert torch.equal(x, ex) and torch.equal(y, ey)
 
         shards = client.gather(tfd.run(client, load_shard, list(addresses)))  # ranks use them too
@@ -298,7 +343,9 @@ def test_start_workers_errors(client):
         tfd.start_workers(client, procs_per_worker=0)
     with pytest.raises(RuntimeError, match="(?s)could not start torchfeed workers on 2 of 2 .*in time"):
         tfd.start_workers(client, start_timeout=0.01)
-    with pytest.raises(RuntimeError, match="(?s)exited with code 2 .*unrecognized arguments: --no-such-option"):
+    with pytest.raises(
+        RuntimeError, match="(?s)exited with code 2 .*unrecognized arguments: --no-such-option"
+    ):
         tfd.start_workers(client, worker_args=["--no-such-option"])
     assert [p for ps in client.run(torchfeed_pids).values() for p in ps] == []  # the late ones were stopped
     assert os.environ["TORCHFEED_SECRET"] == SECRET
@@ -307,14 +354,18 @@ def test_start_workers_errors(client):
 
 def test_torchfeed_workers_end_with_their_dask_worker(client):
     """Last in this module: it kills one Dask worker and retires the other."""
-    addresses = tfd.start_workers(client, secret="explicit-secret-0123456789abcdef-0123456789", export_secret=False)
+    addresses = tfd.start_workers(
+        client, secret="explicit-secret-0123456789abcdef-0123456789", export_secret=False
+    )
     try:
         assert os.environ["TORCHFEED_SECRET"] == SECRET  # not exported
         assert torchfeed.rpc_async(addresses[1], os.getpid, secret=addresses.secret).wait() > 0
         pids = client.run(torchfeed_pids)
         retired, killed = sorted(pids)
         client.retire_workers([retired], close_workers=True)  # a clean close runs the plugin's teardown
-        wait_until(lambda: not any(alive(p) for p in pids[retired]), 20, "a closed worker's torchfeed workers")
+        wait_until(
+            lambda: not any(alive(p) for p in pids[retired]), 20, "a closed worker's torchfeed workers"
+        )
         assert all(alive(p) for p in pids[killed])
         dask_pid = client.run(os.getpid, workers=[killed])[killed]
         os.kill(dask_pid, signal.SIGKILL)  # no teardown runs: its workers notice their parent is gone

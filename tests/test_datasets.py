@@ -9,13 +9,13 @@ import json
 import os
 import pickle
 
+import fsspec
 import numpy as np
 import pytest
 import torch
 from fsspec.implementations.local import LocalFileSystem
 from PIL import Image
 
-import fsspec
 import torchfeed
 from s3server import S3Server
 from torchfeed.datasets import IMG_EXTENSIONS, FileDataset, ImageFolder, is_transient
@@ -161,14 +161,17 @@ def test_filedataset_pattern_and_decode(tmp_path):
         assert "skip.txt" in info.value.__notes__[0]
 
 
-@pytest.mark.parametrize("pattern, matches, misses", [
-    ("*.jpg", ["a.jpg", ".h.jpg"], ["d/a.jpg", "a.jpeg"]),
-    ("**/*.jpg", ["a.jpg", "d/a.jpg", "d/e/a.jpg"], ["a.png", "d/a.jpgx"]),
-    ("d/**", ["d/a", "d/e/f"], ["e/a", "da"]),
-    ("img?.[pj]ng", ["img1.png", "img2.jng"], ["img10.png", "img1.gng"]),
-    ("[!a]*.txt", ["b.txt"], ["a.txt"]),
-    ("a+b(1).txt", ["a+b(1).txt"], ["aab1.txt"]),
-])
+@pytest.mark.parametrize(
+    "pattern, matches, misses",
+    [
+        ("*.jpg", ["a.jpg", ".h.jpg"], ["d/a.jpg", "a.jpeg"]),
+        ("**/*.jpg", ["a.jpg", "d/a.jpg", "d/e/a.jpg"], ["a.png", "d/a.jpgx"]),
+        ("d/**", ["d/a", "d/e/f"], ["e/a", "da"]),
+        ("img?.[pj]ng", ["img1.png", "img2.jng"], ["img10.png", "img1.gng"]),
+        ("[!a]*.txt", ["b.txt"], ["a.txt"]),
+        ("a+b(1).txt", ["a+b(1).txt"], ["aab1.txt"]),
+    ],
+)
 def test_glob_to_regex(pattern, matches, misses):
     regex = glob_to_regex(pattern)
     assert all(regex.match(m) for m in matches)
@@ -186,7 +189,7 @@ class FlakyFS(LocalFileSystem):
     def _strip_protocol(cls, path):
         path = str(path)
         if path.startswith("flakytest://"):
-            path = path[len("flakytest://"):]
+            path = path[len("flakytest://") :]
         return super()._strip_protocol(path)
 
     def cat_file(self, path, start=None, end=None, **kwargs):
@@ -232,6 +235,7 @@ def test_is_transient():
 
 # --------------------------------------------------------------------------- real S3 (SeaweedFS)
 
+
 @pytest.fixture(scope="module")
 def s3():
     return S3Server.shared()
@@ -249,18 +253,22 @@ def test_imagefolder_over_s3(s3, s3_tree):
     ds = ImageFolder(url, storage_options=s3.storage_options)
     local = ImageFolder(local_root)
     assert ds.classes == local.classes and ds.class_to_idx == local.class_to_idx
-    rel = [(p[len(url) + 1:], t) for p, t in ds.samples]
+    rel = [(p[len(url) + 1 :], t) for p, t in ds.samples]
     assert rel == [(os.path.relpath(p, local_root), t) for p, t in local.samples]
     for i in range(len(ds)):
         (img, t), (ref, rt) = ds[i], local[i]
         assert img.mode == "RGB" and np.array_equal(np.asarray(img), np.asarray(ref)) and t == rt
     # the parent's S3 client (its event loop thread) does not survive a fork: the child opens its own
-    forked = torch.utils.data.DataLoader(ImageFolder(url, transform=to_tensor, storage_options=s3.storage_options),
-                                         batch_size=8, num_workers=1, multiprocessing_context="fork")
+    forked = torch.utils.data.DataLoader(
+        ImageFolder(url, transform=to_tensor, storage_options=s3.storage_options),
+        batch_size=8,
+        num_workers=1,
+        multiprocessing_context="fork",
+    )
     [(x, y)] = list(forked)
     assert torch.equal(x[0], to_tensor(local[0][0])) and y.tolist() == local.targets
     records = FileDataset(url, "b/**/*.jp*g", storage_options=s3.storage_options)
-    assert [f[len(url) + 1:] for f in records.files] == ["b/sub-x/d.jpg", "b/sub/deeper/e.jpeg", "b/z.jpg"]
+    assert [f[len(url) + 1 :] for f in records.files] == ["b/sub-x/d.jpg", "b/sub/deeper/e.jpeg", "b/z.jpg"]
     with open(os.path.join(local_root, "b", "z.jpg"), "rb") as f:
         assert records[2] == f.read()
 
@@ -277,8 +285,9 @@ def test_s3_missing_prefix_and_bucket(s3, s3_tree):
 
 def test_imagefolder_over_s3_in_remote_workers(s3, s3_tree, workers2):
     url, _ = s3_tree
-    remote = torchfeed.RemoteDataset(workers2, ImageFolder, url, transform=to_tensor,
-                                     storage_options=s3.storage_options)
+    remote = torchfeed.RemoteDataset(
+        workers2, ImageFolder, url, transform=to_tensor, storage_options=s3.storage_options
+    )
     local = ImageFolder(url, transform=to_tensor, storage_options=s3.storage_options)
     assert len(remote) == len(local) == 8
     got = list(torchfeed.RemoteDataLoader(remote, batch_size=3))
@@ -286,7 +295,9 @@ def test_imagefolder_over_s3_in_remote_workers(s3, s3_tree, workers2):
     assert len(got) == len(want) == 3
     for (x, y), (ex, ey) in zip(got, want):
         assert torch.equal(x, ex) and torch.equal(y, ey)
-    blobs = torchfeed.RemoteDataset(workers2, FileDataset, url, "**/*.png", storage_options=s3.storage_options)
+    blobs = torchfeed.RemoteDataset(
+        workers2, FileDataset, url, "**/*.png", storage_options=s3.storage_options
+    )
     png = blobs[0]
     with Image.open(io.BytesIO(png)) as img:
         assert img.size == (8, 6)

@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 import torchfeed
-import pytest
 
 pytest.importorskip("sklearn")
 
@@ -27,8 +27,13 @@ def _rate(pattern: str, text: str) -> float:
 @pytest.mark.timeout(60)
 def test_demo_trains_and_compares_loaders():
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "torchfeed", "demo", "--epochs", "2"], env=env,
-                          capture_output=True, text=True, timeout=55)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchfeed", "demo", "--epochs", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=55,
+    )
     out = proc.stdout
     assert proc.returncode == 0, f"demo exited with {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr}"
     assert re.search(r"workers: 127\.0\.0\.1:\d+, 127\.0\.0\.1:\d+", out), out

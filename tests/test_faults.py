@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import torchfeed
-from torchfeed import client
 from helpers import PidDataset, PoisonDataset, RangeDataset, wait_for
+from torchfeed import client
 
 
 def collect(loader, on_batch=None):
@@ -122,8 +122,24 @@ def netns_worker():
     try:
         for c in cmds:
             subprocess.run(c, check=True, capture_output=True)
-        proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "torchfeed", "worker",
-                                 "--host", ns_ip, "--port", "0"], stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                sys.executable,
+                "-m",
+                "torchfeed",
+                "worker",
+                "--host",
+                ns_ip,
+                "--port",
+                "0",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         address = proc.stdout.readline().strip()
         assert address.startswith(ns_ip), address
         yield address, (lambda: subprocess.run(["ip", "link", "set", host_if, "down"], check=True))
@@ -171,8 +187,10 @@ def test_restarted_worker_is_used_again(fresh_workers):
 def test_add_workers_mid_epoch(fresh_workers):
     first, later = fresh_workers(1), fresh_workers(2)
     ds = torchfeed.RemoteDataset(first.addresses, PidDataset, 200, 0.004)
-    rows, _ = collect(torchfeed.RemoteDataLoader(ds, batch_size=2),
-                      lambda i: ds.add_workers(later.addresses) if i == 2 else None)
+    rows, _ = collect(
+        torchfeed.RemoteDataLoader(ds, batch_size=2),
+        lambda i: ds.add_workers(later.addresses) if i == 2 else None,
+    )
     assert rows[:, 0].tolist() == list(range(200))
     assert {p.pid for p in later.processes} <= set(rows[:, 1].tolist())
 
@@ -198,8 +216,10 @@ def test_workers_file_is_watched(fresh_workers, tmp_path):
 def test_remove_worker_drains_it(fresh_workers):
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset(w.addresses, PidDataset, 160, 0.004)
-    rows, _ = collect(torchfeed.RemoteDataLoader(ds, batch_size=2),
-                      lambda i: ds.remove_workers([w.addresses[0]]) if i == 3 else None)
+    rows, _ = collect(
+        torchfeed.RemoteDataLoader(ds, batch_size=2),
+        lambda i: ds.remove_workers([w.addresses[0]]) if i == 3 else None,
+    )
     assert rows[:, 0].tolist() == list(range(160))
     assert w.processes[0].pid not in rows[40:, 1].tolist()
 
@@ -283,7 +303,9 @@ def test_hundred_loaders_leave_nothing_behind(workers2):
     ds = torchfeed.RemoteDataset(workers2, RangeDataset, 64)
     list(torchfeed.RemoteDataLoader(ds, batch_size=8))  # connections exist before the count
     before = _threads_fds()
-    children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
+    children = subprocess.run(
+        ["pgrep", "-P", str(os.getpid())], capture_output=True, text=True
+    ).stdout.split()
     for i in range(100):
         loader = torchfeed.RemoteDataLoader(ds, batch_size=8, shuffle=True)
         it = iter(loader)
@@ -293,7 +315,9 @@ def test_hundred_loaders_leave_nothing_behind(workers2):
         del it, loader
     # reference releases go out with the next heartbeat tick; pass threads end on their own
     assert wait_for(lambda: _nothing_new(before), timeout=10), (_threads_fds()[0] - before[0], before[1])
-    after_children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
+    after_children = subprocess.run(
+        ["pgrep", "-P", str(os.getpid())], capture_output=True, text=True
+    ).stdout.split()
     assert after_children == children
 
 

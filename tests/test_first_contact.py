@@ -37,8 +37,9 @@ def test_a_dataset_that_prints_a_lot_completes_and_its_output_arrives_prefixed(c
     out, err = capsys.readouterr()
     big = [line for line in out.splitlines() if line.endswith("x" * 100)]
     assert len(big) == 6 and all(line == prefix + "x" * (1 << 20) for line in big)
-    assert sorted(line for line in err.splitlines() if "loaded" in line) == [f"{prefix}sample {i} loaded"
-                                                                          for i in range(6)]
+    assert sorted(line for line in err.splitlines() if "loaded" in line) == [
+        f"{prefix}sample {i} loaded" for i in range(6)
+    ]
 
 
 def _user_line(fn_name: str) -> int:
@@ -59,8 +60,10 @@ def test_lost_worker_warning_points_at_the_users_loop(fresh_workers):
                 w.kill(0)
     lost = [c for c in caught if "lost worker" in str(c.message)]
     assert lost, [str(c.message) for c in caught]
-    assert all(c.filename == __file__ and c.lineno == _user_line(
-        "test_lost_worker_warning_points_at_the_users_loop") for c in lost), [(c.filename, c.lineno) for c in lost]
+    assert all(
+        c.filename == __file__ and c.lineno == _user_line("test_lost_worker_warning_points_at_the_users_loop")
+        for c in lost
+    ), [(c.filename, c.lineno) for c in lost]
 
 
 def test_no_worker_left_is_said_at_once_with_the_wait(fresh_workers):
@@ -104,8 +107,13 @@ print("done", flush=True)   # at exit: the pass is open, requests are in flight
 def test_no_lost_worker_warnings_at_exit_or_after_ctrl_c(tmp_path, interrupt):
     script = tmp_path / "train.py"
     script.write_text(QUIET_EXIT.format(tests=os.path.dirname(__file__), interrupt=interrupt))
-    proc = subprocess.run([sys.executable, "-W", "always", str(script)], capture_output=True, text=True,
-                          timeout=90, start_new_session=True)
+    proc = subprocess.run(
+        [sys.executable, "-W", "always", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        start_new_session=True,
+    )
     assert "lost worker" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr
     if interrupt:
         assert proc.returncode != 0 and proc.stderr.rstrip().endswith("KeyboardInterrupt"), proc.stderr
@@ -115,8 +123,10 @@ def test_no_lost_worker_warnings_at_exit_or_after_ctrl_c(tmp_path, interrupt):
 
 def test_workers_stop_with_a_killed_trainer(tmp_path):
     script = tmp_path / "trainer.py"
-    script.write_text("import sys, time, torchfeed\nw = torchfeed.LocalWorkers(2)\n"
-                      "print(' '.join(str(p.pid) for p in w.processes), flush=True)\ntime.sleep(600)\n")
+    script.write_text(
+        "import sys, time, torchfeed\nw = torchfeed.LocalWorkers(2)\n"
+        "print(' '.join(str(p.pid) for p in w.processes), flush=True)\ntime.sleep(600)\n"
+    )
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]

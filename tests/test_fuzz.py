@@ -30,7 +30,7 @@ def variants(data: bytes, seed: int):
         b = bytearray(data)
         op = rng.randrange(5)
         if op == 0 and b:
-            del b[rng.randrange(len(b)):]
+            del b[rng.randrange(len(b)) :]
         elif op == 1 and b:
             for _ in range(rng.randint(1, 4)):
                 b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
@@ -39,7 +39,9 @@ def variants(data: bytes, seed: int):
             b[pos:pos] = rng.randbytes(rng.randint(1, 16))
         elif op == 3 and len(b) >= 28:  # extreme meta length / buffer count in a header
             field = rng.choice([(16, 20), (20, 24)])
-            b[field[0]:field[1]] = rng.choice([b"\xff\xff\xff\xff", b"\x00\x00\x00\x80", b"\x01\x00\x00\x00"])
+            b[field[0] : field[1]] = rng.choice(
+                [b"\xff\xff\xff\xff", b"\x00\x00\x00\x80", b"\x01\x00\x00\x00"]
+            )
         else:
             b = b + b[: rng.randint(0, len(b))]
         yield bytes(b)
@@ -78,7 +80,8 @@ class FakeSocket:
 header = st.builds(
     lambda kind, flags, rid, meta_len, lengths, tail, magic, version: (
         struct.pack("<4sBBHQIII", magic, version, kind, flags, rid, meta_len, len(lengths), 0)
-        + b"".join(struct.pack("<Q", n) for n in lengths) + tail
+        + b"".join(struct.pack("<Q", n) for n in lengths)
+        + tail
     ),
     kind=st.integers(0, 255),
     flags=st.integers(0, 2**16 - 1),
@@ -92,8 +95,7 @@ header = st.builds(
 inputs = st.one_of(st.binary(max_size=300), header)
 
 
-@settings(max_examples=PARSER_EXAMPLES, deadline=None, database=None,
-          suppress_health_check=list(HealthCheck))
+@settings(max_examples=PARSER_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(data=inputs, seed=st.integers(0, 2**32))
 def test_frame_parser_never_crashes_or_overallocates(data, seed):
     for variant in variants(data, seed):
@@ -127,16 +129,22 @@ def server():
 
 def _handshake_like():
     nonce = st.binary(min_size=32, max_size=32)
-    auth_frame = st.builds(lambda body, tail: wire.pack_header(wire.AUTH, 0, len(body), []) + body + tail,
-                           body=st.one_of(st.binary(min_size=65, max_size=65), st.binary(max_size=600)),
-                           tail=st.binary(max_size=300))
-    call_after = st.builds(lambda a, b: a + wire.pack_header(wire.CALL, 1, len(b), []) + b,
-                           auth_frame, st.just(pickle.dumps(("never", "unpickled"))))
+    auth_frame = st.builds(
+        lambda body, tail: wire.pack_header(wire.AUTH, 0, len(body), []) + body + tail,
+        body=st.one_of(st.binary(min_size=65, max_size=65), st.binary(max_size=600)),
+        tail=st.binary(max_size=300),
+    )
+    call_after = st.builds(
+        lambda a, b: a + wire.pack_header(wire.CALL, 1, len(b), []) + b,
+        auth_frame,
+        st.just(pickle.dumps(("never", "unpickled"))),
+    )
     return st.one_of(st.binary(max_size=400), header, auth_frame, call_after, nonce)
 
 
-@settings(max_examples=HANDSHAKE_EXAMPLES, deadline=None, database=None,
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=HANDSHAKE_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+)
 @given(data=_handshake_like(), seed=st.integers(0, 2**32))
 def test_handshake_rejects_junk_without_unpickling(server, data, seed, monkeypatch_unpickle):
     hello = auth.hello_meta(False)
@@ -169,7 +177,9 @@ def monkeypatch_unpickle():
 def test_server_still_serves_after_fuzzing(server):
     import torchfeed
 
-    got = torchfeed.rpc_async(server.address, lambda: "alive", secret="fuzz-secret-0123456789-0123456789abcdefghijk").wait()
+    got = torchfeed.rpc_async(
+        server.address, lambda: "alive", secret="fuzz-secret-0123456789-0123456789abcdefghijk"
+    ).wait()
     assert got == "alive"
 
 
@@ -217,8 +227,11 @@ def read_all(data: bytes, encrypt=True):
     return got
 
 
-MESSAGES = [(wire.CALL, b"meta" * 100, [b"x" * 300_000, b"y" * 5]), (wire.PING, b"", []),
-            (wire.REPLY, b"r" * 10, [bytes(range(256)) * 4])]
+MESSAGES = [
+    (wire.CALL, b"meta" * 100, [b"x" * 300_000, b"y" * 5]),
+    (wire.PING, b"", []),
+    (wire.REPLY, b"r" * 10, [bytes(range(256)) * 4]),
+]
 
 
 @pytest.mark.parametrize("encrypt", [True, False], ids=["encrypted", "integrity-only"])
@@ -241,7 +254,7 @@ def test_sealed_stream_round_trip_and_every_mutation_is_caught(encrypt):
 def test_sealed_records_cannot_be_reordered_replayed_or_reflected():
     one = sealed_stream([(wire.PING, b"", [])])
     two = sealed_stream([(wire.PING, b"", []), (wire.CALL, b"m", [])])
-    second_only = two[len(one):]
+    second_only = two[len(one) :]
     assert read_all(second_only) == []  # record counter: out of order
     assert len(read_all(one + one)) == 1  # replayed: the copy fails
     from torchfeed.channel import Channel

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import deep_equal
-from stream_datasets import Counting, DatasetStateful, StatefulCounting, sum_collate
 from torch.utils.data import DataLoader
 
 import torchfeed
+from helpers import deep_equal
+from stream_datasets import Counting, DatasetStateful, StatefulCounting, sum_collate
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,8 +35,10 @@ def test_same_batches_as_torch_for_any_number_of_physical_workers(workers2, stre
     assert deep_equal(ours, torch_batches(Counting(23), batch_size=3, num_workers=streams))
 
 
-@pytest.mark.parametrize("kw", [dict(batch_size=None), dict(batch_size=4, drop_last=True),
-                                dict(batch_size=2, collate_fn=sum_collate)])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(batch_size=None), dict(batch_size=4, drop_last=True), dict(batch_size=2, collate_fn=sum_collate)],
+)
 def test_batching_options_like_torch(workers2, kw):
     ds = torchfeed.RemoteDataset(workers2, Counting, 19)
     ours = our_batches(torchfeed.RemoteDataLoader(ds, num_workers=3, **kw))
@@ -90,12 +92,15 @@ def test_dataset_level_state_moves_too(fresh_workers):
 @pytest.mark.parametrize("cls", [StatefulCounting, Counting])
 def test_resume_on_other_workers(workers2, fresh_workers, cls):
     expected = torch_batches(cls(31), batch_size=2, num_workers=3)
-    first = torchfeed.RemoteDataLoader(torchfeed.RemoteDataset(workers2, cls, 31), batch_size=2, num_workers=3)
+    first = torchfeed.RemoteDataLoader(
+        torchfeed.RemoteDataset(workers2, cls, 31), batch_size=2, num_workers=3
+    )
     head = our_batches(first, stop=4)
     state = first.state_dict()
     other = fresh_workers(1)
-    second = torchfeed.RemoteDataLoader(torchfeed.RemoteDataset(other.addresses, cls, 31), batch_size=2,
-                                        num_workers=3)
+    second = torchfeed.RemoteDataLoader(
+        torchfeed.RemoteDataset(other.addresses, cls, 31), batch_size=2, num_workers=3
+    )
     second.load_state_dict(state)
     rest = list(second)
     assert deep_equal(head + rest, expected)
@@ -131,8 +136,9 @@ def test_resume_in_a_new_process(workers2, tmp_path):
     import sys
 
     expected = torch_batches(StatefulCounting(29), batch_size=3, num_workers=3)
-    first = torchfeed.RemoteDataLoader(torchfeed.RemoteDataset(workers2, StatefulCounting, 29), batch_size=3,
-                                       num_workers=3)
+    first = torchfeed.RemoteDataLoader(
+        torchfeed.RemoteDataset(workers2, StatefulCounting, 29), batch_size=3, num_workers=3
+    )
     head = our_batches(first, stop=5)
     torch.save(first.state_dict(), tmp_path / "state.pt")
     script = f"""

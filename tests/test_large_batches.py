@@ -54,15 +54,34 @@ def test_a_batch_of_64_large_bytes_objects_loads(workers2):
     assert all(b[0] == i and b[-1] == i for i, b in enumerate(blobs))
 
 
-@pytest.mark.parametrize("knob, dataset, batch, expected", [
-    (dict(max_buffer_bytes=50_000_000), EncodedImages, 16, r"raw buffers .* hold 76\.3 MiB \(80,000,\d+ bytes\), "
-                                                            r"over the reply limit of 47\.7 MiB .*max_buffer_bytes="),
-    (dict(max_meta_bytes=1_000_000), Texts, 4, r"pickled part .* is 1\.1 MiB .* over the reply limit of 976\.6 KiB "
-                                                r"\(1,000,000 bytes\).*max_meta_bytes="),
-    (dict(max_buffers=10), EncodedImages, 16, r"1\d raw buffers .*over the reply limit of 10.*max_buffers="),
-])
-def test_a_batch_over_a_limit_is_a_clear_error_and_the_worker_stays(workers2, restore_limits, knob, dataset, batch,
-                                                                   expected):
+@pytest.mark.parametrize(
+    "knob, dataset, batch, expected",
+    [
+        (
+            dict(max_buffer_bytes=50_000_000),
+            EncodedImages,
+            16,
+            r"raw buffers .* hold 76\.3 MiB \(80,000,\d+ bytes\), "
+            r"over the reply limit of 47\.7 MiB .*max_buffer_bytes=",
+        ),
+        (
+            dict(max_meta_bytes=1_000_000),
+            Texts,
+            4,
+            r"pickled part .* is 1\.1 MiB .* over the reply limit of 976\.6 KiB "
+            r"\(1,000,000 bytes\).*max_meta_bytes=",
+        ),
+        (
+            dict(max_buffers=10),
+            EncodedImages,
+            16,
+            r"1\d raw buffers .*over the reply limit of 10.*max_buffers=",
+        ),
+    ],
+)
+def test_a_batch_over_a_limit_is_a_clear_error_and_the_worker_stays(
+    workers2, restore_limits, knob, dataset, batch, expected
+):
     ds = torchfeed.RemoteDataset(workers2, dataset)
     torchfeed.set_reply_limits(**knob)
     loader = torchfeed.RemoteDataLoader(ds, batch_size=batch, max_retries=0)
@@ -75,7 +94,9 @@ def test_a_batch_over_a_limit_is_a_clear_error_and_the_worker_stays(workers2, re
     assert "torchfeed.set_reply_limits" in str(err) and err.indices == list(range(batch))
     assert not [c for c in caught if "lost worker" in str(c.message)]
     assert ds.lost_workers() == {} and ds.alive_workers() == workers2  # no worker death, no reconnect loop
-    torchfeed.set_reply_limits(max_meta_bytes=limits.WIRE_MAX_META, max_buffers=1 << 20, max_buffer_bytes=1 << 36)
+    torchfeed.set_reply_limits(
+        max_meta_bytes=limits.WIRE_MAX_META, max_buffers=1 << 20, max_buffer_bytes=1 << 36
+    )
     assert len(list(torchfeed.RemoteDataLoader(ds, batch_size=batch))) == len(ds) // batch  # raised: it loads
 
 

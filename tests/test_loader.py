@@ -29,19 +29,22 @@ def both(rds, local, **kw):
     return remote, expected
 
 
-@pytest.mark.parametrize("kw", [
-    dict(),
-    dict(batch_size=8),
-    dict(batch_size=8, drop_last=True),
-    dict(batch_size=8, shuffle=True),
-    dict(batch_size=None),
-    dict(batch_size=None, shuffle=True),
-    dict(batch_size=5, collate_fn=lambda b: [x[1] * 10 for x in b]),
-    dict(batch_size=4, sampler=SubsetRandomSampler(list(range(0, N, 3)))),
-    dict(batch_sampler=BatchSampler(SequentialSampler(range(N)), 6, drop_last=False)),
-    dict(batch_size=7, prefetch_factor=1),
-    dict(batch_size=7, prefetch_factor=6),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(batch_size=8),
+        dict(batch_size=8, drop_last=True),
+        dict(batch_size=8, shuffle=True),
+        dict(batch_size=None),
+        dict(batch_size=None, shuffle=True),
+        dict(batch_size=5, collate_fn=lambda b: [x[1] * 10 for x in b]),
+        dict(batch_size=4, sampler=SubsetRandomSampler(list(range(0, N, 3)))),
+        dict(batch_sampler=BatchSampler(SequentialSampler(range(N)), 6, drop_last=False)),
+        dict(batch_size=7, prefetch_factor=1),
+        dict(batch_size=7, prefetch_factor=6),
+    ],
+)
 def test_same_batches_as_torch(rds, kw):
     remote, expected = both(rds, RangeDataset(N), **kw)
     assert len(remote) == len(expected)
@@ -66,14 +69,17 @@ def test_generator_argument_gives_torch_order(rds):
     assert deep_equal(remote, expected)
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(sampler=[0, 1], shuffle=True), "sampler option is mutually exclusive with shuffle"),
-    (dict(batch_sampler=[[0]], batch_size=2), "batch_sampler option is mutually exclusive"),
-    (dict(batch_sampler=[[0]], shuffle=True), "batch_sampler option is mutually exclusive"),
-    (dict(batch_sampler=[[0]], drop_last=True), "batch_sampler option is mutually exclusive"),
-    (dict(batch_size=None, drop_last=True), "batch_size=None option disables auto-batching"),
-    (dict(timeout=-1), "timeout option should be non-negative"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(sampler=[0, 1], shuffle=True), "sampler option is mutually exclusive with shuffle"),
+        (dict(batch_sampler=[[0]], batch_size=2), "batch_sampler option is mutually exclusive"),
+        (dict(batch_sampler=[[0]], shuffle=True), "batch_sampler option is mutually exclusive"),
+        (dict(batch_sampler=[[0]], drop_last=True), "batch_sampler option is mutually exclusive"),
+        (dict(batch_size=None, drop_last=True), "batch_size=None option disables auto-batching"),
+        (dict(timeout=-1), "timeout option should be non-negative"),
+    ],
+)
 def test_conflicting_arguments_raise_like_torch(rds, kw, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")) as ours:
         torchfeed.RemoteDataLoader(rds, **kw)
@@ -139,7 +145,10 @@ def test_remote_exception_names_worker_type_traceback_and_indices(workers2):
     assert "sample 13 is corrupt" in err.remote_traceback
     assert "__getitem__" in err.remote_traceback
     # the loader goes on after the failed batch, like torch's
-    assert deep_equal(next(it), next(iter(DataLoader(torch.utils.data.Subset(RangeDataset(20), range(16, 20)), batch_size=4))))
+    assert deep_equal(
+        next(it),
+        next(iter(DataLoader(torch.utils.data.Subset(RangeDataset(20), range(16, 20)), batch_size=4))),
+    )
 
 
 def test_dataset_constructor_error_is_remote_error(workers2):
@@ -155,8 +164,11 @@ def test_unreachable_worker_is_retried_until_timeout(monkeypatch):
     port = s.getsockname()[1]
     s.close()  # nothing listens there now
     monkeypatch.setattr(torchfeed.RemoteDataset, "timeout", 1.0)
-    with pytest.raises(torchfeed.WorkerLost, match=rf"127.0.0.1:{port}: the connection was refused for "
-                                                   r"\d+\.\d s \(\d+ attempts, retried until timeout=1 s\)"):
+    with pytest.raises(
+        torchfeed.WorkerLost,
+        match=rf"127.0.0.1:{port}: the connection was refused for "
+        r"\d+\.\d s \(\d+ attempts, retried until timeout=1 s\)",
+    ):
         torchfeed.RemoteDataset([f"127.0.0.1:{port}"], RangeDataset, 5)
 
 
@@ -181,8 +193,10 @@ def test_several_trainer_processes_share_workers(workers2, tmp_path):
         "total = sum(int(y.sum()) for _, y in torchfeed.RemoteDataLoader(ds, batch_size=4, shuffle=True))\n"
         "print(total)\n"
     )
-    procs = [subprocess.Popen([sys.executable, str(script), *workers2], stdout=subprocess.PIPE, text=True)
-             for _ in range(3)]
+    procs = [
+        subprocess.Popen([sys.executable, str(script), *workers2], stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
     outs = [p.communicate(timeout=60)[0].strip() for p in procs]
     assert outs == [str(sum(range(40)))] * 3
     assert all(p.returncode == 0 for p in procs)

@@ -26,18 +26,21 @@ def shards(workers2):
     return torchfeed.RemoteDataset(workers2, Shards, 23)
 
 
-@pytest.mark.parametrize("kw", [
-    dict(num_workers=-1),
-    dict(num_workers=0, prefetch_factor=2),
-    dict(num_workers=2, prefetch_factor=-1),
-    dict(persistent_workers=True, num_workers=0),
-    dict(multiprocessing_context="fork", num_workers=0),
-    dict(multiprocessing_context="teleport", num_workers=2),
-    dict(timeout=-1),
-    dict(sampler=[0, 1], shuffle=True),
-    dict(batch_sampler=[[0]], batch_size=2),
-    dict(batch_size=None, drop_last=True),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(num_workers=-1),
+        dict(num_workers=0, prefetch_factor=2),
+        dict(num_workers=2, prefetch_factor=-1),
+        dict(persistent_workers=True, num_workers=0),
+        dict(multiprocessing_context="fork", num_workers=0),
+        dict(multiprocessing_context="teleport", num_workers=2),
+        dict(timeout=-1),
+        dict(sampler=[0, 1], shuffle=True),
+        dict(batch_sampler=[[0]], batch_size=2),
+        dict(batch_size=None, drop_last=True),
+    ],
+)
 def test_argument_errors_are_torchs(plain, kw):
     with pytest.raises(ValueError) as theirs:
         DataLoader(Plain(), **kw)
@@ -63,8 +66,17 @@ def test_iterable_dataset_argument_errors_are_torchs(shards, kw):
     assert str(ours.value) == str(theirs.value)
 
 
-@pytest.mark.parametrize("name, value", [("batch_size", 4), ("sampler", [0]), ("batch_sampler", [[0]]),
-                                         ("drop_last", True), ("dataset", None), ("persistent_workers", True)])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("batch_size", 4),
+        ("sampler", [0]),
+        ("batch_sampler", [[0]]),
+        ("drop_last", True),
+        ("dataset", None),
+        ("persistent_workers", True),
+    ],
+)
 def test_assigning_after_construction_raises_like_torch(plain, name, value):
     theirs, ours = DataLoader(Plain()), torchfeed.RemoteDataLoader(plain)
     with pytest.raises(ValueError) as t:
@@ -78,18 +90,46 @@ def test_assigning_after_construction_raises_like_torch(plain, name, value):
 
 
 def test_has_every_attribute_of_torchs_dataloader(plain):
-    theirs = DataLoader(Plain(), batch_size=4, num_workers=2, prefetch_factor=3, persistent_workers=True,
-                        multiprocessing_context="spawn", worker_init_fn=print, pin_memory=False)
-    ours = torchfeed.RemoteDataLoader(plain, batch_size=4, num_workers=2, prefetch_factor=3, persistent_workers=True,
-                                      multiprocessing_context="spawn", worker_init_fn=print, pin_memory=False)
+    theirs = DataLoader(
+        Plain(),
+        batch_size=4,
+        num_workers=2,
+        prefetch_factor=3,
+        persistent_workers=True,
+        multiprocessing_context="spawn",
+        worker_init_fn=print,
+        pin_memory=False,
+    )
+    ours = torchfeed.RemoteDataLoader(
+        plain,
+        batch_size=4,
+        num_workers=2,
+        prefetch_factor=3,
+        persistent_workers=True,
+        multiprocessing_context="spawn",
+        worker_init_fn=print,
+        pin_memory=False,
+    )
     public = [a for a in dir(theirs) if not a.startswith("_")]
     missing = [a for a in public if not hasattr(ours, a)]
     assert not missing
-    for name in ["batch_size", "drop_last", "num_workers", "prefetch_factor", "persistent_workers", "pin_memory",
-                 "pin_memory_device", "worker_init_fn", "in_order", "generator"]:
+    for name in [
+        "batch_size",
+        "drop_last",
+        "num_workers",
+        "prefetch_factor",
+        "persistent_workers",
+        "pin_memory",
+        "pin_memory_device",
+        "worker_init_fn",
+        "in_order",
+        "generator",
+    ]:
         assert getattr(ours, name) == getattr(theirs, name), name
     assert type(ours.multiprocessing_context) is type(theirs.multiprocessing_context)
-    assert type(ours.sampler) is type(theirs.sampler) and type(ours.batch_sampler) is type(theirs.batch_sampler)
+    assert type(ours.sampler) is type(theirs.sampler) and type(ours.batch_sampler) is type(
+        theirs.batch_sampler
+    )
     assert ours.collate_fn is theirs.collate_fn
     assert ours.check_worker_number_rationality() is None
     assert torchfeed.RemoteDataLoader(plain).num_workers == 2  # omitted: the number of remote workers
@@ -115,8 +155,13 @@ def test_ignored_arguments_are_logged_once(plain, caplog):
     loader_module._logged_once.clear()
     with caplog.at_level(logging.WARNING, logger="torchfeed.loader"):
         for _ in range(3):
-            torchfeed.RemoteDataLoader(plain, num_workers=16, pin_memory_device="cuda", in_order=False,
-                                       multiprocessing_context="spawn")
+            torchfeed.RemoteDataLoader(
+                plain,
+                num_workers=16,
+                pin_memory_device="cuda",
+                in_order=False,
+                multiprocessing_context="spawn",
+            )
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 4, messages
     assert any("num_workers=16 has no effect" in m and "2 worker process(es)" in m for m in messages)
@@ -130,12 +175,16 @@ def test_subset_random_split_and_concat(workers2, plain):
     local, local_other = Plain(23), Plain(5)
     views = [
         (Subset(plain, [22, 3, 3, 0]), Subset(local, [22, 3, 3, 0])),
-        (random_split(plain, [0.7, 0.3], generator=torch.Generator().manual_seed(1))[1],
-         random_split(local, [0.7, 0.3], generator=torch.Generator().manual_seed(1))[1]),
+        (
+            random_split(plain, [0.7, 0.3], generator=torch.Generator().manual_seed(1))[1],
+            random_split(local, [0.7, 0.3], generator=torch.Generator().manual_seed(1))[1],
+        ),
         (ConcatDataset([plain, other]), ConcatDataset([local, local_other])),
         (plain + Subset(other, [4, 1]), local + Subset(local_other, [4, 1])),
-        (Subset(ConcatDataset([Subset(plain, range(10, 20)), other]), [0, 14, 9, -1]),
-         Subset(ConcatDataset([Subset(local, range(10, 20)), local_other]), [0, 14, 9, -1])),
+        (
+            Subset(ConcatDataset([Subset(plain, range(10, 20)), other]), [0, 14, 9, -1]),
+            Subset(ConcatDataset([Subset(local, range(10, 20)), local_other]), [0, 14, 9, -1]),
+        ),
     ]
     for ours, theirs in views:
         for kw in [dict(batch_size=3), dict(batch_size=None), dict(batch_size=4, shuffle=True)]:

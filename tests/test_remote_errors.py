@@ -51,7 +51,11 @@ def test_getitems_and_collate_exceptions(workers2):
         raise NotImplementedError("no collate for this")
 
     with pytest.raises(NotImplementedError, match="no collate for this"):
-        list(torchfeed.RemoteDataLoader(torchfeed.RemoteDataset(workers2, Plain), batch_size=4, collate_fn=collate))
+        list(
+            torchfeed.RemoteDataLoader(
+                torchfeed.RemoteDataset(workers2, Plain), batch_size=4, collate_fn=collate
+            )
+        )
 
 
 def test_rpc_exceptions_keep_local_classes(workers2):
@@ -81,7 +85,9 @@ def _error_of(address, fn):
 
 
 def test_types_unknown_here_fall_back_to_remote_error(fresh_workers, tmp_path):
-    (tmp_path / "only_on_worker.py").write_text("class Boom(Exception):\n    pass\n\nclass Thing:\n    pass\n")
+    (tmp_path / "only_on_worker.py").write_text(
+        "class Boom(Exception):\n    pass\n\nclass Thing:\n    pass\n"
+    )
     w = fresh_workers(1, env={"PYTHONPATH": f"{tmp_path}:{':'.join(sys.path)}"})
     address = w.addresses[0]
 
@@ -98,7 +104,9 @@ def test_types_unknown_here_fall_back_to_remote_error(fresh_workers, tmp_path):
 
         return only_on_worker.Thing()
 
-    with pytest.raises(torchfeed.SerializationError, match=f"reply from worker {address} could not be unpickled"):
+    with pytest.raises(
+        torchfeed.SerializationError, match=f"reply from worker {address} could not be unpickled"
+    ):
         torchfeed.rpc_async(address, make_thing).wait()
 
 
@@ -148,7 +156,8 @@ def test_dataset_instance_instead_of_class_says_what_to_do(workers2):
 def test_module_not_found_on_a_worker_says_how_to_fix_it(fresh_workers, tmp_path, monkeypatch):
     (tmp_path / "trainer_only.py").write_text(
         "import torch\n\nclass Local(torch.utils.data.Dataset):\n"
-        "    def __len__(self):\n        return 4\n\n    def __getitem__(self, i):\n        return i\n")
+        "    def __len__(self):\n        return 4\n\n    def __getitem__(self, i):\n        return i\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))  # importable here only
     from trainer_only import Local
 
@@ -160,8 +169,10 @@ def test_module_not_found_on_a_worker_says_how_to_fix_it(fresh_workers, tmp_path
     assert "PYTHONPATH" in message and "pip install -e ." in message
     # LocalWorkers give their workers this process's sys.path: the same module just works
     seeing = fresh_workers(1)
-    assert [b.tolist() for b in torchfeed.RemoteDataLoader(torchfeed.RemoteDataset(seeing.addresses, Local),
-                                                           batch_size=2)] == [[0, 1], [2, 3]]
+    assert [
+        b.tolist()
+        for b in torchfeed.RemoteDataLoader(torchfeed.RemoteDataset(seeing.addresses, Local), batch_size=2)
+    ] == [[0, 1], [2, 3]]
 
 
 def test_late_worker_is_waited_for(fresh_workers, tmp_path):
@@ -190,5 +201,9 @@ def _start_worker_on(port, started):
     import subprocess
 
     time.sleep(1.5)
-    started.append(subprocess.Popen([sys.executable, "-m", "torchfeed", "worker", "--host", "127.0.0.1", "--port",
-                                     str(port)], stdout=subprocess.DEVNULL))
+    started.append(
+        subprocess.Popen(
+            [sys.executable, "-m", "torchfeed", "worker", "--host", "127.0.0.1", "--port", str(port)],
+            stdout=subprocess.DEVNULL,
+        )
+    )

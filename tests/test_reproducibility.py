@@ -106,10 +106,16 @@ SAMPLERS = {
     "shuffle+seed": lambda: dict(shuffle=True, seed=4),
     "shuffle+global": lambda: dict(shuffle=True),
     "generator": lambda: dict(shuffle=True, generator=torch.Generator().manual_seed(3)),
-    "RandomSampler(generator)": lambda: dict(sampler=RandomSampler(range(N), generator=torch.Generator().manual_seed(8))),
+    "RandomSampler(generator)": lambda: dict(
+        sampler=RandomSampler(range(N), generator=torch.Generator().manual_seed(8))
+    ),
     "SubsetRandomSampler": lambda: dict(sampler=SubsetRandomSampler(list(range(0, N, 2)))),
-    "torch DistributedSampler": lambda: dict(sampler=torch.utils.data.DistributedSampler(range(N), 2, 1, seed=2)),
-    "batch_sampler": lambda: dict(batch_sampler=BatchSampler(RandomSampler(range(N)), 5, False), batch_size=1),
+    "torch DistributedSampler": lambda: dict(
+        sampler=torch.utils.data.DistributedSampler(range(N), 2, 1, seed=2)
+    ),
+    "batch_sampler": lambda: dict(
+        batch_sampler=BatchSampler(RandomSampler(range(N)), 5, False), batch_size=1
+    ),
     "torchfeed DistributedSampler": lambda: dict(sampler=DistributedSampler(N, 2, 0, seed=3), seed=1),
 }
 
@@ -142,8 +148,9 @@ def test_resume_after_k_batches_on_other_workers(name, workers2, three):
 
 
 def test_state_is_small_plain_data(workers2):
-    loader = torchfeed.RemoteDataLoader(torchfeed.RemoteDataset(workers2, RangeDataset, 1000), batch_size=8,
-                                        shuffle=True)
+    loader = torchfeed.RemoteDataLoader(
+        torchfeed.RemoteDataset(workers2, RangeDataset, 1000), batch_size=8, shuffle=True
+    )
     it = iter(loader)
     next(it)
     state = loader.state_dict()

@@ -38,6 +38,7 @@ TESTS = Path(__file__).resolve().parent
 
 # -- workers --------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def _workers():
     """Private workers, started concurrently: name -> (address, pid).
@@ -64,9 +65,8 @@ def call(address, func, *args, timeout=20, **kwargs):
     return torchfeed.rpc_async(address, func, args=args, kwargs=kwargs, timeout=timeout).wait()
 
 
-
-
 # -- functions of every kind ----------------------------------------------------------
+
 
 def test_rpc_async_returns_a_torch_future(addr, worker):
     fut = torchfeed.rpc_async(addr, os.getpid)
@@ -75,7 +75,12 @@ def test_rpc_async_returns_a_torch_future(addr, worker):
     assert fut.done() and fut.value() == worker[1]
     chained = torchfeed.rpc_async(addr, lambda: 20).then(lambda f: f.value() + 1)
     assert chained.wait() == 21
-    assert torch.futures.collect_all([torchfeed.rpc_async(addr, abs, args=(-i,)) for i in range(5)]).wait()[3].value() == 3
+    assert (
+        torch.futures.collect_all([torchfeed.rpc_async(addr, abs, args=(-i,)) for i in range(5)])
+        .wait()[3]
+        .value()
+        == 3
+    )
 
 
 def test_lambdas_local_functions_closures_args_kwargs(addr):
@@ -139,6 +144,7 @@ def where_am_i():
 
 
 # -- tensors of every dtype -------------------------------------------------------------
+
 
 def _creatable_dtypes():
     found = []
@@ -255,9 +261,27 @@ def dtype_params():
 
 def test_dtype_list_is_complete():
     names = {dtype_id(d) for d in DTYPES}
-    for must in ["bfloat16", "bool", "complex64", "complex128", "float16", "float32", "float64",
-                 "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "uint8", "uint16",
-                 "uint32", "uint64", "int8", "int16", "int32", "int64"]:
+    for must in [
+        "bfloat16",
+        "bool",
+        "complex64",
+        "complex128",
+        "float16",
+        "float32",
+        "float64",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+    ]:
         assert must in names
 
 
@@ -315,8 +339,10 @@ def test_large_results_do_not_alias(addr):
 
 def test_large_tensor_argument_and_result(addr):
     x = random_tensor((5 << 20,), torch.float32, 3)  # 20 MB
-    assert call(addr, lambda t: hashlib.sha256(t.numpy().tobytes()).hexdigest(), x) == \
-        hashlib.sha256(x.numpy().tobytes()).hexdigest()
+    assert (
+        call(addr, lambda t: hashlib.sha256(t.numpy().tobytes()).hexdigest(), x)
+        == hashlib.sha256(x.numpy().tobytes()).hexdigest()
+    )
     y = call(addr, lambda t: t, x)
     assert torch.equal(y.view(torch.int32), x.view(torch.int32))
 
@@ -337,6 +363,7 @@ def test_many_buffers_in_one_message(addr):
 
 # -- numpy arrays --------------------------------------------------------------------
 
+
 def numpy_arrays(seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
 
@@ -347,33 +374,54 @@ def numpy_arrays(seed: int = 0) -> dict:
 
     structured = np.dtype([("id", "<i4"), ("score", "<f8"), ("tag", "S3"), ("vec", "<f2", (2,))])
     out = {}
-    for dt in ["u1", "i1", "<u2", "<i2", "<u4", "<i4", "<u8", "<i8", ">i4", ">f8", "<f2", "<f4", "<f8",
-               "<c8", "<c16", np.longdouble, np.clongdouble]:
+    for dt in [
+        "u1",
+        "i1",
+        "<u2",
+        "<i2",
+        "<u4",
+        "<i4",
+        "<u8",
+        "<i8",
+        ">i4",
+        ">f8",
+        "<f2",
+        "<f4",
+        "<f8",
+        "<c8",
+        "<c16",
+        np.longdouble,
+        np.clongdouble,
+    ]:
         out[f"{np.dtype(dt).str}"] = rand_bytes((3, 4), dt)
-    out.update({
-        "bool": rng.integers(0, 2, size=(5, 2)).astype(bool),
-        "transposed": rand_bytes((3, 5), "<i4").T,
-        "strided": rand_bytes((20,), "<f8")[::3],
-        "reversed": np.arange(10, dtype=np.int64)[::-1],
-        "fortran": np.asfortranarray(rand_bytes((3, 4), "<f4")),
-        "sliced-2d": rand_bytes((6, 6), "<u2")[1::2, ::-2],
-        "scalar-0d": np.array(3.25),
-        "scalar-0d-int": np.array(7, dtype=np.uint64),
-        "empty": np.zeros((0, 3), dtype=np.float32),
-        "empty-struct": np.zeros((0,), dtype=structured),
-        "structured": np.array([(1, 2.5, b"ab", (1, 2)), (-3, np.nan, b"xyz", (0.5, -1))], dtype=structured),
-        "aligned-struct": np.zeros(3, dtype=np.dtype([("a", "u1"), ("b", "<f8")], align=True)),
-        "structured-strided": np.zeros(6, dtype=structured)[::2],
-        "datetime64": np.array(["2020-01-01T00:00", "2021-06-01T12:30", "NaT"], dtype="datetime64[m]"),
-        "datetime64-ns": np.array([0, 1, 2, -5], dtype="datetime64[ns]"),
-        "timedelta64": np.array([1, -2, 3], dtype="timedelta64[s]"),
-        "unicode": np.array(["héllo", "wörld", ""]),
-        "bytes": np.array([b"a", b"bcd"]),
-        "void": np.frombuffer(b"0123456789", dtype="V5"),
-        "object": np.array([1, "a", None, {"k": [1, 2]}, (3, 4)], dtype=object),
-        "object-0d": np.array(None, dtype=object),
-        "object-2d-strided": np.array([[1, "x"], [2.5, None], [b"z", 3]], dtype=object)[::2],
-    })
+    out.update(
+        {
+            "bool": rng.integers(0, 2, size=(5, 2)).astype(bool),
+            "transposed": rand_bytes((3, 5), "<i4").T,
+            "strided": rand_bytes((20,), "<f8")[::3],
+            "reversed": np.arange(10, dtype=np.int64)[::-1],
+            "fortran": np.asfortranarray(rand_bytes((3, 4), "<f4")),
+            "sliced-2d": rand_bytes((6, 6), "<u2")[1::2, ::-2],
+            "scalar-0d": np.array(3.25),
+            "scalar-0d-int": np.array(7, dtype=np.uint64),
+            "empty": np.zeros((0, 3), dtype=np.float32),
+            "empty-struct": np.zeros((0,), dtype=structured),
+            "structured": np.array(
+                [(1, 2.5, b"ab", (1, 2)), (-3, np.nan, b"xyz", (0.5, -1))], dtype=structured
+            ),
+            "aligned-struct": np.zeros(3, dtype=np.dtype([("a", "u1"), ("b", "<f8")], align=True)),
+            "structured-strided": np.zeros(6, dtype=structured)[::2],
+            "datetime64": np.array(["2020-01-01T00:00", "2021-06-01T12:30", "NaT"], dtype="datetime64[m]"),
+            "datetime64-ns": np.array([0, 1, 2, -5], dtype="datetime64[ns]"),
+            "timedelta64": np.array([1, -2, 3], dtype="timedelta64[s]"),
+            "unicode": np.array(["héllo", "wörld", ""]),
+            "bytes": np.array([b"a", b"bcd"]),
+            "void": np.frombuffer(b"0123456789", dtype="V5"),
+            "object": np.array([1, "a", None, {"k": [1, 2]}, (3, 4)], dtype=object),
+            "object-0d": np.array(None, dtype=object),
+            "object-2d-strided": np.array([[1, "x"], [2.5, None], [b"z", 3]], dtype=object)[::2],
+        }
+    )
     return out
 
 
@@ -416,12 +464,16 @@ def test_numpy_results_are_writable(addr):
 
 # -- nested structures -------------------------------------------------------------------
 
+
 def nested(seed: int = 0):
     t = random_tensor((3, 2), torch.bfloat16, seed)
     return {
         "tensors": [random_tensor((4,), torch.int8, seed + 1), t.t(), torch.tensor(True)],
         "arrays": (np.arange(5, dtype=np.int16), np.array(["x", "yy"]), np.array(2.5)),
-        "mixed": {"a": (1, "two", 3.0, None, b"bytes"), "b": [{"c": random_tensor((2, 2), torch.complex64, seed + 2)}]},
+        "mixed": {
+            "a": (1, "two", 3.0, None, b"bytes"),
+            "b": [{"c": random_tensor((2, 2), torch.complex64, seed + 2)}],
+        },
         "same-object-twice": [t, t],
         "empty": ([], {}, ()),
         7: frozenset({1, 2}),
@@ -458,6 +510,7 @@ def test_nested_structures(addr):
 
 # -- remote references --------------------------------------------------------------------
 
+
 class LiveMarker:
     """Objects kept on a worker; counted there by tag."""
 
@@ -468,7 +521,9 @@ class LiveMarker:
 
 def count_live(tag: str) -> int:
     gc.collect()
-    return sum(1 for o in gc.get_objects() if type(o).__name__ == "LiveMarker" and getattr(o, "tag", None) == tag)
+    return sum(
+        1 for o in gc.get_objects() if type(o).__name__ == "LiveMarker" and getattr(o, "tag", None) == tag
+    )
 
 
 def test_remote_ref_usable_in_later_calls(addr):
@@ -533,8 +588,12 @@ os._exit(0)  # vanish: no release is sent, only the connection closes
 
 
 def test_remote_refs_are_freed_when_the_client_disconnects(addr):
-    proc = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, addr, "orphan"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLIENT_SCRIPT, addr, "orphan"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "ready"
         assert call(addr, count_live, "orphan") == 1
@@ -571,6 +630,7 @@ def test_dropped_results_are_not_retained_by_the_client(addr):
 
 
 # -- errors --------------------------------------------------------------------------------
+
 
 def test_remote_exception_becomes_remote_error(addr):
     def fails(x):
@@ -619,7 +679,9 @@ def test_remote_error_with_broken_str(addr):
 def test_unpicklable_result_is_a_remote_error(addr):
     with pytest.raises(torchfeed.RemoteError) as info:
         call(addr, lambda: threading.Lock())
-    assert "pickle" in (info.value.remote_type + info.value.remote_message + info.value.remote_traceback).lower()
+    assert (
+        "pickle" in (info.value.remote_type + info.value.remote_message + info.value.remote_traceback).lower()
+    )
     assert call(addr, lambda: 1) == 1
 
 
@@ -644,6 +706,7 @@ def test_keyboard_interrupt_in_user_code_is_a_remote_error(_workers):
 
 # -- timeouts -------------------------------------------------------------------------------
 
+
 def test_timeout(addr):
     assert issubclass(torchfeed.Timeout, TimeoutError)
     assert issubclass(torchfeed.Timeout, torchfeed.TorchfeedError)
@@ -661,13 +724,18 @@ def test_timeout(addr):
 
 # -- pin_memory -------------------------------------------------------------------------------
 
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA fallback")
 def test_pin_memory_without_cuda_warns_once(addr, monkeypatch):
     monkeypatch.setattr(serialize, "_warned_pin", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        results = [torchfeed.rpc_async(addr, lambda i: torch.full((4, 4), float(i)), args=(i,),
-                                       pin_memory=True).wait() for i in range(3)]
+        results = [
+            torchfeed.rpc_async(
+                addr, lambda i: torch.full((4, 4), float(i)), args=(i,), pin_memory=True
+            ).wait()
+            for i in range(3)
+        ]
         big = torchfeed.rpc_async(addr, lambda: torch.ones(1 << 20), pin_memory=True).wait()
     for i, r in enumerate(results):
         assert torch.equal(r, torch.full((4, 4), float(i)))
@@ -679,13 +747,21 @@ def test_pin_memory_without_cuda_warns_once(addr, monkeypatch):
 
 # -- concurrency -------------------------------------------------------------------------------
 
+
 def test_many_concurrent_requests_on_one_connection(addr):
     conn = client.connect(addr)
 
     def submit(thread_no):
-        return [(thread_no, i, torchfeed.rpc_async(addr, lambda t, i: (t, i, torch.full((i % 7 + 1,), t * 1000 + i)),
-                                                   args=(thread_no, i)))
-                for i in range(50)]
+        return [
+            (
+                thread_no,
+                i,
+                torchfeed.rpc_async(
+                    addr, lambda t, i: (t, i, torch.full((i % 7 + 1,), t * 1000 + i)), args=(thread_no, i)
+                ),
+            )
+            for i in range(50)
+        ]
 
     with ThreadPoolExecutor(4) as pool:
         batches = list(pool.map(submit, range(4)))
@@ -701,6 +777,7 @@ def test_many_concurrent_requests_on_one_connection(addr):
 
 def test_concurrent_waiters_from_threads(addr):
     """Threads that submit and wait at the same time all get their own answers."""
+
     def work(k):
         futs = [torchfeed.rpc_async(addr, lambda a: a * 2, args=(k * 100 + i,)) for i in range(25)]
         return [f.wait() for f in futs] == [(k * 100 + i) * 2 for i in range(25)]

@@ -402,7 +402,7 @@ def test_lost_workers_have_no_estimate():
 def test_a_request_far_past_its_estimate_raises_it():
     est = {"a": 1.0, "b": 1.0}
     s, clock = make(list(est), credits=2, batches=1, estimates=est)
-    (holder, _), = dispatch_all(s)
+    ((holder, _),) = dispatch_all(s)
     clock.advance(1.5)
     s.hedge(FACTOR, MIN_SECONDS)
     assert s.estimates()[holder] == 1.0  # late, but not twice the estimate
@@ -440,8 +440,9 @@ def _check_consistent(s: Scheduler) -> None:
     if not free:
         assert best is None
     else:
-        expect = min(free, key=lambda w: ((len(w.in_flight) + 1) * (w.effective_seconds or typical),
-                                          w.tie, w.order))
+        expect = min(
+            free, key=lambda w: ((len(w.in_flight) + 1) * (w.effective_seconds or typical), w.tie, w.order)
+        )
         assert best[1] is expect
     for seq in range(s.delivered, s.known):  # every batch is in exactly one place
         places = (seq in s._pending) + (seq in holders) + (seq in s.done)
@@ -455,7 +456,7 @@ def test_incremental_state_matches_a_recomputation_under_random_events():
     s = Scheduler(names[:8], credits=2, window=30, clock=clock, seed=3, pass_length=400)
     hedges = 0
     slowness = {w: rng.choice([0.5, 1.0, 1.0, 4.0, 100.0]) for w in names}  # 100: nearly stuck
-    for step in range(3000):
+    for _step in range(3000):
         clock.advance(rng.expovariate(8.0))
         r = rng.random()
         while s.wants_more() and s.known < 400:
@@ -465,7 +466,7 @@ def test_incremental_state_matches_a_recomputation_under_random_events():
         if r < 0.45:
             running = [(w.address, seq) for w in s.workers.values() for seq in w.in_flight]
             if running:
-                (address, seq), = rng.choices(running, weights=[1 / slowness[a] for a, _ in running])
+                ((address, seq),) = rng.choices(running, weights=[1 / slowness[a] for a, _ in running])
                 if rng.random() < 0.97:
                     s.completed(address, seq)
                 else:
@@ -494,9 +495,16 @@ def test_stale_heap_entries_are_dropped():
     s, clock = make(list(est), credits=2, window=1000, estimates=est)
     for _ in range(5000):
         s.add_batch()
-        (address, seq), = [s.next_dispatch()]
+        ((address, seq),) = [s.next_dispatch()]
         clock.advance(0.01)
         s.completed(address, seq)
         s.take_delivered()
-    for heap in (s._free_measured, s._all_measured, s._free_unmeasured, s._all_unmeasured, s._running, s._late):
+    for heap in (
+        s._free_measured,
+        s._all_measured,
+        s._free_unmeasured,
+        s._all_unmeasured,
+        s._running,
+        s._late,
+    ):
         assert len(heap) <= 4 * len(s.workers) + 64 + 1

@@ -32,6 +32,7 @@ WRONG = "definitely-not-the-right-secret-0123456789abcdef"
 
 # -- helpers ------------------------------------------------------------------
 
+
 def split(address: str):
     host, port = client.parse_address(address)
     return host, port
@@ -75,7 +76,7 @@ def wait_closed(sock: socket.socket, timeout: float = 5.0) -> bytes:
             chunk = sock.recv(65536)
         except ConnectionResetError:
             return data
-        except socket.timeout:
+        except TimeoutError:
             raise AssertionError(f"the worker kept the connection open for {timeout} s") from None
         if not chunk:
             return data
@@ -104,10 +105,9 @@ def rss_mb(pid: int) -> float:
 def assert_serves(address: str, pid: int, secret: str = SECRET) -> None:
     """The worker process ``pid`` at ``address`` still answers a normal client."""
     assert torchfeed.rpc_async(address, os.getpid, timeout=10, secret=secret).wait() == pid
-    assert torchfeed.rpc_async(address, lambda a, b: a * b, args=(6, 7), timeout=10,
-                               secret=secret).wait() == 42
-
-
+    assert (
+        torchfeed.rpc_async(address, lambda a, b: a * b, args=(6, 7), timeout=10, secret=secret).wait() == 42
+    )
 
 
 class Marker:
@@ -160,6 +160,7 @@ def file_worker(_workers):
 
 
 # -- authentication -----------------------------------------------------------
+
 
 def test_wrong_secret_is_rejected_with_a_hint(worker):
     address, pid = worker
@@ -260,7 +261,9 @@ def test_impostor_worker_through_rpc_async(fake_worker):
 
 def test_worker_proof_is_bound_to_the_client_nonce(fake_worker):
     """A worker that replays the client's own proof (reflection) is rejected."""
-    fake = fake_worker(lambda sock, r, wn, meta: wire.send_frame(sock, wire.AUTH_OK, meta=meta[auth.NONCE_BYTES + 1:]))
+    fake = fake_worker(
+        lambda sock, r, wn, meta: wire.send_frame(sock, wire.AUTH_OK, meta=meta[auth.NONCE_BYTES + 1 :])
+    )
     with pytest.raises(torchfeed.AuthenticationError):
         client.connect(fake.address, timeout=5)
 
@@ -270,7 +273,9 @@ def test_worker_that_knows_the_secret_is_accepted_by_the_fake_setup(fake_worker)
 
     def honest(sock, reader, hello, meta):
         cnonce, mode = meta[: auth.NONCE_BYTES], meta[auth.NONCE_BYTES]
-        wire.send_frame(sock, wire.AUTH_OK, meta=auth.handshake_proof(SECRET.encode(), b"worker", hello, cnonce, mode))
+        wire.send_frame(
+            sock, wire.AUTH_OK, meta=auth.handshake_proof(SECRET.encode(), b"worker", hello, cnonce, mode)
+        )
 
     fake = fake_worker(honest)
     sock = raw_connect(fake.address)
@@ -309,6 +314,7 @@ def test_replayed_auth_message_is_rejected(worker):
 
 
 # -- nothing is unpickled before authentication ---------------------------------
+
 
 def test_marker_payload_is_effective_after_authentication(worker, tmp_path):
     """Control: the trap payload does create the file when a worker unpickles it."""
@@ -517,6 +523,7 @@ def test_many_bad_peers_at_once(worker):
 
 # -- handshake timeout --------------------------------------------------------------
 
+
 def test_silent_peer_is_dropped_after_handshake_timeout(quick_worker):
     address, pid = quick_worker
     socks = [raw_connect(address) for _ in range(10)]
@@ -551,7 +558,7 @@ def test_slow_handshake_is_dropped(quick_worker):
             if sock.recv(1) == b"":
                 closed = True
                 break
-        except socket.timeout:
+        except TimeoutError:
             continue
         except ConnectionResetError:
             closed = True
@@ -581,6 +588,7 @@ def test_authenticated_client_is_not_hit_by_handshake_timeout(quick_worker):
 
 # -- secret discovery ------------------------------------------------------------------
 
+
 @pytest.fixture
 def clean_env(monkeypatch, tmp_path):
     """No secret in the environment, an empty XDG_CONFIG_HOME and an empty discovery cache."""
@@ -600,7 +608,9 @@ def write_secret(path: Path, text: str, mode: int = 0o600) -> Path:
 
 def test_env_secret_wins_over_file(clean_env, monkeypatch, tmp_path):
     monkeypatch.setenv(auth.ENV_SECRET, "from-the-environment-0123456789abcdef-123456")
-    monkeypatch.setenv(auth.ENV_SECRET_FILE, str(write_secret(tmp_path / "s", "from-the-file-0123456789abcdef-0123456789")))
+    monkeypatch.setenv(
+        auth.ENV_SECRET_FILE, str(write_secret(tmp_path / "s", "from-the-file-0123456789abcdef-0123456789"))
+    )
     secret = auth.load_secret()
     assert secret.value == b"from-the-environment-0123456789abcdef-123456"
     assert auth.ENV_SECRET in secret.source
@@ -621,7 +631,9 @@ def test_secret_file_is_read(clean_env, monkeypatch, tmp_path):
 
 def test_empty_env_secret_falls_back_to_the_file(clean_env, monkeypatch, tmp_path):
     monkeypatch.setenv(auth.ENV_SECRET, "")
-    monkeypatch.setenv(auth.ENV_SECRET_FILE, str(write_secret(tmp_path / "s", "file-secret-0123456789-0123456789abcdef")))
+    monkeypatch.setenv(
+        auth.ENV_SECRET_FILE, str(write_secret(tmp_path / "s", "file-secret-0123456789-0123456789abcdef"))
+    )
     assert auth.load_secret().value == b"file-secret-0123456789-0123456789abcdef"
 
 
@@ -686,8 +698,11 @@ def test_short_secrets_are_refused_from_every_source(clean_env, monkeypatch, tmp
         monkeypatch.setenv(auth.ENV_SECRET_FILE, str(write_secret(tmp_path / "short", SHORT)))
         call = auth.load_secret
     else:
-        value = {"argument-str": SHORT, "argument-bytes": SHORT.encode(),
-                 "Secret": auth.Secret(SHORT.encode(), "test")}[source]
+        value = {
+            "argument-str": SHORT,
+            "argument-bytes": SHORT.encode(),
+            "Secret": auth.Secret(SHORT.encode(), "test"),
+        }[source]
         call = lambda: auth.load_secret(value)  # noqa: E731
     with pytest.raises(torchfeed.AuthenticationError) as info:
         call()
@@ -754,8 +769,16 @@ def test_default_file_created_concurrently_is_never_seen_half_written(clean_env)
     for _round in range(3):
         if path.exists():
             path.unlink()
-        procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for _ in range(8)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", code],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(8)
+        ]
         outs = [p.communicate(timeout=60) for p in procs]
         assert all(p.returncode == 0 for p in procs), [o[1][-500:] for o in outs]
         values = {o[0].strip() for o in outs}
@@ -773,6 +796,7 @@ def test_worker_and_client_share_a_secret_file(file_worker):
 
 # -- the session keys ---------------------------------------------------------------------
 
+
 def _handshake_pair(secret: str = SECRET):
     """A client channel and a worker channel over a socketpair, keyed by a real handshake."""
     from torchfeed import doorman
@@ -781,8 +805,9 @@ def _handshake_pair(secret: str = SECRET):
     hello = auth.hello_meta(False)
     wire.send_frame(w, wire.HELLO, meta=hello)
     result = {}
-    t = threading.Thread(target=lambda: result.update(
-        chan=auth.client_handshake(c, auth.load_secret(secret), "pair")))
+    t = threading.Thread(
+        target=lambda: result.update(chan=auth.client_handshake(c, auth.load_secret(secret), "pair"))
+    )
     t.start()
     received = b""
     while len(received) < wire.HEADER.size + auth.AUTH_BYTES:
@@ -820,7 +845,7 @@ def test_reflected_records_are_rejected():
         class Tap:  # records what the client sends
             def sendmsg(self, parts):
                 out.extend(bytes(memoryview(p).cast("B")) for p in parts)
-                return sum(len(x) for x in out[-len(parts):])
+                return sum(len(x) for x in out[-len(parts) :])
 
         tap = Channel(Tap(), worker_keys.recv, worker_keys.send)  # the client's keys, as derived
         tap.send(wire.PING, 1)

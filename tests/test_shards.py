@@ -8,10 +8,10 @@ from collections import Counter
 
 import pytest
 import torch
-from stream_datasets import SlowLines, text_lines, wds_samples
 from torch.utils.data import DataLoader
 
 import torchfeed
+from stream_datasets import SlowLines, text_lines, wds_samples
 from torchfeed.datasets import Shards
 
 pytestmark = pytest.mark.timeout(120)
@@ -90,8 +90,12 @@ def test_a_killed_worker_loses_no_shard_and_repeats_none(fresh_workers, tmp_path
 def test_resume_mid_epoch_on_other_workers(workers2, fresh_workers, tmp_path):
     urls, every = make_shards(str(tmp_path), count=10, per_shard=7)
     args = (urls, text_lines)
-    first = torchfeed.RemoteDataLoader(torchfeed.RemoteDataset(workers2, Shards, *args, shuffle_buffer=3),
-                                       batch_size=4, num_workers=3, seed=5)
+    first = torchfeed.RemoteDataLoader(
+        torchfeed.RemoteDataset(workers2, Shards, *args, shuffle_buffer=3),
+        batch_size=4,
+        num_workers=3,
+        seed=5,
+    )
     head = []
     for batch in first:
         head += batch
@@ -99,8 +103,12 @@ def test_resume_mid_epoch_on_other_workers(workers2, fresh_workers, tmp_path):
             break
     state = first.state_dict()
     other = fresh_workers(1)
-    second = torchfeed.RemoteDataLoader(torchfeed.RemoteDataset(other.addresses, Shards, *args, shuffle_buffer=3),
-                                        batch_size=4, num_workers=3, seed=5)
+    second = torchfeed.RemoteDataLoader(
+        torchfeed.RemoteDataset(other.addresses, Shards, *args, shuffle_buffer=3),
+        batch_size=4,
+        num_workers=3,
+        seed=5,
+    )
     second.load_state_dict(state)
     rest = flat(second)
     assert Counter(head + rest) == Counter(every)
@@ -114,8 +122,13 @@ def test_shards_over_s3(workers2, tmp_path):
     prefix = s3.new_prefix()
     s3.filesystem().put(str(tmp_path) + "/", f"{prefix}/shards/", recursive=True)
     opts = s3.storage_options
-    ds = torchfeed.RemoteDataset(workers2, Shards, f"s3://{prefix}/shards/shard-*.txt",
-                                 functools.partial(text_lines, storage_options=opts), storage_options=opts)
+    ds = torchfeed.RemoteDataset(
+        workers2,
+        Shards,
+        f"s3://{prefix}/shards/shard-*.txt",
+        functools.partial(text_lines, storage_options=opts),
+        storage_options=opts,
+    )
     got = flat(torchfeed.RemoteDataLoader(ds, batch_size=3, num_workers=3))
     assert Counter(got) == Counter(every)
 

@@ -11,12 +11,28 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import (BatchSampler, DataLoader, RandomSampler, SequentialSampler, SubsetRandomSampler,
-                              WeightedRandomSampler)
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 from torch.utils.data._utils.collate import default_collate, default_convert
 
 import torchfeed
-from compat_datasets import Batched, Keyed, Plain, Shards, Span, Typed, dict_collate, failing_collate, split_span
+from compat_datasets import (
+    Batched,
+    Keyed,
+    Plain,
+    Shards,
+    Span,
+    Typed,
+    dict_collate,
+    failing_collate,
+    split_span,
+)
 from helpers import deep_equal
 
 pytestmark = pytest.mark.timeout(120)
@@ -86,13 +102,18 @@ SAMPLERS = {
     "weighted": lambda: dict(batch_size=4, sampler=WeightedRandomSampler([1.0] * 20 + [5.0] * 3, 30)),
     "batch_sampler": lambda: dict(batch_sampler=BatchSampler(RandomSampler(range(23)), 6, drop_last=False)),
     "repeats": lambda: dict(batch_size=2, sampler=[22, 0, 5, 5, 1]),
-    "sequential_batch_sampler": lambda: dict(batch_sampler=BatchSampler(SequentialSampler(range(23)), 7, True)),
+    "sequential_batch_sampler": lambda: dict(
+        batch_sampler=BatchSampler(SequentialSampler(range(23)), 7, True)
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(SAMPLERS))
 def test_samplers(remote, case):
-    compare(torchfeed.RemoteDataLoader(remote(Plain), **SAMPLERS[case]()), lambda: DataLoader(Plain(), **SAMPLERS[case]()))
+    compare(
+        torchfeed.RemoteDataLoader(remote(Plain), **SAMPLERS[case]()),
+        lambda: DataLoader(Plain(), **SAMPLERS[case]()),
+    )
 
 
 COLLATES = {
@@ -105,11 +126,21 @@ COLLATES = {
 
 @pytest.mark.parametrize("case", list(COLLATES))
 def test_collates(remote, case):
-    compare(torchfeed.RemoteDataLoader(remote(Plain), **COLLATES[case]()), lambda: DataLoader(Plain(), **COLLATES[case]()))
+    compare(
+        torchfeed.RemoteDataLoader(remote(Plain), **COLLATES[case]()),
+        lambda: DataLoader(Plain(), **COLLATES[case]()),
+    )
 
 
-@pytest.mark.parametrize("kw", [dict(batch_size=4), dict(batch_size=None), dict(batch_size=5, shuffle=True),
-                                dict(batch_size=3, collate_fn=default_convert)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(batch_size=4),
+        dict(batch_size=None),
+        dict(batch_size=5, shuffle=True),
+        dict(batch_size=3, collate_fn=default_convert),
+    ],
+)
 def test_dtypes_and_structures(remote, kw):
     batches, _ = compare(torchfeed.RemoteDataLoader(remote(Typed), **kw), lambda: DataLoader(Typed(), **kw))
     assert batches and all(isinstance(b, dict if "collate_fn" not in kw else list) for b in batches)
@@ -118,10 +149,14 @@ def test_dtypes_and_structures(remote, kw):
 KEYS = ["img003", ("shard", 2), "img000", "img011", ("shard", 0), "img007", "img007"]
 
 
-@pytest.mark.parametrize("kw", [dict(batch_size=3), dict(batch_size=None), dict(batch_size=2, drop_last=True)])
+@pytest.mark.parametrize(
+    "kw", [dict(batch_size=3), dict(batch_size=None), dict(batch_size=2, drop_last=True)]
+)
 def test_any_sampler_key(remote, kw):
-    batches, _ = compare(torchfeed.RemoteDataLoader(remote(Keyed), sampler=KEYS, **kw),
-                         lambda: DataLoader(Keyed(), sampler=KEYS, **kw))
+    batches, _ = compare(
+        torchfeed.RemoteDataLoader(remote(Keyed), sampler=KEYS, **kw),
+        lambda: DataLoader(Keyed(), sampler=KEYS, **kw),
+    )
     assert batches
 
 
@@ -137,34 +172,46 @@ ERRORS = {
 @pytest.mark.parametrize("case", list(ERRORS))
 def test_errors_in_getitem(remote, case):
     cls, bad, kw = ERRORS[case]
-    _, error = compare(torchfeed.RemoteDataLoader(remote(cls, 23, bad), **kw), lambda: DataLoader(cls(23, bad), **kw))
+    _, error = compare(
+        torchfeed.RemoteDataLoader(remote(cls, 23, bad), **kw), lambda: DataLoader(cls(23, bad), **kw)
+    )
     assert error is not None
 
 
 def test_error_in_getitems(remote):
-    _, error = compare(torchfeed.RemoteDataLoader(remote(Batched, 23, 10), batch_size=4),
-                       lambda: DataLoader(Batched(23, 10), batch_size=4))
+    _, error = compare(
+        torchfeed.RemoteDataLoader(remote(Batched, 23, 10), batch_size=4),
+        lambda: DataLoader(Batched(23, 10), batch_size=4),
+    )
     assert isinstance(error, LookupError) and error.indices == [8, 9, 10, 11]
 
 
 def test_error_in_collate(remote):
-    _, error = compare(torchfeed.RemoteDataLoader(remote(Plain), batch_size=4, collate_fn=failing_collate),
-                       lambda: DataLoader(Plain(), batch_size=4, collate_fn=failing_collate))
+    _, error = compare(
+        torchfeed.RemoteDataLoader(remote(Plain), batch_size=4, collate_fn=failing_collate),
+        lambda: DataLoader(Plain(), batch_size=4, collate_fn=failing_collate),
+    )
     assert isinstance(error, ArithmeticError)
 
 
-@pytest.mark.parametrize("kw", [dict(batch_size=4), dict(batch_size=None), dict(batch_size=3, drop_last=True)])
+@pytest.mark.parametrize(
+    "kw", [dict(batch_size=4), dict(batch_size=None), dict(batch_size=3, drop_last=True)]
+)
 def test_iterable_dataset_like_torch_with_two_workers(remote, kw):
     """Each worker iterates its own shard, batches are taken from workers in turn, and the
     workers' generators are seeded as torch seeds its workers: the same batches, bit for bit."""
-    batches, _ = compare(torchfeed.RemoteDataLoader(remote(Shards), **kw),
-                         lambda: DataLoader(Shards(), num_workers=2, **kw))
+    batches, _ = compare(
+        torchfeed.RemoteDataLoader(remote(Shards), **kw), lambda: DataLoader(Shards(), num_workers=2, **kw)
+    )
     assert {int(b[0].reshape(-1, 2)[0, 1]) for b in batches} == {0, 1}, "both workers served"
 
 
 def test_iterable_dataset_error(remote):
-    _, error = compare(torchfeed.RemoteDataLoader(remote(Shards, 23, 9), batch_size=2),
-                       lambda: DataLoader(Shards(23, 9), num_workers=2, batch_size=2), map_style=False)
+    _, error = compare(
+        torchfeed.RemoteDataLoader(remote(Shards, 23, 9), batch_size=2),
+        lambda: DataLoader(Shards(23, 9), num_workers=2, batch_size=2),
+        map_style=False,
+    )
     assert isinstance(error, RuntimeError) and "stream broke at 9" in str(error)
 
 
@@ -172,9 +219,14 @@ def test_worker_init_fn_configures_the_loading_copy_every_epoch(remote):
     """torch's documented example: worker_init_fn splits [start, end) through get_worker_info().dataset."""
     ours = torchfeed.RemoteDataLoader(remote(Span, 3, 20), batch_size=None, worker_init_fn=split_span)
     for _ in range(2):  # the split applies to a fresh copy each pass, as in fresh torch workers
-        compare(ours, lambda: DataLoader(Span(3, 20), batch_size=None, num_workers=2, worker_init_fn=split_span))
-    persistent = torchfeed.RemoteDataLoader(remote(Span, 3, 20), batch_size=4, worker_init_fn=split_span,
-                                            num_workers=2, persistent_workers=True)
-    theirs = DataLoader(Span(3, 20), batch_size=4, worker_init_fn=split_span, num_workers=2, persistent_workers=True)
+        compare(
+            ours, lambda: DataLoader(Span(3, 20), batch_size=None, num_workers=2, worker_init_fn=split_span)
+        )
+    persistent = torchfeed.RemoteDataLoader(
+        remote(Span, 3, 20), batch_size=4, worker_init_fn=split_span, num_workers=2, persistent_workers=True
+    )
+    theirs = DataLoader(
+        Span(3, 20), batch_size=4, worker_init_fn=split_span, num_workers=2, persistent_workers=True
+    )
     for _ in range(2):
         compare(persistent, lambda: theirs)

@@ -35,7 +35,7 @@ def _directives(script: str):
     groups = [[]]
     for line in script.splitlines():
         if line.startswith("#SBATCH "):
-            option = line[len("#SBATCH "):]
+            option = line[len("#SBATCH ") :]
             if option == "hetjob":
                 groups.append([])
             else:
@@ -49,56 +49,125 @@ def _bash_syntax_ok(script: str) -> bool:
 
 # -- scripts, without Slurm ----------------------------------------------------------------
 
+
 def test_dry_run_multi_node_layout(capsys, tmp_path):
     """(d) A multi-node layout: 2 GPU nodes x 4 GPUs, 2 GPUs per model, 3 CPU nodes x 8 workers."""
     job_dir = str(tmp_path / "runs" / "%j")
-    code = cli.main(["slurm", "--dry-run", "--job-dir", job_dir, "--partition", "gpu", "--nodes", "2",
-                     "--gpus-per-node", "4", "--gpus-per-model", "2", "--cpus-per-task", "6",
-                     "--worker-partition", "cpu", "--worker-nodes", "3", "--workers-per-node", "8",
-                     "--cpus-per-worker", "2", "--time", "12:00:00", "--sbatch=--account=proj",
-                     "--worker-sbatch=--mem=64G", "--signal", "USR1@90", "--python", "/opt/py/bin/python",
-                     "--", "python", "train.py", "--lr", "0.1", "--name", "my run"])
+    code = cli.main(
+        [
+            "slurm",
+            "--dry-run",
+            "--job-dir",
+            job_dir,
+            "--partition",
+            "gpu",
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "4",
+            "--gpus-per-model",
+            "2",
+            "--cpus-per-task",
+            "6",
+            "--worker-partition",
+            "cpu",
+            "--worker-nodes",
+            "3",
+            "--workers-per-node",
+            "8",
+            "--cpus-per-worker",
+            "2",
+            "--time",
+            "12:00:00",
+            "--sbatch=--account=proj",
+            "--worker-sbatch=--mem=64G",
+            "--signal",
+            "USR1@90",
+            "--python",
+            "/opt/py/bin/python",
+            "--",
+            "python",
+            "train.py",
+            "--lr",
+            "0.1",
+            "--name",
+            "my run",
+        ]
+    )
     script = capsys.readouterr().out
     assert code == 0 and not (tmp_path / "runs").exists()  # printed only
     assert script.startswith("#!/bin/bash\n") and _bash_syntax_ok(script)
     trainers, workers = _directives(script)
-    assert trainers == ["--job-name=torchfeed", f"--output={tmp_path}/runs/%j.out", "--open-mode=append",
-                        "--requeue", "--signal=B:USR1@90", "--time=12:00:00", "--partition=gpu", "--nodes=2",
-                        "--ntasks-per-node=2", "--cpus-per-task=6", "--gpus-per-node=4", "--account=proj"]
-    assert workers == ["--partition=cpu", "--nodes=3", "--ntasks-per-node=8", "--cpus-per-task=2",
-                       "--time=12:00:00", "--mem=64G"]
+    assert trainers == [
+        "--job-name=torchfeed",
+        f"--output={tmp_path}/runs/%j.out",
+        "--open-mode=append",
+        "--requeue",
+        "--signal=B:USR1@90",
+        "--time=12:00:00",
+        "--partition=gpu",
+        "--nodes=2",
+        "--ntasks-per-node=2",
+        "--cpus-per-task=6",
+        "--gpus-per-node=4",
+        "--account=proj",
+    ]
+    assert workers == [
+        "--partition=cpu",
+        "--nodes=3",
+        "--ntasks-per-node=8",
+        "--cpus-per-task=2",
+        "--time=12:00:00",
+        "--mem=64G",
+    ]
     lines = script.splitlines()
-    assert f"JOB_DIR={tmp_path}/runs/\"${{SLURM_JOB_ID}}\"" in script
+    assert f'JOB_DIR={tmp_path}/runs/"${{SLURM_JOB_ID}}"' in script
     assert "export TORCHFEED_GPUS_PER_MODEL=2" in lines and "unset TORCHFEED_SECRET" in lines
     assert 'export TORCHFEED_SECRET_FILE="$JOB_DIR/secret"' in lines
     assert any(line.startswith("(umask 077 && ") for line in lines)
     assert any(line.startswith('mkdir -p "$JOB_DIR" && chmod 700 "$JOB_DIR"') for line in lines)
     assert any(line.startswith('(umask 077 && : > "$JOB_DIR/workers")') for line in lines)
     assert "srun --het-group=1 --kill-on-bad-exit=1 --ntasks-per-node=8 --cpus-per-task=2 \\" in lines
-    assert ('    "$PYTHON" -m torchfeed worker --host 0.0.0.0 --port 0 --address-file "$JOB_DIR/workers" \\'
-            in lines)
-    assert any("wait-workers \"$JOB_DIR/workers\" 24 " in line for line in lines)
-    assert "export TORCHFEED_WORKERS" in lines and 'export MASTER_PORT=$("$PYTHON" -m torchfeed.cluster port)' in lines
+    assert (
+        '    "$PYTHON" -m torchfeed worker --host 0.0.0.0 --port 0 --address-file "$JOB_DIR/workers" \\'
+        in lines
+    )
+    assert any('wait-workers "$JOB_DIR/workers" 24 ' in line for line in lines)
+    assert (
+        "export TORCHFEED_WORKERS" in lines
+        and 'export MASTER_PORT=$("$PYTHON" -m torchfeed.cluster port)' in lines
+    )
     assert "srun --het-group=0 --kill-on-bad-exit=1 --ntasks-per-node=2 --cpus-per-task=6 \\" in lines
     assert "    python train.py --lr 0.1 --name 'my run' &" in lines
-    assert any(line.startswith("trap ") and line.endswith(" USR1") and "kill -USR1 $TRAINERS_PID" in line
-               for line in lines)
+    assert any(
+        line.startswith("trap ") and line.endswith(" USR1") and "kill -USR1 $TRAINERS_PID" in line
+        for line in lines
+    )
     assert lines[-1] == "exit $STATUS"
 
 
 def test_dry_run_torchrun(capsys):
     """(d) --torchrun: one torchrun per node with c10d rendezvous; `python` before the script is dropped."""
-    script = sbatch_script(["python", "train.py", "--x"], nodes=3, gpus_per_node=8, gpus_per_model=2,
-                           cpus_per_task=4, torchrun=True, python="/p/python")
+    script = sbatch_script(
+        ["python", "train.py", "--x"],
+        nodes=3,
+        gpus_per_node=8,
+        gpus_per_model=2,
+        cpus_per_task=4,
+        torchrun=True,
+        python="/p/python",
+    )
     trainers, _ = _directives(script)
     assert "--ntasks-per-node=1" in trainers and "--cpus-per-task=16" in trainers
     assert "srun --het-group=0 --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=16 \\" in script
-    assert ('"$PYTHON" -m torch.distributed.run --nnodes=3 --nproc-per-node=4 --rdzv-backend=c10d \\\n'
-            '    --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" train.py --x &') in script
+    assert (
+        '"$PYTHON" -m torch.distributed.run --nnodes=3 --nproc-per-node=4 --rdzv-backend=c10d \\\n'
+        '    --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" train.py --x &'
+    ) in script
     assert "PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2" in script
     assert _bash_syntax_ok(script)
     assert cli.main(["slurm", "--dry-run", "--torchrun", "--", "python", "-m", "pkg.train"]) == 0
-    assert "--rdzv-id=\"$SLURM_JOB_ID\" -m pkg.train &" in capsys.readouterr().out
+    assert '--rdzv-id="$SLURM_JOB_ID" -m pkg.train &' in capsys.readouterr().out
 
 
 def test_invalid_layouts_are_explained(capsys, tmp_path):
@@ -131,6 +200,7 @@ def test_write_and_submit_without_slurm(capsys, tmp_path, monkeypatch):
 
 # -- a real Slurm cluster ------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     missing = missing_binaries()
@@ -155,16 +225,35 @@ def slurm(tmp_path_factory):
 
 
 def _job(tmp: Path, command, **kw) -> SlurmJob:
-    return SlurmJob(list(command), job_dir=str(tmp / "%j"), partition="gpu", worker_partition="cpu",
-                    ntasks_per_node=2, worker_nodes=2, workers_per_node=1, time="10", worker_timeout=120, **kw)
+    return SlurmJob(
+        list(command),
+        job_dir=str(tmp / "%j"),
+        partition="gpu",
+        worker_partition="cpu",
+        ntasks_per_node=2,
+        worker_nodes=2,
+        workers_per_node=1,
+        time="10",
+        worker_timeout=120,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
 def jobs(slurm, tmp_path_factory):
     """Submit the jobs together (the cluster has room for all): they run while the tests wait."""
     root = tmp_path_factory.mktemp("jobs")
-    launcher_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                     "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHFEED_WORKERS")
+    launcher_vars = (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHFEED_WORKERS",
+    )
     env = {k: v for k, v in os.environ.items() if k not in launcher_vars}  # whatever other tests left
     args = ["--samples", str(SAMPLES), "--batch-size", str(BATCH), "--epochs", str(EPOCHS)]
     submitted = {}

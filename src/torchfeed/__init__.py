@@ -43,7 +43,34 @@ _EXPORTS = {
 # Names of the design this project grew from, kept importable forever.
 _ALIASES = {"RPCDataset": "RemoteDataset", "RPCDataloader": "RemoteDataLoader"}
 
-__all__ = sorted([*_EXPORTS, *_ALIASES])
+__all__ = [
+    "AuthenticationError",
+    "ConnectionClosed",
+    "DistributedSampler",
+    "FrameTooLarge",
+    "LimitExceeded",
+    "LocalWorkers",
+    "PoisonSampleError",
+    "ProtocolError",
+    "RPCDataloader",
+    "RPCDataset",
+    "RemoteDataLoader",
+    "RemoteDataset",
+    "RemoteError",
+    "RemoteRef",
+    "SerializationError",
+    "Timeout",
+    "TorchfeedError",
+    "UnsafeAddressFile",
+    "WorkerLost",
+    "WorkerServer",
+    "rpc_async",
+    "run_worker",
+    "set_heartbeat",
+    "set_random_seeds",
+    "set_reply_limits",
+]
+assert sorted(__all__) == sorted([*_EXPORTS, *_ALIASES])
 
 
 def __getattr__(name: str) -> Any:
@@ -63,8 +90,19 @@ def __dir__():
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from .addrfile import UnsafeAddressFile
     from .client import RemoteRef, rpc_async, set_heartbeat
-    from .errors import (AuthenticationError, ConnectionClosed, FrameTooLarge, LimitExceeded, PoisonSampleError,
-                         ProtocolError, RemoteError, SerializationError, Timeout, TorchfeedError, WorkerLost)
+    from .errors import (
+        AuthenticationError,
+        ConnectionClosed,
+        FrameTooLarge,
+        LimitExceeded,
+        PoisonSampleError,
+        ProtocolError,
+        RemoteError,
+        SerializationError,
+        Timeout,
+        TorchfeedError,
+        WorkerLost,
+    )
     from .limits import set_reply_limits
     from .loader import RemoteDataLoader
     from .local import LocalWorkers

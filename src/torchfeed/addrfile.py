@@ -12,7 +12,6 @@ import fcntl
 import os
 import stat
 import sys
-from typing import List, Optional
 
 from .errors import TorchfeedError
 
@@ -32,7 +31,7 @@ def check_private(path: str, fd: int) -> None:
         )
 
 
-def read_address_file(path: str) -> List[str]:
+def read_address_file(path: str) -> list[str]:
     """The address lines of a file written by :func:`announce`: in order, no blanks or repeats.
 
     A missing file reads as empty; a file others can write raises :class:`UnsafeAddressFile`.
@@ -42,8 +41,9 @@ def read_address_file(path: str) -> List[str]:
     except FileNotFoundError:
         return []
     except OSError as exc:
-        raise UnsafeAddressFile(f"cannot open address file {path} ({exc}); it must be a regular file, "
-                                "not a symbolic link") from None
+        raise UnsafeAddressFile(
+            f"cannot open address file {path} ({exc}); it must be a regular file, not a symbolic link"
+        ) from None
     with os.fdopen(fd) as f:
         check_private(path, fd)
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -52,7 +52,7 @@ def read_address_file(path: str) -> List[str]:
     return list(dict.fromkeys(line for line in lines if line and not line.startswith("#")))
 
 
-def append_lines(path: str, lines: List[str]) -> None:
+def append_lines(path: str, lines: list[str]) -> None:
     """Append address lines to ``path`` under an exclusive lock (created 0600 when missing)."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "a") as f:
@@ -66,7 +66,7 @@ def append_lines(path: str, lines: List[str]) -> None:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def announce(address: str, address_file: Optional[str] = None) -> None:
+def announce(address: str, address_file: str | None = None) -> None:
     """Print ``host:port`` (one line, flushed) and append it to ``address_file`` under a lock."""
     if address_file:
         append_lines(address_file, [address])

@@ -41,7 +41,7 @@ import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Tuple, Union
+from typing import Union
 
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
@@ -210,6 +210,7 @@ def fix_hint(secret: Secret) -> str:
 
 # -- key schedule -------------------------------------------------------------
 
+
 def _hkdf(secret: bytes, salt: bytes, info: bytes, length: int = 32) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt, info=info).derive(secret)
 
@@ -227,7 +228,7 @@ class SessionKeys:
     recv: bytes
     encrypt: bool
 
-    def channel(self, sock, reader: Optional[wire.FrameReader] = None) -> Channel:
+    def channel(self, sock, reader: wire.FrameReader | None = None) -> Channel:
         """The sealed channel on ``sock``; ``reader``: the handshake's reader, holding any bytes
         received past the handshake."""
         return Channel(sock, self.send, self.recv, encrypt=self.encrypt, reader=reader)
@@ -239,16 +240,19 @@ def _session(secret: bytes, hello: bytes, cnonce: bytes, mode: int, *, worker: b
     to_worker = _hkdf(secret, salt, b"torchfeed/2 client->worker " + tag)
     to_client = _hkdf(secret, salt, b"torchfeed/2 worker->client " + tag)
     encrypt = mode == MODE_ENCRYPTED
-    return SessionKeys(to_client, to_worker, encrypt) if worker else SessionKeys(to_worker, to_client, encrypt)
+    return (
+        SessionKeys(to_client, to_worker, encrypt) if worker else SessionKeys(to_worker, to_client, encrypt)
+    )
 
 
 # -- worker side (pure: the worker's doorman does the I/O without blocking) --------
+
 
 def hello_meta(allow_integrity_only: bool) -> bytes:
     return secrets.token_bytes(NONCE_BYTES) + bytes([1 if allow_integrity_only else 0])
 
 
-def check_auth(secret: Secret, hello: bytes, auth_meta: bytes) -> Tuple[bool, bytes, SessionKeys]:
+def check_auth(secret: Secret, hello: bytes, auth_meta: bytes) -> tuple[bool, bytes, SessionKeys]:
     """Check a client's AUTH meta against our HELLO meta.
 
     Returns ``(ok, reply meta, keys)``: on success the reply is the AUTH_OK proof, else
@@ -260,13 +264,17 @@ def check_auth(secret: Secret, hello: bytes, auth_meta: bytes) -> Tuple[bool, by
     if not hmac.compare_digest(proof, handshake_proof(secret.value, b"client", hello, cnonce, mode)):
         return False, b"wrong secret", SessionKeys(b"", b"", True)
     if mode not in (MODE_ENCRYPTED, MODE_INTEGRITY_ONLY) or (mode == MODE_INTEGRITY_ONLY and not hello[-1]):
-        return False, b"this worker requires encryption (it was not started with --trusted-network-no-encryption)", \
-            SessionKeys(b"", b"", True)
+        return (
+            False,
+            b"this worker requires encryption (it was not started with --trusted-network-no-encryption)",
+            SessionKeys(b"", b"", True),
+        )
     reply = handshake_proof(secret.value, b"worker", hello, cnonce, mode)
     return True, reply, _session(secret.value, hello, cnonce, mode, worker=True)
 
 
 # -- client side (blocking) -----------------------------------------------------------
+
 
 def client_handshake(sock, secret: Secret, address: str, *, integrity_only: bool = False) -> Channel:
     """Run the client side of the handshake on a connected socket; return the sealed channel."""
@@ -279,7 +287,11 @@ def client_handshake(sock, secret: Secret, address: str, *, integrity_only: bool
     hello = frame.meta
     mode = MODE_INTEGRITY_ONLY if integrity_only and hello[-1] else MODE_ENCRYPTED
     cnonce = secrets.token_bytes(NONCE_BYTES)
-    wire.send_frame(sock, wire.AUTH, meta=cnonce + bytes([mode]) + handshake_proof(secret.value, b"client", hello, cnonce, mode))
+    wire.send_frame(
+        sock,
+        wire.AUTH,
+        meta=cnonce + bytes([mode]) + handshake_proof(secret.value, b"client", hello, cnonce, mode),
+    )
     frame = reader.read_frame(wire.HANDSHAKE_LIMITS)
     if frame.kind == wire.AUTH_FAIL:
         reason = frame.meta.decode(errors="replace")

@@ -22,8 +22,9 @@ import secrets
 import sys
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -39,6 +40,7 @@ PREFETCH = 2  # prefetch_factor of both loaders (torch's default)
 
 # -- datasets (loaded by reference on the workers) ----------------------------------
 
+
 class JpegDecodeDataset(Dataset):
     """Decode a 256x256 JPEG with Pillow, crop 224x224, return a uint8 CHW tensor and a label.
 
@@ -47,13 +49,20 @@ class JpegDecodeDataset(Dataset):
     The crop offset is derived from the index, so every process crops sample i alike.
     """
 
-    def __init__(self, length: int, images: int = 64, size: int = 256, crop: int = 224,
-                 quality: int = 90, seed: int = 0):
+    def __init__(
+        self,
+        length: int,
+        images: int = 64,
+        size: int = 256,
+        crop: int = 224,
+        quality: int = 90,
+        seed: int = 0,
+    ):
         from PIL import Image
 
         self.length, self.size, self.crop = length, size, crop
         rng = np.random.default_rng(seed)
-        self.jpegs: List[bytes] = []
+        self.jpegs: list[bytes] = []
         for _ in range(images):
             coarse = Image.fromarray(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8))
             smooth = np.asarray(coarse.resize((size, size), Image.BICUBIC), dtype=np.int16)
@@ -111,9 +120,15 @@ class SleepyDataset(Dataset):
     or from ``slow_worker_ids`` (torch DataLoader worker id -> factor).
     """
 
-    def __init__(self, length: int, seconds: float = 0.002, slow_pids: Optional[Dict[int, float]] = None,
-                 slow_worker_ids: Optional[Dict[int, float]] = None, stall_pids: Optional[Dict[int, tuple]] = None,
-                 stall_worker_ids: Optional[Dict[int, tuple]] = None):
+    def __init__(
+        self,
+        length: int,
+        seconds: float = 0.002,
+        slow_pids: dict[int, float] | None = None,
+        slow_worker_ids: dict[int, float] | None = None,
+        stall_pids: dict[int, tuple] | None = None,
+        stall_worker_ids: dict[int, tuple] | None = None,
+    ):
         self.length = length
         self.seconds = seconds
         self.slow_pids = dict(slow_pids or {})
@@ -134,7 +149,7 @@ class SleepyDataset(Dataset):
                 f = self.slow_worker_ids.get(info.id)
         return f or 1.0
 
-    def stall(self) -> Optional[tuple]:
+    def stall(self) -> tuple | None:
         st = self.stall_pids.get(os.getpid())
         if st is None and self.stall_worker_ids:
             info = get_worker_info()
@@ -152,6 +167,7 @@ class SleepyDataset(Dataset):
 
 
 # -- measuring ------------------------------------------------------------------------
+
 
 def _tensors(obj):
     if isinstance(obj, torch.Tensor):
@@ -214,8 +230,9 @@ class Side:
     ``worker_pids()`` lists the processes doing the loading, for CPU accounting.
     """
 
-    def __init__(self, name: str, loader, sampler: CountSampler, batch_size: int,
-                 worker_pids: Callable[[], List[int]]):
+    def __init__(
+        self, name: str, loader, sampler: CountSampler, batch_size: int, worker_pids: Callable[[], list[int]]
+    ):
         self.name, self.loader, self.sampler, self.batch_size = name, loader, sampler, batch_size
         self.worker_pids = worker_pids
 
@@ -255,9 +272,9 @@ def _calibrate(side: Side, warm_seconds: float, first: int) -> float:
 class Runs:
     """Batches/s of every timed run, and CPU milliseconds per batch over all of them."""
 
-    rates: Dict[str, List[float]]
-    trainer_ms: Dict[str, float]  # CPU of the consuming process (all its threads)
-    workers_ms: Dict[str, float]  # CPU of the loading processes together
+    rates: dict[str, list[float]]
+    trainer_ms: dict[str, float]  # CPU of the consuming process (all its threads)
+    workers_ms: dict[str, float]  # CPU of the loading processes together
 
 
 def measure(sides: Sequence[Side], seconds: float, repeats: int, log: Callable[[str], None]) -> Runs:
@@ -279,12 +296,15 @@ def measure(sides: Sequence[Side], seconds: float, repeats: int, log: Callable[[
             runs.rates[s.name].append(n / elapsed)
             runs.trainer_ms[s.name] += own * 1e3 / (n * repeats)
             runs.workers_ms[s.name] += workers * 1e3 / (n * repeats)
-            log(f"    run {r + 1} {s.name}: {n} batches in {elapsed:.2f} s = {n / elapsed:.1f} batches/s; "
-                f"CPU per batch: trainer {own * 1e3 / n:.2f} ms, workers {workers * 1e3 / n:.2f} ms")
+            log(
+                f"    run {r + 1} {s.name}: {n} batches in {elapsed:.2f} s = {n / elapsed:.1f} batches/s; "
+                f"CPU per batch: trainer {own * 1e3 / n:.2f} ms, workers {workers * 1e3 / n:.2f} ms"
+            )
     return runs
 
 
 # -- cases ---------------------------------------------------------------------------
+
 
 @dataclass
 class Result:
@@ -296,9 +316,11 @@ class Result:
     target_text: str
     passed: bool
     fraction: bool = False  # values are fractions of an ideal rate
-    notes: List[str] = field(default_factory=list)
-    runs: Dict[str, List[float]] = field(default_factory=dict)
-    cpu_ms: Dict[str, Tuple[float, float]] = field(default_factory=dict)  # side -> (trainer, workers) per batch
+    notes: list[str] = field(default_factory=list)
+    runs: dict[str, list[float]] = field(default_factory=dict)
+    cpu_ms: dict[str, tuple[float, float]] = field(
+        default_factory=dict
+    )  # side -> (trainer, workers) per batch
 
     @property
     def ratio(self) -> float:
@@ -307,7 +329,7 @@ class Result:
 
 @dataclass
 class Context:
-    workers: "LocalWorkers"
+    workers: LocalWorkers
     n: int  # workers per comparison (cases cpu, transfer, overhead)
     seconds: float
     repeats: int
@@ -317,13 +339,20 @@ class Context:
 BIG = 1 << 40  # dataset length: the samplers choose how many indices are used
 
 
-def _pair(ctx: Context, n_workers: int, torch_ds: Dataset, factory, fargs: tuple, fkwargs: dict,
-          batch_size: int) -> List[Side]:
+def _pair(
+    ctx: Context, n_workers: int, torch_ds: Dataset, factory, fargs: tuple, fkwargs: dict, batch_size: int
+) -> list[Side]:
     from .loader import RemoteDataLoader, RemoteDataset
 
     ts, rs = CountSampler(), CountSampler()
-    tl = DataLoader(torch_ds, batch_size=batch_size, sampler=ts, num_workers=n_workers,
-                    persistent_workers=True, prefetch_factor=PREFETCH)
+    tl = DataLoader(
+        torch_ds,
+        batch_size=batch_size,
+        sampler=ts,
+        num_workers=n_workers,
+        persistent_workers=True,
+        prefetch_factor=PREFETCH,
+    )
     rds = RemoteDataset(ctx.workers.addresses[:n_workers], factory, *fargs, **fkwargs)
     rl = RemoteDataLoader(rds, batch_size=batch_size, sampler=rs, prefetch_factor=PREFETCH)
     ours = [p.pid for p in ctx.workers.processes[:n_workers]]
@@ -332,10 +361,13 @@ def _pair(ctx: Context, n_workers: int, torch_ds: Dataset, factory, fargs: tuple
         it = getattr(tl, "_iterator", None)
         return [w.pid for w in getattr(it, "_workers", [])]
 
-    return [Side("torch", tl, ts, batch_size, torch_pids), Side("torchfeed", rl, rs, batch_size, lambda: ours)]
+    return [
+        Side("torch", tl, ts, batch_size, torch_pids),
+        Side("torchfeed", rl, rs, batch_size, lambda: ours),
+    ]
 
 
-def _run_pair(ctx: Context, sides: List[Side]) -> Runs:
+def _run_pair(ctx: Context, sides: list[Side]) -> Runs:
     try:
         return measure(sides, ctx.seconds, ctx.repeats, ctx.log)
     finally:
@@ -344,16 +376,25 @@ def _run_pair(ctx: Context, sides: List[Side]) -> Runs:
         gc.collect()
 
 
-def _cpu(runs: Runs) -> Dict[str, Tuple[float, float]]:
+def _cpu(runs: Runs) -> dict[str, tuple[float, float]]:
     return {k: (runs.trainer_ms[k], runs.workers_ms[k]) for k in runs.rates}
 
 
 def _ratio_result(case, metric, runs: Runs, per_batch, target, notes=()) -> Result:
     best = {k: max(v) * per_batch for k, v in runs.rates.items()}
     ratio = best["torchfeed"] / best["torch"]
-    return Result(case, metric, best["torch"], best["torchfeed"], target, f">= {target:g}x",
-                  ratio >= target, notes=list(notes),
-                  runs={k: [x * per_batch for x in v] for k, v in runs.rates.items()}, cpu_ms=_cpu(runs))
+    return Result(
+        case,
+        metric,
+        best["torch"],
+        best["torchfeed"],
+        target,
+        f">= {target:g}x",
+        ratio >= target,
+        notes=list(notes),
+        runs={k: [x * per_batch for x in v] for k, v in runs.rates.items()},
+        cpu_ms=_cpu(runs),
+    )
 
 
 def case_cpu(ctx: Context) -> Result:
@@ -361,9 +402,17 @@ def case_cpu(ctx: Context) -> Result:
     ds = JpegDecodeDataset(BIG)
     sizes = [len(j) for j in ds.jpegs]
     runs = _run_pair(ctx, _pair(ctx, ctx.n, ds, JpegDecodeDataset, (BIG,), {}, batch))
-    return _ratio_result("cpu", "samples/s", runs, batch, 1.0,
-                         [f"{len(sizes)} JPEGs 256x256, {sum(sizes) / len(sizes) / 1e3:.1f} kB on average; "
-                          f"crop 224, uint8 CHW, batch {batch}, {ctx.n} workers"])
+    return _ratio_result(
+        "cpu",
+        "samples/s",
+        runs,
+        batch,
+        1.0,
+        [
+            f"{len(sizes)} JPEGs 256x256, {sum(sizes) / len(sizes) / 1e3:.1f} kB on average; "
+            f"crop 224, uint8 CHW, batch {batch}, {ctx.n} workers"
+        ],
+    )
 
 
 def case_transfer(ctx: Context) -> Result:
@@ -371,14 +420,21 @@ def case_transfer(ctx: Context) -> Result:
     ds = ReadyTensorDataset(BIG)
     mb = batch_megabytes(default_collate([ds[i] for i in range(batch)]))
     runs = _run_pair(ctx, _pair(ctx, ctx.n, ds, ReadyTensorDataset, (BIG,), {}, batch))
-    return _ratio_result("transfer", "MB/s", runs, mb, 1.0,
-                         [f"float32 3x224x224 per sample, batch {batch} = {mb:.1f} MB, {ctx.n} workers"])
+    return _ratio_result(
+        "transfer",
+        "MB/s",
+        runs,
+        mb,
+        1.0,
+        [f"float32 3x224x224 per sample, batch {batch} = {mb:.1f} MB, {ctx.n} workers"],
+    )
 
 
 def case_overhead(ctx: Context) -> Result:
     runs = _run_pair(ctx, _pair(ctx, ctx.n, TinyDataset(BIG), TinyDataset, (BIG,), {}, 1))
-    return _ratio_result("overhead", "items/s", runs, 1, 3.0,
-                         [f"scalar tensor + int, batch_size=1, {ctx.n} workers"])
+    return _ratio_result(
+        "overhead", "items/s", runs, 1, 3.0, [f"scalar tensor + int, batch_size=1, {ctx.n} workers"]
+    )
 
 
 STRAGGLER_WORKERS = 4
@@ -407,20 +463,37 @@ STALL_EVERY_BATCHES = 50
 STALL_SECONDS = 5.0
 
 
-def _fraction_of_ideal(name: str, ctx: Context, ideal: float, torch_ds: Dataset, remote_kwargs: dict,
-                       notes: List[str]) -> Result:
+def _fraction_of_ideal(
+    name: str, ctx: Context, ideal: float, torch_ds: Dataset, remote_kwargs: dict, notes: list[str]
+) -> Result:
     """Run both loaders on sleep-bound workers; report each rate as a fraction of ``ideal``."""
-    sides = _pair(ctx, STRAGGLER_WORKERS, torch_ds, SleepyDataset, (BIG, STRAGGLER_SLEEP), remote_kwargs,
-                  STRAGGLER_BATCH)
+    sides = _pair(
+        ctx,
+        STRAGGLER_WORKERS,
+        torch_ds,
+        SleepyDataset,
+        (BIG, STRAGGLER_SLEEP),
+        remote_kwargs,
+        STRAGGLER_BATCH,
+    )
     runs = _run_pair(ctx, sides)
     best = {k: max(v) * STRAGGLER_BATCH for k, v in runs.rates.items()}
     frac = {k: v / ideal for k, v in best.items()}
     target = 0.9
     notes = notes + [f"torch {best['torch']:.0f} samples/s, torchfeed {best['torchfeed']:.0f} samples/s"]
-    return Result(name, "% of ideal", frac["torch"], frac["torchfeed"], target, f">= {target:.0%}",
-                  frac["torchfeed"] >= target, fraction=True, notes=notes,
-                  runs={k: [x * STRAGGLER_BATCH / ideal for x in v] for k, v in runs.rates.items()},
-                  cpu_ms=_cpu(runs))
+    return Result(
+        name,
+        "% of ideal",
+        frac["torch"],
+        frac["torchfeed"],
+        target,
+        f">= {target:.0%}",
+        frac["torchfeed"] >= target,
+        fraction=True,
+        notes=notes,
+        runs={k: [x * STRAGGLER_BATCH / ideal for x in v] for k, v in runs.rates.items()},
+        cpu_ms=_cpu(runs),
+    )
 
 
 def case_straggler(ctx: Context) -> Result:
@@ -429,10 +502,12 @@ def case_straggler(ctx: Context) -> Result:
     ideal = single * (nw - 1 + 1 / slow)
     slow_pid = ctx.workers.processes[0].pid
     torch_ds = SleepyDataset(BIG, STRAGGLER_SLEEP, slow_worker_ids={0: slow})
-    notes = [f"{nw} workers, {STRAGGLER_SLEEP * 1e3:g} ms sleep per sample, batch {STRAGGLER_BATCH}, "
-             f"one worker {slow:g}x slower",
-             f"single fast worker {single:.0f} samples/s (measured in-process), ideal = {nw - 1} + 1/{slow:g} "
-             f"of it = {ideal:.0f} samples/s"]
+    notes = [
+        f"{nw} workers, {STRAGGLER_SLEEP * 1e3:g} ms sleep per sample, batch {STRAGGLER_BATCH}, "
+        f"one worker {slow:g}x slower",
+        f"single fast worker {single:.0f} samples/s (measured in-process), ideal = {nw - 1} + 1/{slow:g} "
+        f"of it = {ideal:.0f} samples/s",
+    ]
     return _fraction_of_ideal("straggler", ctx, ideal, torch_ds, {"slow_pids": {slow_pid: slow}}, notes)
 
 
@@ -446,16 +521,24 @@ def case_stall(ctx: Context) -> Result:
     pids = [p.pid for p in ctx.workers.processes[:nw]]
     every = (STALL_EVERY_BATCHES * STRAGGLER_BATCH, STALL_SECONDS)
     torch_ds = SleepyDataset(BIG, STRAGGLER_SLEEP, slow_worker_ids={0: slow}, stall_worker_ids={1: every})
-    notes = [f"{nw} workers, {STRAGGLER_SLEEP * 1e3:g} ms sleep per sample, batch {STRAGGLER_BATCH}: one worker "
-             f"{slow:g}x slower, one stalling {STALL_SECONDS:g} s every {STALL_EVERY_BATCHES} of its batches",
-             f"ideal = sum of each worker's average rate = {ideal:.0f} samples/s "
-             f"(single fast worker {single:.0f} samples/s)"]
+    notes = [
+        f"{nw} workers, {STRAGGLER_SLEEP * 1e3:g} ms sleep per sample, batch {STRAGGLER_BATCH}: one worker "
+        f"{slow:g}x slower, one stalling {STALL_SECONDS:g} s every {STALL_EVERY_BATCHES} of its batches",
+        f"ideal = sum of each worker's average rate = {ideal:.0f} samples/s "
+        f"(single fast worker {single:.0f} samples/s)",
+    ]
     long_ctx = Context(ctx.workers, ctx.n, max(ctx.seconds, 3 * STALL_SECONDS), ctx.repeats, ctx.log)
-    return _fraction_of_ideal("stall", long_ctx, ideal, torch_ds,
-                              {"slow_pids": {pids[0]: slow}, "stall_pids": {pids[1]: every}}, notes)
+    return _fraction_of_ideal(
+        "stall",
+        long_ctx,
+        ideal,
+        torch_ds,
+        {"slow_pids": {pids[0]: slow}, "stall_pids": {pids[1]: every}},
+        notes,
+    )
 
 
-CASES: Dict[str, Tuple[Callable[[Context], Result], str]] = {
+CASES: dict[str, tuple[Callable[[Context], Result], str]] = {
     "cpu": (case_cpu, "Pillow JPEG decode + random crop, batch 32: samples/s"),
     "transfer": (case_transfer, "ready 3x224x224 float32 tensors, batch 64 (38.5 MB): MB/s"),
     "overhead": (case_overhead, "tiny samples, batch_size=1: items/s"),
@@ -466,7 +549,8 @@ CASES: Dict[str, Tuple[Callable[[Context], Result], str]] = {
 
 # -- running and reporting -----------------------------------------------------------------
 
-def machine_info() -> Dict[str, str]:
+
+def machine_info() -> dict[str, str]:
     from . import __version__
 
     model = ""
@@ -490,8 +574,13 @@ def machine_info() -> Dict[str, str]:
     }
 
 
-def run_cases(names: Sequence[str] = (), workers: int = 2, seconds: float = 6.0, repeats: int = 2,
-              log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> List[Result]:
+def run_cases(
+    names: Sequence[str] = (),
+    workers: int = 2,
+    seconds: float = 6.0,
+    repeats: int = 2,
+    log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+) -> list[Result]:
     """Run the named cases (all when empty) and return their results."""
     from .local import LocalWorkers
 
@@ -522,12 +611,22 @@ def _fmt(value: float, fraction: bool) -> str:
     return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
 
 
-def table_rows(results: Sequence[Result]) -> List[List[str]]:
+def table_rows(results: Sequence[Result]) -> list[list[str]]:
     rows = [["case", "metric", "torch", "torchfeed", "ratio", "target", "result", "trainer CPU ms/batch"]]
     for r in results:
         cpu = " / ".join(f"{r.cpu_ms[k][0]:.2f}" for k in ("torch", "torchfeed") if k in r.cpu_ms)
-        rows.append([r.case, r.metric, _fmt(r.torch, r.fraction), _fmt(r.torchfeed, r.fraction),
-                     f"{r.ratio:.2f}x", r.target_text, "PASS" if r.passed else "FAIL", cpu])
+        rows.append(
+            [
+                r.case,
+                r.metric,
+                _fmt(r.torch, r.fraction),
+                _fmt(r.torchfeed, r.fraction),
+                f"{r.ratio:.2f}x",
+                r.target_text,
+                "PASS" if r.passed else "FAIL",
+                cpu,
+            ]
+        )
     return rows
 
 
@@ -537,25 +636,31 @@ def format_table(results: Sequence[Result]) -> str:
     right = {2, 3, 4}
 
     def line(row):
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
+        )
 
     return "\n".join([line(rows[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in rows[1:]])
 
 
 def format_markdown(results: Sequence[Result]) -> str:
     rows = table_rows(results)
-    out = ["| " + " | ".join(rows[0]) + " |",
-           "|" + "|".join(["---", "---", "---:", "---:", "---:", "---", "---", "---:"]) + "|"]
+    out = [
+        "| " + " | ".join(rows[0]) + " |",
+        "|" + "|".join(["---", "---", "---:", "---:", "---:", "---", "---", "---:"]) + "|",
+    ]
     out += ["| " + " | ".join(r) + " |" for r in rows[1:]]
     return "\n".join(out)
 
 
-def format_notes(results: Sequence[Result]) -> List[str]:
+def format_notes(results: Sequence[Result]) -> list[str]:
     lines = []
     for r in results:
         runs = "; ".join(f"{k} " + ", ".join(_fmt(x, r.fraction) for x in v) for k, v in r.runs.items())
-        cpu = "; ".join(f"{k} {t:.2f} ms in the trainer" + ("" if math.isnan(w) else f" + {w:.2f} ms in the workers")
-                        for k, (t, w) in r.cpu_ms.items())
+        cpu = "; ".join(
+            f"{k} {t:.2f} ms in the trainer" + ("" if math.isnan(w) else f" + {w:.2f} ms in the workers")
+            for k, (t, w) in r.cpu_ms.items()
+        )
         lines.append(f"{r.case}: " + "; ".join(r.notes) + f". Runs: {runs}. CPU per batch: {cpu}.")
     return lines
 
@@ -570,8 +675,10 @@ def run_bench(args) -> int:
     except ValueError as exc:
         print(f"torchfeed bench: {exc}", file=sys.stderr)
         return 2
-    print(f"best of {getattr(args, 'repeats', 2)} alternating runs per side, ~{args.seconds:g} s each; "
-          f"{args.workers} workers (straggler: {STRAGGLER_WORKERS})")
+    print(
+        f"best of {getattr(args, 'repeats', 2)} alternating runs per side, ~{args.seconds:g} s each; "
+        f"{args.workers} workers (straggler: {STRAGGLER_WORKERS})"
+    )
     print()
     print(format_table(results))
     print()
@@ -594,9 +701,13 @@ def _later(name: str) -> Callable[[Context], Result]:
     return run
 
 
-CASES.update({
-    "epochs": (_later("case_epochs"), "4 sleep-bound workers, one 4x slower, 5 passes of 64 batches with the gaps "
-               "between them"),
-    "tiny": (_later("case_tiny"), "tiny samples, batch_size=1: items/s and the trainer's CPU per batch"),
-    "shared": (_later("case_shared"), "48 sleep-bound workers shared by 4 trainer processes: % of ideal"),
-})
+CASES.update(
+    {
+        "epochs": (
+            _later("case_epochs"),
+            "4 sleep-bound workers, one 4x slower, 5 passes of 64 batches with the gaps between them",
+        ),
+        "tiny": (_later("case_tiny"), "tiny samples, batch_size=1: items/s and the trainer's CPU per batch"),
+        "shared": (_later("case_shared"), "48 sleep-bound workers shared by 4 trainer processes: % of ideal"),
+    }
+)

@@ -20,14 +20,26 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List
 
 from torch.utils.data import DataLoader
 from torch.utils.data._utils.collate import default_collate
 
 from . import bench
-from .bench import (BIG, PREFETCH, STRAGGLER_BATCH, STRAGGLER_SLEEP, STRAGGLER_SLOWDOWN, STRAGGLER_WORKERS,
-                    Context, CountSampler, Result, SleepyDataset, _own_cpu_seconds, _process_cpu_seconds, touch)
+from .bench import (
+    BIG,
+    PREFETCH,
+    STRAGGLER_BATCH,
+    STRAGGLER_SLEEP,
+    STRAGGLER_SLOWDOWN,
+    STRAGGLER_WORKERS,
+    Context,
+    CountSampler,
+    Result,
+    SleepyDataset,
+    _own_cpu_seconds,
+    _process_cpu_seconds,
+    touch,
+)
 
 EPOCH_BATCHES = 64
 EPOCH_PASSES = 5
@@ -39,11 +51,12 @@ SHARED_BATCH = 4
 SHARED_SECONDS = 10.0
 
 
-def _median(values: List[float]) -> float:
+def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
 # -- epochs ------------------------------------------------------------------------------
+
 
 def _passes(loader, passes: int) -> float:
     start = time.perf_counter()
@@ -65,17 +78,22 @@ def case_epochs(ctx: Context) -> Result:
     single = bench._single_rate(min(1.5, max(0.3, ctx.seconds / 4)))
     ideal = single * (nw - 1 + 1 / slow)
     slow_pid = ctx.workers.processes[0].pid
-    torch_loader = DataLoader(SleepyDataset(length, STRAGGLER_SLEEP, slow_worker_ids={0: slow}),
-                              batch_size=STRAGGLER_BATCH, num_workers=nw, persistent_workers=True,
-                              prefetch_factor=PREFETCH)
-    rds = RemoteDataset(ctx.workers.addresses[:nw], SleepyDataset, length, STRAGGLER_SLEEP,
-                        slow_pids={slow_pid: slow})
+    torch_loader = DataLoader(
+        SleepyDataset(length, STRAGGLER_SLEEP, slow_worker_ids={0: slow}),
+        batch_size=STRAGGLER_BATCH,
+        num_workers=nw,
+        persistent_workers=True,
+        prefetch_factor=PREFETCH,
+    )
+    rds = RemoteDataset(
+        ctx.workers.addresses[:nw], SleepyDataset, length, STRAGGLER_SLEEP, slow_pids={slow_pid: slow}
+    )
     ours = RemoteDataLoader(rds, batch_size=STRAGGLER_BATCH, prefetch_factor=PREFETCH, seed=0)
     ours_pids = [p.pid for p in ctx.workers.processes[:nw]]
     sides = {"torch": torch_loader, "torchfeed": ours}
-    fractions: Dict[str, List[float]] = {k: [] for k in sides}
-    cpu: Dict[str, List[float]] = {k: [] for k in sides}
-    workers_cpu: Dict[str, List[float]] = {k: [] for k in sides}
+    fractions: dict[str, list[float]] = {k: [] for k in sides}
+    cpu: dict[str, list[float]] = {k: [] for k in sides}
+    workers_cpu: dict[str, list[float]] = {k: [] for k in sides}
     try:
         for loader in sides.values():
             _passes(loader, 2)  # start-up and a measured pass (torchfeed keeps its estimates)
@@ -89,38 +107,68 @@ def case_epochs(ctx: Context) -> Result:
                 fractions[name].append(batches * STRAGGLER_BATCH / elapsed / ideal)
                 cpu[name].append(own * 1e3 / batches)
                 workers_cpu[name].append(wk * 1e3 / batches)
-                ctx.log(f"    run {r + 1} {name}: {EPOCH_PASSES} passes of {EPOCH_BATCHES} batches in "
-                        f"{elapsed:.2f} s = {fractions[name][-1]:.1%} of ideal; CPU per batch: trainer "
-                        f"{cpu[name][-1]:.2f} ms, workers {workers_cpu[name][-1]:.2f} ms")
+                ctx.log(
+                    f"    run {r + 1} {name}: {EPOCH_PASSES} passes of {EPOCH_BATCHES} batches in "
+                    f"{elapsed:.2f} s = {fractions[name][-1]:.1%} of ideal; CPU per batch: trainer "
+                    f"{cpu[name][-1]:.2f} ms, workers {workers_cpu[name][-1]:.2f} ms"
+                )
     finally:
         it = getattr(torch_loader, "_iterator", None)
         if it is not None:
             it._shutdown_workers()
     med = {k: _median(v) for k, v in fractions.items()}
-    notes = [f"{nw} workers, {STRAGGLER_SLEEP * 1e3:g} ms sleep per sample, batch {STRAGGLER_BATCH}, one worker "
-             f"{slow:g}x slower; {EPOCH_PASSES} consecutive passes of {EPOCH_BATCHES} batches timed together "
-             f"(gaps between passes included); median of {len(fractions['torch'])} repeats; torchfeed with seed=0 "
-             f"(its next pass is prefetched)",
-             f"ideal = {nw - 1} + 1/{slow:g} of a single fast worker ({single:.0f} samples/s) = {ideal:.0f} samples/s"]
-    return Result("epochs", "% of ideal", med["torch"], med["torchfeed"], EPOCH_TARGET, f">= {EPOCH_TARGET:.0%}",
-                  med["torchfeed"] >= EPOCH_TARGET, fraction=True, notes=notes, runs=fractions,
-                  cpu_ms={k: (_median(cpu[k]), _median(workers_cpu[k])) for k in sides})
+    notes = [
+        f"{nw} workers, {STRAGGLER_SLEEP * 1e3:g} ms sleep per sample, batch {STRAGGLER_BATCH}, one worker "
+        f"{slow:g}x slower; {EPOCH_PASSES} consecutive passes of {EPOCH_BATCHES} batches timed together "
+        f"(gaps between passes included); median of {len(fractions['torch'])} repeats; torchfeed with seed=0 "
+        f"(its next pass is prefetched)",
+        f"ideal = {nw - 1} + 1/{slow:g} of a single fast worker ({single:.0f} samples/s) = {ideal:.0f} samples/s",
+    ]
+    return Result(
+        "epochs",
+        "% of ideal",
+        med["torch"],
+        med["torchfeed"],
+        EPOCH_TARGET,
+        f">= {EPOCH_TARGET:.0%}",
+        med["torchfeed"] >= EPOCH_TARGET,
+        fraction=True,
+        notes=notes,
+        runs=fractions,
+        cpu_ms={k: (_median(cpu[k]), _median(workers_cpu[k])) for k in sides},
+    )
 
 
 # -- tiny ------------------------------------------------------------------------------------
 
+
 def case_tiny(ctx: Context) -> Result:
-    runs = bench._run_pair(ctx, bench._pair(ctx, ctx.n, bench.TinyDataset(BIG), bench.TinyDataset, (BIG,), {}, 1))
+    runs = bench._run_pair(
+        ctx, bench._pair(ctx, ctx.n, bench.TinyDataset(BIG), bench.TinyDataset, (BIG,), {}, 1)
+    )
     rate = {k: _median(v) for k, v in runs.rates.items()}
     ratio = rate["torchfeed"] / rate["torch"]
     cpu_ratio = runs.trainer_ms["torchfeed"] / max(runs.trainer_ms["torch"], 1e-9)
-    notes = [f"scalar tensor + int, batch_size=1, {ctx.n} workers; medians of the runs",
-             f"trainer CPU per batch torchfeed / torch = {cpu_ratio:.2f} (target <= 0.33)"]
-    return Result("tiny", "items/s", rate["torch"], rate["torchfeed"], 5.0, ">= 5x, CPU <= 1/3",
-                  ratio >= 5.0 and cpu_ratio <= 1 / 3, notes=notes, runs=runs.rates, cpu_ms=bench._cpu(runs))
+    notes = [
+        f"scalar tensor + int, batch_size=1, {ctx.n} workers; medians of the runs",
+        f"trainer CPU per batch torchfeed / torch = {cpu_ratio:.2f} (target <= 0.33)",
+    ]
+    return Result(
+        "tiny",
+        "items/s",
+        rate["torch"],
+        rate["torchfeed"],
+        5.0,
+        ">= 5x, CPU <= 1/3",
+        ratio >= 5.0 and cpu_ratio <= 1 / 3,
+        notes=notes,
+        runs=runs.rates,
+        cpu_ms=bench._cpu(runs),
+    )
 
 
 # -- shared ----------------------------------------------------------------------------------
+
 
 class ForkedWorkers:
     """``n`` torchfeed workers forked from one process that imported torch once (cheap to
@@ -130,10 +178,14 @@ class ForkedWorkers:
         self._dir = tempfile.mkdtemp(prefix="torchfeed-bench-")
         path = os.path.join(self._dir, "workers")
         code = f"from torchfeed.bench_epochs import _fork_workers; _fork_workers({n}, {path!r})"
-        self._proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                                      stdout=subprocess.DEVNULL, start_new_session=True)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout
-        self.addresses: List[str] = []
+        self.addresses: list[str] = []
         while time.monotonic() < deadline and self._proc.poll() is None:
             try:
                 with open(path) as f:
@@ -146,7 +198,7 @@ class ForkedWorkers:
         if len(self.addresses) < n:
             self.close()
             raise RuntimeError(f"only {len(self.addresses)} of {n} forked workers started")
-        self.pids: List[int] = []
+        self.pids: list[int] = []
         try:
             with open(path + ".pids") as f:
                 self.pids = [int(x) for x in f.read().split()]
@@ -199,21 +251,26 @@ def _fork_workers(n: int, path: str) -> None:
             pass
 
 
-def shared_trainer(kind: str, addresses: List[str], start_at: float, seconds: float) -> None:
+def shared_trainer(kind: str, addresses: list[str], start_at: float, seconds: float) -> None:
     """One trainer process of ``shared``: prints one JSON line (batches in the window, CPU)."""
     import warnings
 
     warnings.filterwarnings("ignore", message="This DataLoader will create")  # the point of the case
     if kind == "torch":
-        loader = DataLoader(SleepyDataset(BIG, SHARED_SLEEP), batch_size=SHARED_BATCH,
-                            sampler=CountSampler(10 ** 7), num_workers=SHARED_WORKERS // SHARED_TRAINERS,
-                            prefetch_factor=PREFETCH)
+        loader = DataLoader(
+            SleepyDataset(BIG, SHARED_SLEEP),
+            batch_size=SHARED_BATCH,
+            sampler=CountSampler(10**7),
+            num_workers=SHARED_WORKERS // SHARED_TRAINERS,
+            prefetch_factor=PREFETCH,
+        )
     else:
         from .loader import RemoteDataLoader, RemoteDataset
 
         rds = RemoteDataset(addresses, SleepyDataset, BIG, SHARED_SLEEP)
-        loader = RemoteDataLoader(rds, batch_size=SHARED_BATCH, sampler=CountSampler(10 ** 7),
-                                  prefetch_factor=PREFETCH)
+        loader = RemoteDataLoader(
+            rds, batch_size=SHARED_BATCH, sampler=CountSampler(10**7), prefetch_factor=PREFETCH
+        )
     end = start_at + seconds
     count, cpu0, first = 0, None, None
     for batch in loader:
@@ -227,17 +284,29 @@ def shared_trainer(kind: str, addresses: List[str], start_at: float, seconds: fl
             break
         count += 1
     cpu = _own_cpu_seconds() - cpu0 if cpu0 is not None else 0.0
-    print(json.dumps({"batches": count, "cpu_ms": cpu * 1e3 / max(count, 1), "late": (first or end) - start_at}),
-          flush=True)
+    print(
+        json.dumps(
+            {"batches": count, "cpu_ms": cpu * 1e3 / max(count, 1), "late": (first or end) - start_at}
+        ),
+        flush=True,
+    )
     os._exit(0)  # no teardown of 12 workers or 48 connections inside the measurement of others
 
 
-def _run_trainers(kind: str, addresses: List[str], warmup: float, seconds: float, log) -> List[dict]:
+def _run_trainers(kind: str, addresses: list[str], warmup: float, seconds: float, log) -> list[dict]:
     start_at = time.time() + warmup
-    code = ("import sys, json; from torchfeed.bench_epochs import shared_trainer; "
-            "shared_trainer(sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]))")
-    procs = [subprocess.Popen([sys.executable, "-c", code, kind, json.dumps(addresses), repr(start_at), repr(seconds)],
-                              stdout=subprocess.PIPE, text=True) for _ in range(SHARED_TRAINERS)]
+    code = (
+        "import sys, json; from torchfeed.bench_epochs import shared_trainer; "
+        "shared_trainer(sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]))"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, kind, json.dumps(addresses), repr(start_at), repr(seconds)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(SHARED_TRAINERS)
+    ]
     out = []
     for p in procs:
         text, _ = p.communicate(timeout=warmup + seconds + 120)
@@ -245,8 +314,10 @@ def _run_trainers(kind: str, addresses: List[str], warmup: float, seconds: float
         if not lines:
             raise RuntimeError(f"a {kind} trainer of case shared printed no result (exit {p.returncode})")
         out.append(json.loads(lines[-1]))
-    log(f"    {kind}: batches per trainer {[o['batches'] for o in out]}; trainer CPU per batch "
-        f"{[round(o['cpu_ms'], 2) for o in out]} ms; started late by {[round(o['late'], 2) for o in out]} s")
+    log(
+        f"    {kind}: batches per trainer {[o['batches'] for o in out]}; trainer CPU per batch "
+        f"{[round(o['cpu_ms'], 2) for o in out]} ms; started late by {[round(o['late'], 2) for o in out]} s"
+    )
     return out
 
 
@@ -263,14 +334,16 @@ def case_shared(ctx: Context) -> Result:
     single = _single_sleepy_rate()
     ideal = single * SHARED_WORKERS  # samples/s
     seconds = max(SHARED_SECONDS, ctx.seconds)
-    fractions: Dict[str, List[float]] = {"torch": [], "torchfeed": []}
-    spread: Dict[str, float] = {}
-    cpu: Dict[str, List[float]] = {"torch": [], "torchfeed": []}
+    fractions: dict[str, list[float]] = {"torch": [], "torchfeed": []}
+    spread: dict[str, float] = {}
+    cpu: dict[str, list[float]] = {"torch": [], "torchfeed": []}
     ctx.log(f"    starting {SHARED_WORKERS} forked torchfeed workers")
     workers = ForkedWorkers(SHARED_WORKERS)
     try:
         for kind in ("torch", "torchfeed"):
-            outs = _run_trainers(kind, workers.addresses if kind == "torchfeed" else [], 15.0, seconds, ctx.log)
+            outs = _run_trainers(
+                kind, workers.addresses if kind == "torchfeed" else [], 15.0, seconds, ctx.log
+            )
             counts = [o["batches"] for o in outs]
             mean = sum(counts) / len(counts)
             fractions[kind].append(sum(counts) * SHARED_BATCH / seconds / ideal)
@@ -280,12 +353,24 @@ def case_shared(ctx: Context) -> Result:
         workers.close()
     med = {k: _median(v) for k, v in fractions.items()}
     passed = med["torchfeed"] >= 0.9 and spread["torchfeed"] <= 0.2
-    notes = [f"{SHARED_WORKERS} workers shared by {SHARED_TRAINERS} trainer processes (torch: {SHARED_TRAINERS} "
-             f"trainers x {SHARED_WORKERS // SHARED_TRAINERS} DataLoader workers), {SHARED_SLEEP * 1e3:g} ms sleep "
-             f"per sample, batch {SHARED_BATCH}; counted over a common {seconds:g} s window after a 15 s start",
-             f"ideal = {SHARED_WORKERS} x one worker ({single:.0f} samples/s) = {ideal:.0f} samples/s",
-             f"largest deviation of a trainer from the mean share: torch {spread['torch']:.1%}, torchfeed "
-             f"{spread['torchfeed']:.1%} (target <= 20%)"]
-    return Result("shared", "% of ideal", med["torch"], med["torchfeed"], 0.9, ">= 90%, share +-20%", passed,
-                  fraction=True, notes=notes, runs=fractions,
-                  cpu_ms={k: (_median(v), float("nan")) for k, v in cpu.items()})
+    notes = [
+        f"{SHARED_WORKERS} workers shared by {SHARED_TRAINERS} trainer processes (torch: {SHARED_TRAINERS} "
+        f"trainers x {SHARED_WORKERS // SHARED_TRAINERS} DataLoader workers), {SHARED_SLEEP * 1e3:g} ms sleep "
+        f"per sample, batch {SHARED_BATCH}; counted over a common {seconds:g} s window after a 15 s start",
+        f"ideal = {SHARED_WORKERS} x one worker ({single:.0f} samples/s) = {ideal:.0f} samples/s",
+        f"largest deviation of a trainer from the mean share: torch {spread['torch']:.1%}, torchfeed "
+        f"{spread['torchfeed']:.1%} (target <= 20%)",
+    ]
+    return Result(
+        "shared",
+        "% of ideal",
+        med["torch"],
+        med["torchfeed"],
+        0.9,
+        ">= 90%, share +-20%",
+        passed,
+        fraction=True,
+        notes=notes,
+        runs=fractions,
+        cpu_ms={k: (_median(v), float("nan")) for k, v in cpu.items()},
+    )

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Dict, List
 
 import numpy as np
 import torch
@@ -32,7 +31,7 @@ class BlockPool:
 
     def __init__(self, max_cached_bytes: int = 1 << 30):
         self.max_cached_bytes = max_cached_bytes
-        self._free: Dict[int, List[np.ndarray]] = {}
+        self._free: dict[int, list[np.ndarray]] = {}
         self._cached = 0
         self._lock = threading.Lock()
         self.hits = 0

@@ -14,7 +14,8 @@ import inspect
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from . import client, serialize
 from .auth import SecretLike
@@ -59,10 +60,11 @@ def check_factory(dataset: Any, what: str = "RemoteDataset") -> None:
         f"{what} got a dataset instance ({cls} object), but it builds the dataset on every worker itself: "
         f"pass the class (or a factory) and its arguments instead, e.g. "
         f"RemoteDataset(workers, {cls}, arg1, key=value) rather than RemoteDataset(workers, {cls}(arg1, "
-        "key=value)). The arguments are pickled and sent; data is then read on the workers.")
+        "key=value)). The arguments are pickled and sent; data is then read on the workers."
+    )
 
 
-def _argument_names(factory: Callable, args: tuple, kwargs: dict) -> List[tuple]:
+def _argument_names(factory: Callable, args: tuple, kwargs: dict) -> list[tuple]:
     """(description, value) of every argument, named after the factory's parameters when possible."""
     try:
         bound = inspect.signature(factory).bind_partial(*args, **kwargs)
@@ -77,8 +79,9 @@ def _argument_names(factory: Callable, args: tuple, kwargs: dict) -> List[tuple]
                 named.append((f"argument {name!r}", value))
         return named
     except (TypeError, ValueError):
-        return ([(f"positional argument {i}", v) for i, v in enumerate(args)]
-                + [(f"keyword argument {k!r}", v) for k, v in kwargs.items()])
+        return [(f"positional argument {i}", v) for i, v in enumerate(args)] + [
+            (f"keyword argument {k!r}", v) for k, v in kwargs.items()
+        ]
 
 
 def check_picklable(factory: Callable, args: tuple, kwargs: dict) -> None:
@@ -95,7 +98,8 @@ def check_picklable(factory: Callable, args: tuple, kwargs: dict) -> None:
         raise SerializationError(
             f"the dataset factory {name} cannot be pickled to be sent to the workers ({exc}). Define the "
             "class at module level, in __main__, or in a function, and keep unpicklable objects (open files, "
-            "locks, connections, CUDA tensors) out of it") from exc
+            "locks, connections, CUDA tensors) out of it"
+        ) from exc
     for described, value in _argument_names(factory, args, kwargs):
         try:
             serialize.dumps(value, by_value=True)
@@ -104,7 +108,8 @@ def check_picklable(factory: Callable, args: tuple, kwargs: dict) -> None:
                 f"{described} of {name} ({type(value).__qualname__} object) cannot be pickled to be sent to "
                 f"the workers: {exc}. Construct it inside the dataset on the worker instead (in {name}.__init__, "
                 "or lazily on first use in __getitem__), and pass what it is made from: a path, a URL, "
-                "options") from exc
+                "options"
+            ) from exc
     raise SerializationError(f"the arguments of {name} cannot be pickled: {failure}") from failure
 
 
@@ -113,7 +118,7 @@ def _retryable(exc: BaseException) -> bool:
     return isinstance(cause, (ConnectionRefusedError, ConnectionResetError, ConnectionAbortedError))
 
 
-def connect(address: str, secret: SecretLike, timeout: float) -> Optional[BaseException]:
+def connect(address: str, secret: SecretLike, timeout: float) -> BaseException | None:
     """Connect (pooled), retrying refused connections until ``timeout``; return the failure or None."""
     start = time.monotonic()
     deadline = start + timeout
@@ -136,19 +141,23 @@ def connect(address: str, secret: SecretLike, timeout: float) -> Optional[BaseEx
                     f"could not connect to worker {address}: the connection was refused for {waited:.1f} s "
                     f"({attempts} attempts, retried until timeout={timeout:g} s). Is `torchfeed worker` "
                     "running there, on that port? (RemoteDataset.timeout sets how long to wait)",
-                    {address: repr(exc)})
+                    {address: repr(exc)},
+                )
                 lost.__cause__ = exc
                 return lost
             if attempts == 1:
-                log.info("worker %s refuses connections (not started yet?); retrying for up to %.0f s",
-                         address, timeout)
+                log.info(
+                    "worker %s refuses connections (not started yet?); retrying for up to %.0f s",
+                    address,
+                    timeout,
+                )
             time.sleep(min(delay, left))
             delay = min(delay * 2, _RETRY_MAX)
 
 
-def connect_all(workers: Sequence[str], secret: SecretLike, timeout: float) -> Dict[str, BaseException]:
+def connect_all(workers: Sequence[str], secret: SecretLike, timeout: float) -> dict[str, BaseException]:
     """Connect to every worker concurrently; return the failures. A wrong secret raises at once."""
-    failures: Dict[str, BaseException] = {}
+    failures: dict[str, BaseException] = {}
     lock = threading.Lock()
 
     def one(address: str) -> None:
@@ -157,8 +166,9 @@ def connect_all(workers: Sequence[str], secret: SecretLike, timeout: float) -> D
             with lock:
                 failures[address] = failure
 
-    threads = [threading.Thread(target=one, args=(w,), name=f"torchfeed-connect-{w}", daemon=True)
-               for w in workers]
+    threads = [
+        threading.Thread(target=one, args=(w,), name=f"torchfeed-connect-{w}", daemon=True) for w in workers
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -57,8 +57,15 @@ class Channel:
     or one writer thread), because each record consumes the next counter value.
     """
 
-    def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes, *, encrypt: bool = True,
-                 reader: Optional[wire.FrameReader] = None):
+    def __init__(
+        self,
+        sock: socket.socket,
+        send_key: bytes,
+        recv_key: bytes,
+        *,
+        encrypt: bool = True,
+        reader: wire.FrameReader | None = None,
+    ):
         self.sock = sock
         self._reader = reader or wire.FrameReader(sock)  # the staged byte stream under the records
         self.encrypt = encrypt
@@ -66,12 +73,12 @@ class Channel:
         self._recv_aead = AESGCM(recv_key)
         self._send_seq = 0
         self._recv_seq = 0
-        self._scratch_out: Optional[bytearray] = None  # made on the first large send
+        self._scratch_out: bytearray | None = None  # made on the first large send
         self._scratch_in = bytearray(CHUNK + TAG)
-        self._scratch_skip: Optional[memoryview] = None  # made on the first skip of a payload
+        self._scratch_skip: memoryview | None = None  # made on the first skip of a payload
         self.bytes_sent = 0
         # with SO_SNDTIMEO set on the socket: seconds without progress before a send fails
-        self.send_stall_timeout: Optional[float] = None
+        self.send_stall_timeout: float | None = None
         # when a record last arrived, or a large write last went out: the peer is alive
         self.last_activity = time.monotonic()
 
@@ -81,18 +88,19 @@ class Channel:
         self._send_seq += 1
         return nonce
 
-    def _seal_small(self, data) -> List:
+    def _seal_small(self, data) -> list:
         nonce = self._next_send_nonce()
         if self.encrypt:
             return [self._send_aead.encrypt(nonce, bytes(data), None)]
         return [data, self._send_aead.encrypt(nonce, b"", data)]
 
-    def send(self, kind: int, request_id: int = 0, meta: bytes = b"", buffers: Sequence = (),
-             flags: int = 0) -> None:
+    def send(
+        self, kind: int, request_id: int = 0, meta: bytes = b"", buffers: Sequence = (), flags: int = 0
+    ) -> None:
         """Seal and send one message; large buffers are sealed chunk by chunk."""
         views = [memoryview(b).cast("B") for b in buffers]
         lengths = [len(v) for v in views]
-        parts: List = []
+        parts: list = []
         parts += self._seal_small(wire.pack_fixed(kind, request_id, len(meta), len(lengths), flags))
         pending = sum(memoryview(p).nbytes for p in parts)
         offset = 0  # used part of the outgoing scratch
@@ -121,7 +129,7 @@ class Channel:
         """Seal and send one record of arbitrary content (for tests and protocol tools)."""
         self._write(self._seal_small(plaintext))
 
-    def _write(self, parts: List) -> None:
+    def _write(self, parts: list) -> None:
         wire.sendmsg_all(self.sock, parts, self.send_stall_timeout)
         n = sum(memoryview(p).nbytes for p in parts)
         self.bytes_sent += n
@@ -180,7 +188,7 @@ class Channel:
         kind, flags, request_id, meta_len, nbuf = wire.parse_header(bytes(head))
         if nbuf > limits.max_buffers:
             raise ProtocolError(f"{nbuf} buffers exceed the limit of {limits.max_buffers}")
-        lengths: List[int] = []
+        lengths: list[int] = []
         if nbuf:
             raw = bytearray(8 * nbuf)
             self._open_payload(memoryview(raw))

@@ -30,32 +30,34 @@ import signal
 import socket
 import subprocess
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any
 
 from .errors import TorchfeedError
 
 log = logging.getLogger("torchfeed.checkpoint")
 
-PathOrURL = Union[str, os.PathLike]
+PathOrURL = str | os.PathLike
 ENV_SIGNAL = "TORCHFEED_PREEMPT_SIGNAL"
 
 
-def _local_path(path_or_url: PathOrURL) -> Optional[Path]:
+def _local_path(path_or_url: PathOrURL) -> Path | None:
     text = os.fspath(path_or_url)
     if "://" not in text:
         return Path(text)
     if text.startswith("file://"):
-        return Path(text[len("file://"):])
+        return Path(text[len("file://") :])
     return None
 
 
-def _fs(url: str, storage_options: Optional[Dict[str, Any]]):
+def _fs(url: str, storage_options: dict[str, Any] | None):
     try:
         import fsspec
     except ImportError:
-        raise TorchfeedError(f"saving to {url!r} needs fsspec: pip install fsspec (plus s3fs, gcsfs, ... for "
-                             f"the storage)") from None
+        raise TorchfeedError(
+            f"saving to {url!r} needs fsspec: pip install fsspec (plus s3fs, gcsfs, ... for the storage)"
+        ) from None
     return fsspec.core.url_to_fs(url, **(storage_options or {}))
 
 
@@ -84,7 +86,7 @@ def _remove_stale_temps(path: Path) -> None:
     for name in names:
         if not name.startswith(prefix):
             continue
-        pid = name[len(prefix):].split("-", 1)[0]
+        pid = name[len(prefix) :].split("-", 1)[0]
         if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             try:
                 os.unlink(path.parent / name)
@@ -105,7 +107,7 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def save(obj: Any, path_or_url: PathOrURL, *, storage_options: Optional[Dict[str, Any]] = None) -> None:
+def save(obj: Any, path_or_url: PathOrURL, *, storage_options: dict[str, Any] | None = None) -> None:
     """Save ``obj`` with ``torch.save``, atomically: readers see the old file or the new one.
 
     Parameters
@@ -153,8 +155,13 @@ def save(obj: Any, path_or_url: PathOrURL, *, storage_options: Optional[Dict[str
     _fsync_dir(local.parent)
 
 
-def load(path_or_url: PathOrURL, *, map_location: Any = "cpu", weights_only: bool = False,
-         storage_options: Optional[Dict[str, Any]] = None) -> Any:
+def load(
+    path_or_url: PathOrURL,
+    *,
+    map_location: Any = "cpu",
+    weights_only: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> Any:
     """Load a checkpoint written by :func:`save`.
 
     Parameters
@@ -184,7 +191,7 @@ def load(path_or_url: PathOrURL, *, map_location: Any = "cpu", weights_only: boo
     return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
 
 
-def exists(path_or_url: PathOrURL, *, storage_options: Optional[Dict[str, Any]] = None) -> bool:
+def exists(path_or_url: PathOrURL, *, storage_options: dict[str, Any] | None = None) -> bool:
     """True when a checkpoint is at ``path_or_url`` (to decide whether to resume)."""
     local = _local_path(path_or_url)
     if local is not None:
@@ -193,7 +200,7 @@ def exists(path_or_url: PathOrURL, *, storage_options: Optional[Dict[str, Any]] 
     return fs.exists(target)
 
 
-def _signal_number(sig: Union[int, str]) -> int:
+def _signal_number(sig: int | str) -> int:
     if isinstance(sig, int):
         return sig
     name = sig.strip().upper()
@@ -218,14 +225,16 @@ class Preemption:
         Whether :meth:`requeue` asks Slurm to requeue the job.
     """
 
-    def __init__(self, signals: Optional[Sequence[Union[int, str]]] = None, *, requeue: bool = True):
+    def __init__(self, signals: Sequence[int | str] | None = None, *, requeue: bool = True):
         if signals is None:
             signals = [os.environ.get(ENV_SIGNAL) or "USR2"]
         if threading.current_thread() is not threading.main_thread():
-            raise TorchfeedError("Preemption must be created in the main thread (Python delivers signals there)")
+            raise TorchfeedError(
+                "Preemption must be created in the main thread (Python delivers signals there)"
+            )
         self.signals = [_signal_number(s) for s in signals]
         self.do_requeue = requeue
-        self.received: Optional[int] = None
+        self.received: int | None = None
         self._previous = {s: signal.signal(s, self._handle) for s in self.signals}
 
     def _handle(self, signum, _frame) -> None:
@@ -255,7 +264,7 @@ class Preemption:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def requeue(self, job_id: Optional[str] = None, *, timeout: float = 60.0) -> bool:
+    def requeue(self, job_id: str | None = None, *, timeout: float = 60.0) -> bool:
         """Requeue the Slurm job (``scontrol requeue``) from rank 0, after all ranks got here.
 
         Call it after the checkpoint is saved. Slurm then ends this run and starts the job
@@ -278,13 +287,18 @@ class Preemption:
             log.warning("not running under Slurm (no SLURM_JOB_ID): nothing to requeue")
             return False
         try:
-            done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=timeout)
+            done = subprocess.run(
+                ["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=timeout
+            )
         except (OSError, subprocess.TimeoutExpired) as exc:
             log.error("could not requeue job %s: %s", job_id, exc)
             return False
         if done.returncode != 0:
-            log.error("`scontrol requeue %s` failed: %s (is the job requeueable? sbatch --requeue)", job_id,
-                      done.stderr.strip())
+            log.error(
+                "`scontrol requeue %s` failed: %s (is the job requeueable? sbatch --requeue)",
+                job_id,
+                done.stderr.strip(),
+            )
             return False
         log.warning("job %s requeued after preemption signal %s", job_id, self.received)
         return True
@@ -295,7 +309,7 @@ class Preemption:
             signal.signal(s, previous if previous is not None else signal.SIG_DFL)
         self._previous = {}
 
-    def __enter__(self) -> "Preemption":
+    def __enter__(self) -> Preemption:
         return self
 
     def __exit__(self, *exc) -> None:

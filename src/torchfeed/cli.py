@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List, Optional
 
 from . import __version__
 
@@ -66,51 +65,102 @@ def _level(value: str) -> str:
 
 
 def _add_worker_parser(sub) -> None:
-    p = sub.add_parser("worker", help="run a data-loading worker daemon",
-                       description="Serve remote data loading. Prints one host:port line per worker "
-                                   "process on stdout when ready (all of them, or none: with --procs N, "
-                                   "if one process cannot start, all stop).")
+    p = sub.add_parser(
+        "worker",
+        help="run a data-loading worker daemon",
+        description="Serve remote data loading. Prints one host:port line per worker "
+        "process on stdout when ready (all of them, or none: with --procs N, "
+        "if one process cannot start, all stop).",
+    )
     p.add_argument("--host", default="0.0.0.0", help="interface to bind (default: all)")
-    p.add_argument("--port", type=int, default=0,
-                   help="port to bind; 0 picks a free one; with --procs N, process i binds port+i")
-    p.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds of client silence before its connection is dropped (default 120)")
-    p.add_argument("--parallel", type=int, default=1,
-                   help="requests executing concurrently in one process (threads, default 1)")
-    p.add_argument("--procs", type=_procs, default=1,
-                   help="worker processes to start (one Python process uses one core); 'auto' = usable CPUs. "
-                        "Each prints its own host:port line: give the trainer all of them (or use "
-                        "--address-file)")
-    p.add_argument("--address-file", help="also append each address line to this file (under a lock); "
-                                          "RemoteDataset.from_file(path, ...) reads and watches it")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="port to bind; 0 picks a free one; with --procs N, process i binds port+i",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds of client silence before its connection is dropped (default 120)",
+    )
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="requests executing concurrently in one process (threads, default 1)",
+    )
+    p.add_argument(
+        "--procs",
+        type=_procs,
+        default=1,
+        help="worker processes to start (one Python process uses one core); 'auto' = usable CPUs. "
+        "Each prints its own host:port line: give the trainer all of them (or use "
+        "--address-file)",
+    )
+    p.add_argument(
+        "--address-file",
+        help="also append each address line to this file (under a lock); "
+        "RemoteDataset.from_file(path, ...) reads and watches it",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker process (default 1)")
-    p.add_argument("--handshake-timeout", type=float, default=10.0,
-                   help="seconds a new connection has to authenticate (default 10)")
-    p.add_argument("--log-level", type=_level, default="WARNING",
-                   help=f"log level: {', '.join(LOG_LEVELS)} (default WARNING)")
-    p.add_argument("--watch-stdin", action="store_true",
-                   help="stop when standard input reaches its end (for a parent that holds a pipe to it: "
-                        "the worker ends with its parent, even if the parent is killed)")
+    p.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a new connection has to authenticate (default 10)",
+    )
+    p.add_argument(
+        "--log-level",
+        type=_level,
+        default="WARNING",
+        help=f"log level: {', '.join(LOG_LEVELS)} (default WARNING)",
+    )
+    p.add_argument(
+        "--watch-stdin",
+        action="store_true",
+        help="stop when standard input reaches its end (for a parent that holds a pipe to it: "
+        "the worker ends with its parent, even if the parent is killed)",
+    )
     limits = p.add_argument_group("per-client limits and security")
-    limits.add_argument("--max-call-bytes", type=_positive, default=1 << 30,
-                        help="largest call (pickled arguments plus tensors) a client may send (default 1 GiB)")
-    limits.add_argument("--max-queued-requests", type=_positive, default=1024,
-                        help="requests one client may have waiting for replies (default 1024)")
-    limits.add_argument("--max-refs", type=_positive, default=4096,
-                        help="live remote references (datasets, fetchers) one client may hold (default 4096)")
-    limits.add_argument("--max-handshakes", type=_positive, default=128,
-                        help="unauthenticated connections held at once; beyond it the oldest is dropped "
-                             "(default 128)")
-    limits.add_argument("--trusted-network-no-encryption", action="store_true",
-                        help="also accept clients that set TORCHFEED_TRUSTED_NETWORK_NO_ENCRYPTION=1: their "
-                             "traffic is authenticated but NOT encrypted. Only for networks no one else can "
-                             "listen on")
+    limits.add_argument(
+        "--max-call-bytes",
+        type=_positive,
+        default=1 << 30,
+        help="largest call (pickled arguments plus tensors) a client may send (default 1 GiB)",
+    )
+    limits.add_argument(
+        "--max-queued-requests",
+        type=_positive,
+        default=1024,
+        help="requests one client may have waiting for replies (default 1024)",
+    )
+    limits.add_argument(
+        "--max-refs",
+        type=_positive,
+        default=4096,
+        help="live remote references (datasets, fetchers) one client may hold (default 4096)",
+    )
+    limits.add_argument(
+        "--max-handshakes",
+        type=_positive,
+        default=128,
+        help="unauthenticated connections held at once; beyond it the oldest is dropped (default 128)",
+    )
+    limits.add_argument(
+        "--trusted-network-no-encryption",
+        action="store_true",
+        help="also accept clients that set TORCHFEED_TRUSTED_NETWORK_NO_ENCRYPTION=1: their "
+        "traffic is authenticated but NOT encrypted. Only for networks no one else can "
+        "listen on",
+    )
 
 
 _LIMIT_OPTIONS = ("max_call_bytes", "max_queued_requests", "max_refs", "max_handshakes")
 
 
-def _limit_args(args) -> List[str]:
+def _limit_args(args) -> list[str]:
     """The limit and security options again, for child processes."""
     out = []
     for name in _LIMIT_OPTIONS:
@@ -139,8 +189,9 @@ def _watch_stdin() -> None:
 def _run_workers(args) -> int:
     import logging
 
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr
+    )
     _adopt_parent_path()
     if args.watch_stdin:
         _watch_stdin()
@@ -149,15 +200,28 @@ def _run_workers(args) -> int:
     from .worker import ConnectionLimits, run_worker
 
     try:
-        run_worker(args.host, args.port, args.timeout, args.parallel, address_file=args.address_file,
-                   torch_threads=args.threads, handshake_timeout=args.handshake_timeout,
-                   limits=ConnectionLimits(max_queued_requests=args.max_queued_requests,
-                                           max_call_bytes=args.max_call_bytes, max_refs=args.max_refs),
-                   max_handshakes=args.max_handshakes,
-                   integrity_only=True if args.trusted_network_no_encryption else None)
+        run_worker(
+            args.host,
+            args.port,
+            args.timeout,
+            args.parallel,
+            address_file=args.address_file,
+            torch_threads=args.threads,
+            handshake_timeout=args.handshake_timeout,
+            limits=ConnectionLimits(
+                max_queued_requests=args.max_queued_requests,
+                max_call_bytes=args.max_call_bytes,
+                max_refs=args.max_refs,
+            ),
+            max_handshakes=args.max_handshakes,
+            integrity_only=True if args.trusted_network_no_encryption else None,
+        )
     except OSError as exc:  # the port is taken, the interface does not exist, the file cannot be written
-        print(f"torchfeed worker: cannot serve on {args.host}:{args.port}: {exc.strerror or exc}",
-              file=sys.stderr, flush=True)
+        print(
+            f"torchfeed worker: cannot serve on {args.host}:{args.port}: {exc.strerror or exc}",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(1)
     # Leave without interpreter finalization: daemon executor threads may still be
     # inside torch code, and tearing torch down under them aborts the process.
@@ -166,11 +230,29 @@ def _run_workers(args) -> int:
     os._exit(0)
 
 
-def _child_command(args, i: int) -> List[str]:
-    return [sys.executable, "-m", "torchfeed", "worker", "--host", args.host,
-            "--port", str(args.port + i if args.port else 0), "--timeout", str(args.timeout),
-            "--parallel", str(args.parallel), "--threads", str(args.threads), "--log-level", args.log_level,
-            "--handshake-timeout", str(args.handshake_timeout), "--watch-stdin", *_limit_args(args)]
+def _child_command(args, i: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torchfeed",
+        "worker",
+        "--host",
+        args.host,
+        "--port",
+        str(args.port + i if args.port else 0),
+        "--timeout",
+        str(args.timeout),
+        "--parallel",
+        str(args.parallel),
+        "--threads",
+        str(args.threads),
+        "--log-level",
+        args.log_level,
+        "--handshake-timeout",
+        str(args.handshake_timeout),
+        "--watch-stdin",
+        *_limit_args(args),
+    ]
 
 
 def _run_many(args) -> int:
@@ -189,8 +271,9 @@ def _run_many(args) -> int:
     signal.signal(signal.SIGTERM, stop_all)
     signal.signal(signal.SIGINT, stop_all)
     for i in range(args.procs):  # stdin: a pipe they watch, so they end with this process
-        c = subprocess.Popen(_child_command(args, i), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE)
+        c = subprocess.Popen(
+            _child_command(args, i), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         children.append(c)
         outs.append(Pump(c.stdout, to_stdout, first_line=True, name=f"torchfeed-out-{i}"))
         errs.append(Pump(c.stderr, to_stderr, f"[process {i}] ", name=f"torchfeed-err-{i}", hold=True))
@@ -208,15 +291,23 @@ def _run_many(args) -> int:
             elif c.poll() is not None:
                 errs[i].join(2.0)
                 last = [line.strip() for line in errs[i].tail if line.strip()]
-                why = last[-1].removeprefix("torchfeed worker: ") if last else f"it exited with code {c.returncode}"
+                why = (
+                    last[-1].removeprefix("torchfeed worker: ")
+                    if last
+                    else f"it exited with code {c.returncode}"
+                )
             else:
                 why = f"not ready within {START_TIMEOUT:g} s"
             stop_all()
             for other in children:
                 other.wait()
             port = args.port + i if args.port else 0
-            print(f"torchfeed worker: process {i + 1} of {args.procs} ({args.host}:{port}) could not start: "
-                  f"{why}; all {args.procs} processes were stopped", file=sys.stderr, flush=True)
+            print(
+                f"torchfeed worker: process {i + 1} of {args.procs} ({args.host}:{port}) could not start: "
+                f"{why}; all {args.procs} processes were stopped",
+                file=sys.stderr,
+                flush=True,
+            )
             return 1
         addresses.append(address)
     if args.address_file:
@@ -238,23 +329,40 @@ def _run_many(args) -> int:
 
 
 def _add_demo_parser(sub) -> None:
-    d = sub.add_parser("demo", help="train a small CNN on scikit-learn's digits, fed by local workers",
-                       description="Start local workers, train a small CNN on scikit-learn's 8x8 digits fed by "
-                                   "RemoteDataLoader, then compare loading throughput with torch's DataLoader.")
+    d = sub.add_parser(
+        "demo",
+        help="train a small CNN on scikit-learn's digits, fed by local workers",
+        description="Start local workers, train a small CNN on scikit-learn's 8x8 digits fed by "
+        "RemoteDataLoader, then compare loading throughput with torch's DataLoader.",
+    )
     d.add_argument("--workers", type=int, default=2, help="local worker processes to start (default 2)")
     d.add_argument("--epochs", type=int, default=8, help="training epochs (default 8)")
     d.add_argument("--batch-size", type=int, default=64, help="samples per batch (default 64)")
-    d.add_argument("--seed", type=int, default=0, help="seed of the shuffle order and augmentation (default 0)")
-    d.add_argument("--connect", nargs="*", metavar="HOST:PORT",
-                   help="use these running workers instead of starting local ones")
+    d.add_argument(
+        "--seed", type=int, default=0, help="seed of the shuffle order and augmentation (default 0)"
+    )
+    d.add_argument(
+        "--connect",
+        nargs="*",
+        metavar="HOST:PORT",
+        help="use these running workers instead of starting local ones",
+    )
 
 
 def _add_bench_parser(sub) -> None:
     listed = "; ".join(f"{name}: {what}" for name, what in BENCH_CASES.items())
-    b = sub.add_parser("bench", help="compare with torch's DataLoader (see benchmarks/)",
-                       description=f"Measure RemoteDataLoader against torch's DataLoader. Cases: {listed}.")
-    b.add_argument("cases", nargs="*", default=[], metavar="CASE",
-                   help=f"cases to run (default: all): {', '.join(BENCH_CASES)}")
+    b = sub.add_parser(
+        "bench",
+        help="compare with torch's DataLoader (see benchmarks/)",
+        description=f"Measure RemoteDataLoader against torch's DataLoader. Cases: {listed}.",
+    )
+    b.add_argument(
+        "cases",
+        nargs="*",
+        default=[],
+        metavar="CASE",
+        help=f"cases to run (default: all): {', '.join(BENCH_CASES)}",
+    )
     b.add_argument("--workers", type=int, default=2, help="worker processes per side (default 2)")
     b.add_argument("--seconds", type=float, default=6.0, help="approximate time per measurement (default 6)")
 
@@ -272,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "worker":
         return _run_workers(args)
@@ -283,8 +391,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "bench":
         unknown = [c for c in args.cases if c not in BENCH_CASES]
         if unknown:
-            print(f"torchfeed bench: error: unknown benchmark case(s) {', '.join(unknown)}; choose from "
-                  f"{', '.join(BENCH_CASES)}", file=sys.stderr)
+            print(
+                f"torchfeed bench: error: unknown benchmark case(s) {', '.join(unknown)}; choose from "
+                f"{', '.join(BENCH_CASES)}",
+                file=sys.stderr,
+            )
             return 2
         from .bench import run_bench
 

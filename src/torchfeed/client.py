@@ -17,12 +17,21 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from . import auth, errors, limits, serialize, wire
-from .errors import ConnectionClosed, FrameTooLarge, ProtocolError, SerializationError, Timeout, TorchfeedError, WorkerLost
+from .errors import (
+    ConnectionClosed,
+    FrameTooLarge,
+    ProtocolError,
+    SerializationError,
+    Timeout,
+    TorchfeedError,
+    WorkerLost,
+)
 
 log = logging.getLogger("torchfeed.client")
 
@@ -31,7 +40,7 @@ log = logging.getLogger("torchfeed.client")
 HEARTBEAT_INTERVAL = float(os.environ.get("TORCHFEED_HEARTBEAT_INTERVAL", 2.0))
 HEARTBEAT_TIMEOUT = float(os.environ.get("TORCHFEED_HEARTBEAT_TIMEOUT", 15.0))
 
-Address = Union[str, Tuple[str, int]]
+Address = str | tuple[str, int]
 Callback = Callable[[bool, Any], None]
 
 
@@ -53,7 +62,7 @@ def set_heartbeat(interval: float = 2.0, timeout: float = 15.0) -> None:
     HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT = float(interval), float(timeout)
 
 
-def parse_address(address: Address) -> Tuple[str, int]:
+def parse_address(address: Address) -> tuple[str, int]:
     """``"host:port"``, ``"[v6]:port"`` or ``(host, port)`` -> ``(host, port)``."""
     if isinstance(address, tuple):
         host, port = address
@@ -76,7 +85,7 @@ def format_address(address: Address) -> str:
 class _Pending:
     __slots__ = ("callback", "pin", "deadline")
 
-    def __init__(self, callback: Callback, pin: bool, deadline: Optional[float]):
+    def __init__(self, callback: Callback, pin: bool, deadline: float | None):
         self.callback = callback
         self.pin = pin
         self.deadline = deadline
@@ -100,25 +109,30 @@ class Connection:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            self.channel = auth.client_handshake(sock, secret, self.address,
-                                                 integrity_only=auth.integrity_only_requested())
+            self.channel = auth.client_handshake(
+                sock, secret, self.address, integrity_only=auth.integrity_only_requested()
+            )
             sock.settimeout(None)
-        except socket.timeout as exc:
+        except TimeoutError as exc:
             sock.close()
-            raise Timeout(f"worker {self.address} did not complete the handshake within {timeout:g} s") from exc
+            raise Timeout(
+                f"worker {self.address} did not complete the handshake within {timeout:g} s"
+            ) from exc
         except (OSError, TorchfeedError):
             sock.close()
             raise
         self.sock = sock
         self._send_lock = threading.Lock()
         self._pending_lock = threading.Lock()
-        self._pending: Dict[int, _Pending] = {}
+        self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
         self._releases: list = []
         self.last_tx = time.monotonic()
         self.closed = False
-        self.error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._read_loop, name=f"torchfeed-rx-{self.address}", daemon=True)
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._read_loop, name=f"torchfeed-rx-{self.address}", daemon=True
+        )
         self._thread.start()
         _keeper.add(self)
 
@@ -128,8 +142,17 @@ class Connection:
             self.channel.send(kind, request_id, meta, buffers, flags)
             self.last_tx = time.monotonic()
 
-    def request(self, kind: int, meta: bytes, buffers: Sequence = (), *, callback: Callback,
-                flags: int = 0, pin: bool = False, timeout: Optional[float] = None) -> int:
+    def request(
+        self,
+        kind: int,
+        meta: bytes,
+        buffers: Sequence = (),
+        *,
+        callback: Callback,
+        flags: int = 0,
+        pin: bool = False,
+        timeout: float | None = None,
+    ) -> int:
         """Send a call; ``callback(ok, value)`` runs on the reader thread with the result."""
         rid = next(self._ids)
         deadline = time.monotonic() + timeout if timeout else None
@@ -186,16 +209,24 @@ class Connection:
                 if frame.kind not in (wire.REPLY, wire.ERROR, wire.PONG, wire.BYE):
                     raise ProtocolError(f"unexpected {wire.KIND_NAMES[frame.kind]} message from worker")
                 with self._pending_lock:
-                    pending = self._pending.pop(frame.request_id, None) if frame.kind in (wire.REPLY, wire.ERROR) else None
+                    pending = (
+                        self._pending.pop(frame.request_id, None)
+                        if frame.kind in (wire.REPLY, wire.ERROR)
+                        else None
+                    )
                 if pending is None:  # a heartbeat, or cancelled or expired: drain and drop
                     channel.read_meta(frame)
                     channel.skip(frame, meta=False)
                     if frame.kind == wire.BYE:
-                        raise ProtocolError(f"worker closed the connection: {frame.meta.decode(errors='replace')}")
+                        raise ProtocolError(
+                            f"worker closed the connection: {frame.meta.decode(errors='replace')}"
+                        )
                     continue
                 try:
                     channel.read_meta(frame)
-                    buffers = serialize.allocate(frame.buffer_lengths, pending.pin) if frame.buffer_lengths else []
+                    buffers = (
+                        serialize.allocate(frame.buffer_lengths, pending.pin) if frame.buffer_lengths else []
+                    )
                     channel.read_buffers(buffers)  # each record received counts as life
                 except BaseException as exc:
                     with self._pending_lock:  # the request being received fails with the connection
@@ -228,9 +259,13 @@ class Connection:
             else:
                 ok, value = True, serialize.loads(frame.meta, buffers)
         except Exception as exc:  # an unpicklable reply fails that request only
-            ok, value = False, SerializationError(
-                f"the reply from worker {self.address} could not be unpickled here: {exc!r}. Classes of the "
-                "result must be importable in the trainer too (or be defined in __main__)")
+            ok, value = (
+                False,
+                SerializationError(
+                    f"the reply from worker {self.address} could not be unpickled here: {exc!r}. Classes of the "
+                    "result must be importable in the trainer too (or be defined in __main__)"
+                ),
+            )
             value.__cause__ = exc
         try:
             pending.callback(ok, value)
@@ -276,14 +311,20 @@ class Connection:
                     expired.append(self._pending.pop(rid))
         for p in expired:
             try:
-                p.callback(False, Timeout(f"no reply from worker {self.address} within the request's timeout"))
+                p.callback(
+                    False, Timeout(f"no reply from worker {self.address} within the request's timeout")
+                )
             except Exception:
                 log.exception("a result callback failed")
         # alive: a record arrived, or a large upload to it made progress (it reads)
         heard = self.channel.last_activity
         if waiting and now - heard > HEARTBEAT_TIMEOUT:
-            self._fail(WorkerLost(f"worker {self.address} sent nothing for {now - heard:.1f} s "
-                                  "(no heartbeat): it hangs or the network is cut"))
+            self._fail(
+                WorkerLost(
+                    f"worker {self.address} sent nothing for {now - heard:.1f} s "
+                    "(no heartbeat): it hangs or the network is cut"
+                )
+            )
             return
         releases, self._releases = self._releases, []
         try:
@@ -303,9 +344,9 @@ class _Keeper:
     """One background thread per process that looks after every connection."""
 
     def __init__(self):
-        self._conns: "weakref.WeakSet[Connection]" = weakref.WeakSet()
+        self._conns: weakref.WeakSet[Connection] = weakref.WeakSet()
         self._lock = threading.Lock()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._pid = None
 
     def add(self, conn: Connection) -> None:
@@ -342,8 +383,8 @@ class _Pool:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._conns: Dict[Tuple[str, bytes], Connection] = {}
-        self._connecting: Dict[Tuple[str, bytes], threading.Lock] = {}
+        self._conns: dict[tuple[str, bytes], Connection] = {}
+        self._connecting: dict[tuple[str, bytes], threading.Lock] = {}
         self._pid = os.getpid()
 
     def get(self, address: Address, secret: auth.SecretLike = None, timeout: float = 120.0) -> Connection:
@@ -443,17 +484,28 @@ class RemoteRef:
         self._conn.cancel(request_ids)
 
 
-def call(address: Address, func: Callable, args=None, kwargs=None, *, rref: bool = False,
-         pin_memory: bool = False, timeout: float = 120.0, secret: auth.SecretLike = None,
-         callback: Callback) -> None:
+def call(
+    address: Address,
+    func: Callable,
+    args=None,
+    kwargs=None,
+    *,
+    rref: bool = False,
+    pin_memory: bool = False,
+    timeout: float = 120.0,
+    secret: auth.SecretLike = None,
+    callback: Callback,
+) -> None:
     """Low-level asynchronous call: ``callback(ok, value)`` receives the outcome."""
     serialize.check_pinnable(pin_memory)
     try:
         meta, buffers = serialize.dumps((func, tuple(args or ()), dict(kwargs or {})), by_value=True)
     except Exception as exc:
-        raise SerializationError(f"the call of {getattr(func, '__qualname__', func)!r} cannot be sent to worker "
-                                 f"{format_address(address)}: its function or arguments cannot be pickled "
-                                 f"({exc})") from exc
+        raise SerializationError(
+            f"the call of {getattr(func, '__qualname__', func)!r} cannot be sent to worker "
+            f"{format_address(address)}: its function or arguments cannot be pickled "
+            f"({exc})"
+        ) from exc
     conn = connect(address, secret, timeout)
     # The arguments stay referenced until the reply: a RemoteRef argument dropped by the
     # caller right away must not be released before the worker used it.
@@ -465,12 +517,28 @@ def call(address: Address, func: Callable, args=None, kwargs=None, *, rref: bool
             value = RemoteRef(conn, value)
         callback(ok, value)
 
-    conn.request(wire.CALL, meta, buffers, callback=done, flags=wire.FLAG_RREF if rref else 0,
-                 pin=pin_memory, timeout=timeout)
+    conn.request(
+        wire.CALL,
+        meta,
+        buffers,
+        callback=done,
+        flags=wire.FLAG_RREF if rref else 0,
+        pin=pin_memory,
+        timeout=timeout,
+    )
 
 
-def rpc_async(host: Address, func: Callable, args=None, kwargs=None, pin_memory: bool = False,
-              rref: bool = False, timeout: float = 120.0, *, secret: auth.SecretLike = None) -> torch.futures.Future:
+def rpc_async(
+    host: Address,
+    func: Callable,
+    args=None,
+    kwargs=None,
+    pin_memory: bool = False,
+    rref: bool = False,
+    timeout: float = 120.0,
+    *,
+    secret: auth.SecretLike = None,
+) -> torch.futures.Future:
     """Execute ``func(*args, **kwargs)`` on a worker; return a future of its result.
 
     Parameters
@@ -502,8 +570,17 @@ def rpc_async(host: Address, func: Callable, args=None, kwargs=None, pin_memory:
             fut.set_exception(value)
 
     try:
-        call(host, func, args, kwargs, rref=rref, pin_memory=pin_memory, timeout=timeout,
-             secret=secret, callback=done)
+        call(
+            host,
+            func,
+            args,
+            kwargs,
+            rref=rref,
+            pin_memory=pin_memory,
+            timeout=timeout,
+            secret=secret,
+            callback=done,
+        )
     except Exception as exc:
         fut.set_exception(exc)
     return fut

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import torch.utils.data
 from torch.utils.data._utils import worker as torch_worker  # where torch keeps get_worker_info's state
@@ -31,10 +32,12 @@ _install_lock = threading.Lock()
 _installed = False
 
 # The body torch's get_worker_info gets: no globals of torch's module are needed.
-_REPLACEMENT = "def get_worker_info():\n    return __import__('torchfeed.context', fromlist=['current']).current()\n"
+_REPLACEMENT = (
+    "def get_worker_info():\n    return __import__('torchfeed.context', fromlist=['current']).current()\n"
+)
 
 
-def current() -> Optional[Any]:
+def current() -> Any | None:
     """This thread's worker context, else torch's own (None outside of loading)."""
     info = getattr(_local, "info", None)
     if info is not None:
@@ -120,21 +123,25 @@ class WorkerSetup:
     pass set it up once.
     """
 
-    def __init__(self, dataset: Any, worker_init_fn: Optional[Callable] = None, persistent: bool = False):
+    def __init__(self, dataset: Any, worker_init_fn: Callable | None = None, persistent: bool = False):
         self.dataset = dataset
         self.worker_init_fn = worker_init_fn
         self.persistent = persistent
         self._lock = threading.Lock()
-        self._pass: Optional[PassContext] = None
-        self._initialized: Optional[Any] = None  # the copy worker_init_fn ran on (persistent)
+        self._pass: PassContext | None = None
+        self._initialized: Any | None = None  # the copy worker_init_fn ran on (persistent)
 
     def enter(self, pass_id: int, worker_id: int, num_workers: int, base_seed: int) -> PassContext:
         with self._lock:
             done = self._pass
             if done is not None and done.pass_id == pass_id:
                 return done
-            if (self.persistent and done is not None and done.info.id == worker_id
-                    and done.info.num_workers == num_workers):
+            if (
+                self.persistent
+                and done is not None
+                and done.info.id == worker_id
+                and done.info.num_workers == num_workers
+            ):
                 # torch's persistent workers keep their dataset and generators between passes
                 self._pass = PassContext(pass_id, done.info, done.dataset, done.stream)
                 return self._pass

@@ -20,7 +20,7 @@ import os
 import socket
 import sys
 import time
-from typing import Optional, TextIO, Tuple
+from typing import TextIO
 
 import numpy as np
 import torch
@@ -42,7 +42,8 @@ _GRID = np.stack(np.meshgrid(np.arange(8.0), np.arange(8.0), indexing="ij"), -1)
 
 # -- data (this code also runs on the workers) ------------------------------------
 
-def load_digits_split(seed: int = 0) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+
+def load_digits_split(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """scikit-learn's 1,797 digits split into 1,497 training and 300 test images.
 
     Returns ``(train_images, train_labels, test_images, test_labels)``; images are uint8
@@ -65,8 +66,9 @@ def normalize(images: np.ndarray) -> np.ndarray:
     return ((images - PIXEL_MEAN) / PIXEL_STD).astype(np.float32)
 
 
-def random_affine(image: np.ndarray, rng, max_shift: float = 1.0,
-                  max_degrees: float = 12.0, max_zoom: float = 0.1) -> np.ndarray:
+def random_affine(
+    image: np.ndarray, rng, max_shift: float = 1.0, max_degrees: float = 12.0, max_zoom: float = 0.1
+) -> np.ndarray:
     """Warp an 8x8 image by a random shift, rotation and scale (bilinear, zero outside).
 
     The shift is up to ``max_shift`` pixels along each axis, the rotation up to
@@ -113,7 +115,7 @@ class AugmentedDigits(Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, index: int) -> Tuple[torch.Tensor, int]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         image = self.images[index]
         if self.augment:
             # numpy's global generator: RemoteDataLoader(seed=...) seeds it for each sample
@@ -123,18 +125,25 @@ class AugmentedDigits(Dataset):
 
 # -- model -------------------------------------------------------------------------
 
+
 class SmallCNN(nn.Module):
     """Two 3x3 convolutions, a 2x2 max-pool and a two-layer classifier (~150k parameters)."""
 
     def __init__(self, classes: int = 10):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(1, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
             nn.MaxPool2d(2),
         )
         self.classifier = nn.Sequential(
-            nn.Flatten(), nn.Dropout(0.25), nn.Linear(64 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, classes),
+            nn.Flatten(),
+            nn.Dropout(0.25),
+            nn.Linear(64 * 4 * 4, 128),
+            nn.ReLU(),
+            nn.Linear(128, classes),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,10 +158,11 @@ def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> fl
 
 # -- output ------------------------------------------------------------------------
 
+
 class ProgressBar:
     """A one-line bar redrawn in place with ``\\r`` (only when the stream is a terminal)."""
 
-    def __init__(self, total: int, label: str, stream: Optional[TextIO] = None, width: int = 24):
+    def __init__(self, total: int, label: str, stream: TextIO | None = None, width: int = 24):
         self.total = total
         self.label = label
         self.stream = stream = stream if stream is not None else sys.stdout
@@ -187,7 +197,9 @@ class ProgressBar:
             self.stream.flush()
 
     def finish(self, extra: str = "") -> None:
-        self.stream.write(("\r" if self._live else "") + self.line(extra) + ("\033[K" if self._live else "") + "\n")
+        self.stream.write(
+            ("\r" if self._live else "") + self.line(extra) + ("\033[K" if self._live else "") + "\n"
+        )
         self.stream.flush()
 
 
@@ -197,11 +209,14 @@ def _say(text: str = "") -> None:
 
 # -- the demo ------------------------------------------------------------------------
 
-def _train(model: nn.Module, loader: RemoteDataLoader, epochs: int,
-           test_x: torch.Tensor, test_y: torch.Tensor) -> float:
+
+def _train(
+    model: nn.Module, loader: RemoteDataLoader, epochs: int, test_x: torch.Tensor, test_y: torch.Tensor
+) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=epochs * len(loader),
-                                                   pct_start=0.15)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=3e-3, total_steps=epochs * len(loader), pct_start=0.15
+    )
     loss_fn = nn.CrossEntropyLoss()
     test_acc = 0.0
     width = len(str(epochs))
@@ -221,12 +236,13 @@ def _train(model: nn.Module, loader: RemoteDataLoader, epochs: int,
             seen += len(labels)
             bar.update(len(labels), f"loss {loss_sum / seen:.3f}")
         test_acc = accuracy(model, test_x, test_y)
-        bar.finish(f"loss {loss_sum / seen:.3f}  train {100 * correct / seen:5.1f}%  "
-                   f"test {100 * test_acc:5.1f}%")
+        bar.finish(
+            f"loss {loss_sum / seen:.3f}  train {100 * correct / seen:5.1f}%  test {100 * test_acc:5.1f}%"
+        )
     return test_acc
 
 
-def measure_loading(loader, seconds: float) -> Tuple[float, int]:
+def measure_loading(loader, seconds: float) -> tuple[float, int]:
     """Iterate whole passes of ``loader`` (after one untimed pass) for about ``seconds``.
 
     Returns (samples per second, samples counted).
@@ -243,18 +259,27 @@ def measure_loading(loader, seconds: float) -> Tuple[float, int]:
             return samples / elapsed, samples
 
 
-def _compare_loading(remote: RemoteDataset, local: AugmentedDigits, args, seconds: float) -> Tuple[float, float]:
+def _compare_loading(
+    remote: RemoteDataset, local: AugmentedDigits, args, seconds: float
+) -> tuple[float, float]:
     n_remote = len(remote.workers)
-    _say(f"\nloading throughput of the augmented training set (loading only, no model, batch {args.batch_size}, "
-         f"~{seconds:g} s each):")
+    _say(
+        f"\nloading throughput of the augmented training set (loading only, no model, batch {args.batch_size}, "
+        f"~{seconds:g} s each):"
+    )
     remote_loader = RemoteDataLoader(remote, batch_size=args.batch_size, shuffle=True)
     remote_rate, _ = measure_loading(remote_loader, seconds)
     remote_label = f"torchfeed.RemoteDataLoader  ({n_remote} remote worker{'s' if n_remote != 1 else ''})"
     torch_label = f"torch DataLoader(num_workers={args.workers})"
     pad = max(len(remote_label), len(torch_label)) + 2
     _say(f"  {remote_label:<{pad}}{remote_rate:>9,.0f} samples/s")
-    torch_loader = DataLoader(local, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
-                              persistent_workers=args.workers > 0)
+    torch_loader = DataLoader(
+        local,
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.workers,
+        persistent_workers=args.workers > 0,
+    )
     torch_rate, _ = measure_loading(torch_loader, seconds)
     del torch_loader  # stops its worker processes
     _say(f"  {torch_label:<{pad}}{torch_rate:>9,.0f} samples/s")
@@ -279,7 +304,7 @@ def run_demo(args) -> int:
     t_start = time.perf_counter()
     seed = int(getattr(args, "seed", 0))
     epochs = int(args.epochs)
-    connect: Optional[list] = getattr(args, "connect", None)
+    connect: list | None = getattr(args, "connect", None)
     if epochs < 1 or args.batch_size < 1 or (not connect and args.workers < 1):
         print("torchfeed demo: --epochs, --batch-size and --workers must be at least 1", file=sys.stderr)
         return 2
@@ -288,9 +313,11 @@ def run_demo(args) -> int:
     test_images = torch.from_numpy(normalize(test_x / 16.0)).unsqueeze(1)
     test_labels = torch.from_numpy(test_y)
 
-    _say(f"torchfeed demo: a small CNN learns scikit-learn's 8x8 digits ({len(train_y):,} train / "
-         f"{len(test_y)} test images), {epochs} epoch{'s' if epochs != 1 else ''}, batch {args.batch_size}, "
-         f"seed {seed}")
+    _say(
+        f"torchfeed demo: a small CNN learns scikit-learn's 8x8 digits ({len(train_y):,} train / "
+        f"{len(test_y)} test images), {epochs} epoch{'s' if epochs != 1 else ''}, batch {args.batch_size}, "
+        f"seed {seed}"
+    )
     with contextlib.ExitStack() as stack:
         try:
             if connect:
@@ -300,8 +327,10 @@ def run_demo(args) -> int:
                 t0 = time.perf_counter()
                 workers = stack.enter_context(LocalWorkers(args.workers))
                 addresses = workers.addresses
-                how = (f"{len(addresses)} local worker process{'es' if len(addresses) != 1 else ''}, "
-                       f"started in {time.perf_counter() - t0:.1f} s")
+                how = (
+                    f"{len(addresses)} local worker process{'es' if len(addresses) != 1 else ''}, "
+                    f"started in {time.perf_counter() - t0:.1f} s"
+                )
             _say(f"workers: {', '.join(addresses)} ({how})")
             on_this_machine = sum(_is_this_machine(a) for a in addresses)
             if on_this_machine:
@@ -311,23 +340,29 @@ def run_demo(args) -> int:
                 torch.set_num_threads(max(1, _cpu_count() - on_this_machine))
                 stack.callback(torch.set_num_threads, threads_before)
             remote = RemoteDataset(addresses, AugmentedDigits, train_x, train_y)
-            _say(f"each worker holds the training set and augments it (shift <= 1 px, rotation <= 12 deg, "
-                 f"scale 0.9-1.1, noise)\n")
+            _say(
+                "each worker holds the training set and augments it (shift <= 1 px, rotation <= 12 deg, "
+                "scale 0.9-1.1, noise)\n"
+            )
 
             model = SmallCNN()
             loader = RemoteDataLoader(remote, batch_size=args.batch_size, shuffle=True, seed=seed)
             t0 = time.perf_counter()
             test_acc = _train(model, loader, epochs, test_images, test_labels)
             train_seconds = time.perf_counter() - t0
-            _say(f"\ntest accuracy: {100 * test_acc:.1f}% on {len(test_labels)} held-out digits "
-                 f"(training took {train_seconds:.1f} s)")
+            _say(
+                f"\ntest accuracy: {100 * test_acc:.1f}% on {len(test_labels)} held-out digits "
+                f"(training took {train_seconds:.1f} s)"
+            )
 
             local = AugmentedDigits(train_x, train_y)
             remote_rate, torch_rate = _compare_loading(remote, local, args, THROUGHPUT_SECONDS)
         except KeyboardInterrupt:
             print("\ninterrupted; stopping the workers", file=sys.stderr)
             return 130
-    _say(f"\ndone in {time.perf_counter() - t_start:.1f} s: test accuracy {100 * test_acc:.1f}%, "
-         f"torchfeed loads {remote_rate:,.0f} samples/s vs torch's {torch_rate:,.0f} samples/s "
-         f"({remote_rate / torch_rate:.2f}x)")
+    _say(
+        f"\ndone in {time.perf_counter() - t_start:.1f} s: test accuracy {100 * test_acc:.1f}%, "
+        f"torchfeed loads {remote_rate:,.0f} samples/s vs torch's {torch_rate:,.0f} samples/s "
+        f"({remote_rate / torch_rate:.2f}x)"
+    )
     return 0

@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Dict, Optional, Tuple
+from collections.abc import Callable
 
 from . import auth, wire
 from .errors import ProtocolError
@@ -46,8 +46,8 @@ class RateLimitedLog:
 
     def __init__(self, interval: float = 10.0):
         self.interval = interval
-        self._last: Dict[str, float] = {}
-        self._suppressed: Dict[str, int] = {}
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
 
     def __call__(self, level: int, key: str, msg: str, *args) -> None:
         now = time.monotonic()
@@ -66,7 +66,7 @@ class FailureLimiter:
 
     def __init__(self, burst: float = 10.0, per_second: float = 1.0, max_sources: int = 4096):
         self.burst, self.rate, self.max_sources = burst, per_second, max_sources
-        self._tokens: Dict[str, tuple] = {}  # host -> (tokens, last update)
+        self._tokens: dict[str, tuple] = {}  # host -> (tokens, last update)
 
     def _level(self, host: str, now: float) -> float:
         tokens, last = self._tokens.get(host, (self.burst, now))
@@ -90,7 +90,7 @@ class _Handshake:
         self.buf = bytearray()
 
 
-def judge(received: bytes, hello: bytes, secret: auth.Secret) -> Tuple[str, bytes, Optional[auth.SessionKeys]]:
+def judge(received: bytes, hello: bytes, secret: auth.Secret) -> tuple[str, bytes, auth.SessionKeys | None]:
     """Judge what a connecting peer sent after our HELLO (pure: no I/O, no unpickling).
 
     Returns ``(verdict, reply, keys)``: ``"more"`` (wait for more bytes), ``"bye"`` (not
@@ -101,7 +101,9 @@ def judge(received: bytes, hello: bytes, secret: auth.Secret) -> Tuple[str, byte
         if len(received) >= wire.HEADER.size:
             kind, _flags, _rid, meta_len, nbuf = wire.parse_header(received[: wire.HEADER.size])
             if kind != wire.AUTH or meta_len != auth.AUTH_BYTES or nbuf:
-                raise ProtocolError(f"expected an AUTH message, got {wire.KIND_NAMES[kind]} with {meta_len} bytes")
+                raise ProtocolError(
+                    f"expected an AUTH message, got {wire.KIND_NAMES[kind]} with {meta_len} bytes"
+                )
         if len(received) < _AUTH_FRAME:
             return "more", b"", None
         ok, reply, keys = auth.check_auth(secret, hello, received[wire.HEADER.size : _AUTH_FRAME])
@@ -113,10 +115,18 @@ def judge(received: bytes, hello: bytes, secret: auth.Secret) -> Tuple[str, byte
 class Doorman:
     """Accept loop and handshakes of one worker (see the module docstring)."""
 
-    def __init__(self, listener: socket.socket, secret: auth.Secret,
-                 on_authenticated: Callable[[socket.socket, str, auth.SessionKeys, bytes], None], *,
-                 handshake_timeout: float, stopping: threading.Event, max_pending: int = 128,
-                 allow_integrity_only: bool = False, limiter: Optional[FailureLimiter] = None):
+    def __init__(
+        self,
+        listener: socket.socket,
+        secret: auth.Secret,
+        on_authenticated: Callable[[socket.socket, str, auth.SessionKeys, bytes], None],
+        *,
+        handshake_timeout: float,
+        stopping: threading.Event,
+        max_pending: int = 128,
+        allow_integrity_only: bool = False,
+        limiter: FailureLimiter | None = None,
+    ):
         self.listener = listener
         self.secret = secret
         self.on_authenticated = on_authenticated
@@ -126,12 +136,19 @@ class Doorman:
         self.allow_integrity_only = allow_integrity_only
         self.limiter = limiter or FailureLimiter()
         self.say = RateLimitedLog()
-        self._pending: "OrderedDict[int, _Handshake]" = OrderedDict()  # fd -> handshake, oldest first
+        self._pending: OrderedDict[int, _Handshake] = OrderedDict()  # fd -> handshake, oldest first
         self._sel = selectors.DefaultSelector()
         self._accept_paused_until = 0.0
         self._backoff = 0.0
-        self.counts = {"accepted": 0, "authenticated": 0, "rejected": 0, "evicted": 0, "expired": 0,
-                       "refused_rate_limited": 0, "accept_errors": 0}
+        self.counts = {
+            "accepted": 0,
+            "authenticated": 0,
+            "rejected": 0,
+            "evicted": 0,
+            "expired": 0,
+            "refused_rate_limited": 0,
+            "accept_errors": 0,
+        }
 
     @property
     def pending(self) -> int:
@@ -195,10 +212,15 @@ class Doorman:
         self._backoff = min(max(self._backoff * 2, 0.01), 1.0)
         self._accept_paused_until = time.monotonic() + self._backoff
         self._sel.unregister(self.listener)
-        self.say(logging.WARNING, "accept-resources",
-                 "cannot accept connections (%s): %d handshakes pending; pausing %.2f s. Raise the file "
-                 "descriptor limit (ulimit -n) if this worker serves many clients", exc, self.pending,
-                 self._backoff)
+        self.say(
+            logging.WARNING,
+            "accept-resources",
+            "cannot accept connections (%s): %d handshakes pending; pausing %.2f s. Raise the file "
+            "descriptor limit (ulimit -n) if this worker serves many clients",
+            exc,
+            self.pending,
+            self._backoff,
+        )
 
     def _maybe_resume_accepting(self) -> None:
         if self._accept_paused_until and time.monotonic() >= self._accept_paused_until:
@@ -246,7 +268,13 @@ class Doorman:
             return
         if verdict == "bye":
             self.counts["rejected"] += 1
-            self.say(logging.INFO, f"bad {hs.host}", "dropping %s during the handshake: %s", hs.peer, reply.decode())
+            self.say(
+                logging.INFO,
+                f"bad {hs.host}",
+                "dropping %s during the handshake: %s",
+                hs.peer,
+                reply.decode(),
+            )
             self._send_quietly(hs, wire.BYE, reply)
             self._close(hs)
             return
@@ -256,7 +284,9 @@ class Doorman:
                 self.counts["refused_rate_limited"] += 1
             else:
                 self.limiter.failed(hs.host)
-                self.say(logging.WARNING, f"wrong {hs.host}", "rejected client %s: %s", hs.peer, reply.decode())
+                self.say(
+                    logging.WARNING, f"wrong {hs.host}", "rejected client %s: %s", hs.peer, reply.decode()
+                )
                 self._send_quietly(hs, wire.AUTH_FAIL, reply)
             self._close(hs)
             return
@@ -295,8 +325,13 @@ class Doorman:
     def _evict_oldest(self) -> None:
         _, hs = next(iter(self._pending.items()))
         self.counts["evicted"] += 1
-        self.say(logging.INFO, "evict", "too many handshakes in progress (%d): dropping the oldest, from %s",
-                 len(self._pending), hs.peer)
+        self.say(
+            logging.INFO,
+            "evict",
+            "too many handshakes in progress (%d): dropping the oldest, from %s",
+            len(self._pending),
+            hs.peer,
+        )
         self._close(hs)
 
     def _expire(self) -> None:
@@ -306,6 +341,11 @@ class Doorman:
             if hs.deadline > now:
                 return
             self.counts["expired"] += 1
-            self.say(logging.INFO, f"slow {hs.host}", "dropping %s: no handshake within %.0f s",
-                     hs.peer, self.handshake_timeout)
+            self.say(
+                logging.INFO,
+                f"slow {hs.host}",
+                "dropping %s: no handshake within %.0f s",
+                hs.peer,
+                self.handshake_timeout,
+            )
             self._close(hs)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pickle
 import re
 import traceback
-from typing import Any, Dict, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 # This module is imported by the command line before torch: keep it free of heavy imports.
 
@@ -42,7 +43,7 @@ class WorkerLost(TorchfeedError):
     ``errors`` maps each lost worker address to the last error seen for it.
     """
 
-    def __init__(self, message: str, errors: Optional[dict] = None):
+    def __init__(self, message: str, errors: dict | None = None):
         super().__init__(message)
         self.errors = dict(errors or {})
 
@@ -54,7 +55,7 @@ class ConnectionClosed(WorkerLost):
     """
 
 
-def worker_lost(address: str, cause: Optional[BaseException]) -> WorkerLost:
+def worker_lost(address: str, cause: BaseException | None) -> WorkerLost:
     """The error that requests pending on a failed connection to ``address`` receive."""
     kind = ConnectionClosed if isinstance(cause, ConnectionClosed) else WorkerLost
     return kind(f"worker {address} was lost: {cause!r}", {address: repr(cause)})
@@ -108,7 +109,7 @@ class RemoteError(TorchfeedError):
         remote_type: str,
         remote_message: str,
         remote_traceback: str,
-        indices: Optional[Sequence[Any]] = None,
+        indices: Sequence[Any] | None = None,
     ):
         _set_remote_fields(self, address, remote_type, remote_message, remote_traceback, indices)
         super().__init__(self._render())
@@ -129,7 +130,7 @@ class RemoteError(TorchfeedError):
         )
         return text + _hint(self)
 
-    def with_indices(self, indices: Sequence[Any]) -> "RemoteError":
+    def with_indices(self, indices: Sequence[Any]) -> RemoteError:
         """Record the sample indices of the batch that failed; returns this exception."""
         self.indices = list(indices)
         return self
@@ -170,7 +171,8 @@ def _hint(exc: RemoteError) -> str:
 
 # -- rebuilding a remote exception's type in the trainer -----------------------------------
 
-def describe_exception(exc: BaseException) -> Dict[str, Any]:
+
+def describe_exception(exc: BaseException) -> dict[str, Any]:
     """Worker side: what the trainer needs to re-raise ``exc`` (a dict of plain data and pickles).
 
     ``type``, ``message`` and ``traceback`` are always there; ``cls`` (the type, pickled by
@@ -178,7 +180,9 @@ def describe_exception(exc: BaseException) -> Dict[str, Any]:
     can be pickled.
     """
     etype = type(exc)
-    name = etype.__qualname__ if etype.__module__ == "builtins" else f"{etype.__module__}.{etype.__qualname__}"
+    name = (
+        etype.__qualname__ if etype.__module__ == "builtins" else f"{etype.__module__}.{etype.__qualname__}"
+    )
     try:
         message = str(exc)
     except Exception:  # a broken __str__ (or __repr__) must not break error reporting
@@ -190,7 +194,7 @@ def describe_exception(exc: BaseException) -> Dict[str, Any]:
         text = "".join(traceback.format_exception(etype, exc, exc.__traceback__))
     except Exception:
         text = f"{name}: {message}\n(the traceback could not be formatted)"
-    info: Dict[str, Any] = {"type": name, "message": message, "traceback": text}
+    info: dict[str, Any] = {"type": name, "message": message, "traceback": text}
     import cloudpickle  # by value: exception classes defined in __main__ or in functions
 
     try:
@@ -217,10 +221,10 @@ def describe_exception(exc: BaseException) -> Dict[str, Any]:
 _MAX_REDUCED = 1 << 20  # an exception carrying more data than this comes back with its message only
 
 
-_remote_types: Dict[type, type] = {}
+_remote_types: dict[type, type] = {}
 
 
-def remote_type_for(etype: type) -> Optional[type]:
+def remote_type_for(etype: type) -> type | None:
     """A class that is both ``etype`` and :class:`RemoteError` (None if none can be made)."""
     if not (isinstance(etype, type) and issubclass(etype, Exception)):
         return None  # KeyboardInterrupt, SystemExit... on a worker are not re-raised as such
@@ -231,17 +235,24 @@ def remote_type_for(etype: type) -> Optional[type]:
     made = _remote_types.get(etype)
     if made is None:
         try:
-            made = type(f"RemoteError[{etype.__qualname__}]", (RemoteError, etype),
-                        {"__module__": __name__, "__reduce__": _reduce_rebuilt,
-                         "__doc__": f"A {etype.__qualname__} raised on a worker (also a RemoteError)."})
+            made = type(
+                f"RemoteError[{etype.__qualname__}]",
+                (RemoteError, etype),
+                {
+                    "__module__": __name__,
+                    "__reduce__": _reduce_rebuilt,
+                    "__doc__": f"A {etype.__qualname__} raised on a worker (also a RemoteError).",
+                },
+            )
         except TypeError:  # incompatible layout or a final class
             return None
         _remote_types[etype] = made
     return made
 
 
-def rebuild_remote_error(address: str, info: Dict[str, Any], indices: Optional[Sequence[Any]] = None
-                         ) -> RemoteError:
+def rebuild_remote_error(
+    address: str, info: dict[str, Any], indices: Sequence[Any] | None = None
+) -> RemoteError:
     """Trainer side: the exception to raise for a worker's :func:`describe_exception` dict."""
     fields = (address, info["type"], info["message"], info["traceback"], indices)
     etype = _loads(info.get("cls"))
@@ -257,7 +268,7 @@ def rebuild_remote_error(address: str, info: Dict[str, Any], indices: Optional[S
     return exc
 
 
-def _loads(raw: Optional[bytes]):
+def _loads(raw: bytes | None):
     if raw is None:
         return None
     try:
@@ -266,7 +277,7 @@ def _loads(raw: Optional[bytes]):
         return None
 
 
-def _instantiate(made: type, etype: type, ctor_args: tuple, state) -> Optional[BaseException]:
+def _instantiate(made: type, etype: type, ctor_args: tuple, state) -> BaseException | None:
     try:
         exc = made.__new__(made, *ctor_args)
     except Exception:
@@ -295,4 +306,6 @@ def _reduce_rebuilt(self):
     return rebuild_remote_error, (self.address, info, self.indices)
 
 
-_OWN_FIELDS = frozenset({"address", "remote_type", "remote_message", "remote_traceback", "indices", "remote_class"})
+_OWN_FIELDS = frozenset(
+    {"address", "remote_type", "remote_message", "remote_traceback", "indices", "remote_class"}
+)

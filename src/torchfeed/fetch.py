@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 from torch.utils.data._utils.collate import (
@@ -27,8 +27,14 @@ _BATCH_TAG = 0xBA7C4
 def _stack_into_pool(batch, *, collate_fn_map=None):
     """torch's tensor collation, stacking into pooled memory (reused once the batch is sent)."""
     elem = batch[0]
-    if (elem.layout == torch.strided and not elem.is_nested and elem.device.type == "cpu"
-            and all(isinstance(t, torch.Tensor) and t.dtype == elem.dtype and t.shape == elem.shape for t in batch)):
+    if (
+        elem.layout == torch.strided
+        and not elem.is_nested
+        and elem.device.type == "cpu"
+        and all(
+            isinstance(t, torch.Tensor) and t.dtype == elem.dtype and t.shape == elem.shape for t in batch
+        )
+    ):
         out = buffers.empty_tensor((len(batch), *elem.shape), elem.dtype)
         return torch.stack(batch, 0, out=out)
     return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
@@ -56,8 +62,15 @@ class Fetcher:
 
     manages_rng = True  # the worker must not restore generator states before calling it
 
-    def __init__(self, dataset, collate_fn: Callable, auto_collation: bool, worker_init_fn: Optional[Callable] = None,
-                 persistent: bool = False, reply_limits=None):
+    def __init__(
+        self,
+        dataset,
+        collate_fn: Callable,
+        auto_collation: bool,
+        worker_init_fn: Callable | None = None,
+        persistent: bool = False,
+        reply_limits=None,
+    ):
         self.setup = WorkerSetup(dataset, worker_init_fn, persistent)
         self.collate_fn = pooled_default_collate if collate_fn is default_collate else collate_fn
         self.auto_collation = auto_collation
@@ -67,7 +80,7 @@ class Fetcher:
     def dataset(self):
         return self.setup.dataset
 
-    def __call__(self, index, seed: Optional[int] = None, context: Optional[tuple] = None):
+    def __call__(self, index, seed: int | None = None, context: tuple | None = None):
         """Load and collate ``index``.
 
         ``context`` is ``(pass id, worker id, number of workers, base seed)``: the first call
@@ -94,7 +107,7 @@ class Fetcher:
             seed_all(mix_seed(seed, _COLLATE_TAG, first))
         return self.collate_fn(data)
 
-    def _samples(self, dataset, index, seed: Optional[int]):
+    def _samples(self, dataset, index, seed: int | None):
         """The samples of ``index`` (a list of them with auto-collation)."""
         if not self.auto_collation:
             if seed is not None:

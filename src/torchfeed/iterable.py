@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from . import client, errors, notices
 from .datasets.shards import shard_order
@@ -45,29 +45,35 @@ class _Slot:
 
     def __init__(self, index: int):
         self.index = index
-        self.worker: Optional[str] = None
-        self.ref: Optional[client.RemoteRef] = None
+        self.worker: str | None = None
+        self.ref: client.RemoteRef | None = None
         self.incarnation = 0  # bumped on every (re)open; older replies are ignored
         self.opening = False
         self.delivered = 0  # batches yielded to the user
-        self.results: Dict[int, tuple] = {}
+        self.results: dict[int, tuple] = {}
         self.inflight = 0
         self.ended = False
-        self.state: Optional[bytes] = None  # captured with the last delivered batch
-        self.rng: Optional[bytes] = None
+        self.state: bytes | None = None  # captured with the last delivered batch
+        self.rng: bytes | None = None
         self.taken = 0  # grants taken by the iterator at that batch
         self.latest_taken = 0  # the latest reply's count (for granting)
-        self.grants: List[Any] = []  # every shard granted to this stream, in order
+        self.grants: list[Any] = []  # every shard granted to this stream, in order
 
     def snapshot(self) -> dict:
-        return {"delivered": self.delivered, "ended": self.ended, "state": self.state, "rng": self.rng,
-                "taken": self.taken, "grants": list(self.grants)}
+        return {
+            "delivered": self.delivered,
+            "ended": self.ended,
+            "state": self.state,
+            "rng": self.rng,
+            "taken": self.taken,
+            "grants": list(self.grants),
+        }
 
 
 class IterablePass:
     """Trainer side: one pass over an iterable-style RemoteDataset."""
 
-    def __init__(self, loader, plan, resume: Optional[dict] = None):
+    def __init__(self, loader, plan, resume: dict | None = None):
         self._loader = loader
         self._plan = plan
         self._source = plan.source
@@ -77,8 +83,8 @@ class IterablePass:
         self._cond = threading.Condition()
         self._notices = notices.Pending()
         self._closed = False
-        self._fatal: Optional[BaseException] = None
-        self._lost: Dict[str, BaseException] = {}
+        self._fatal: BaseException | None = None
+        self._lost: dict[str, BaseException] = {}
         self._said_replay = False
         from .passes import new_pass_id
 
@@ -92,7 +98,7 @@ class IterablePass:
             count = loader._stream_count()
         self._slots = [_Slot(i) for i in range(count)]
         self._turn = 0
-        self._queue: Optional[deque] = None  # shards not granted yet (dynamic sharding)
+        self._queue: deque | None = None  # shards not granted yet (dynamic sharding)
         workers = self._reachable()
         self._dynamic = self._shard_setup(workers, resume)
         if resume is not None:
@@ -114,7 +120,7 @@ class IterablePass:
         return len(self._loader)
 
     # -- workers --------------------------------------------------------------------
-    def _reachable(self) -> List[str]:
+    def _reachable(self) -> list[str]:
         source = self._source
         alive = set(source.alive_workers())
         workers = [w for w in source.workers if w in alive and w not in self._lost]
@@ -126,11 +132,20 @@ class IterablePass:
             raise WorkerLost("could not prepare the iterable-style pass on " + ", ".join(failed), failed)
         return workers
 
-    def _shard_setup(self, workers: List[str], resume: Optional[dict]) -> bool:
+    def _shard_setup(self, workers: list[str], resume: dict | None) -> bool:
         first = workers[0]
-        got = wait_all({first: client.rpc_async(first, shard_plan, args=(self._plan.fetchers.get(first),),
-                                                timeout=self._source.timeout, secret=self._source.secret)},
-                       self._source.timeout)[first]
+        got = wait_all(
+            {
+                first: client.rpc_async(
+                    first,
+                    shard_plan,
+                    args=(self._plan.fetchers.get(first),),
+                    timeout=self._source.timeout,
+                    secret=self._source.secret,
+                )
+            },
+            self._source.timeout,
+        )[first]
         if isinstance(got, BaseException):
             raise got
         if got is None:
@@ -144,11 +159,14 @@ class IterablePass:
         self._queue = deque(shard_order(count, shuffle, effective, epoch))
         return True
 
-    def _pick_worker(self) -> Optional[str]:
+    def _pick_worker(self) -> str | None:
         """The reachable worker (prepared at the start of the pass) hosting the fewest streams."""
         fetchers = self._plan.fetchers
-        workers = [w for w in self._source.alive_workers() if w not in self._lost
-                   and fetchers.get(w) is not None and not fetchers.get(w).closed]
+        workers = [
+            w
+            for w in self._source.alive_workers()
+            if w not in self._lost and fetchers.get(w) is not None and not fetchers.get(w).closed
+        ]
         if not workers:
             return None
         load = {w: 0 for w in workers}
@@ -168,14 +186,22 @@ class IterablePass:
             state, rng, taken = last[2], last[3], last[4]
         if self._dynamic:
             slot.latest_taken = taken
-        start = {"position": position, "state": state, "rng": rng, "grants": slot.grants[taken:], "taken": taken,
-                 "total": self._total(slot)}
+        start = {
+            "position": position,
+            "state": state,
+            "rng": rng,
+            "grants": slot.grants[taken:],
+            "taken": taken,
+            "total": self._total(slot),
+        }
         if position and state is None and not self._said_replay and slot.incarnation > 1:
             self._said_replay = True
-            self._notices.add(f"torchfeed: stream {slot.index} of an iterable-style dataset moved to {worker}: the "
-                              f"dataset has no state_dict()/load_state_dict(), so it is restarted there and its "
-                              f"{position} batch(es) already delivered are drawn again and dropped (exact only "
-                              "for a deterministic iterable)")
+            self._notices.add(
+                f"torchfeed: stream {slot.index} of an iterable-style dataset moved to {worker}: the "
+                f"dataset has no state_dict()/load_state_dict(), so it is restarted there and its "
+                f"{position} batch(es) already delivered are drawn again and dropped (exact only "
+                "for a deterministic iterable)"
+            )
         fetcher = self._plan.fetchers.get(worker)
         context = (self._pass_id, slot.index, len(self._slots), self._base_seed)
         this, incarnation = weakref.ref(self), slot.incarnation
@@ -186,9 +212,15 @@ class IterablePass:
                 me._on_opened(slot, incarnation, worker, ok, value)
 
         try:
-            client.call(worker, open_stream, args=(fetcher, context, self._loader.batch_size,
-                                                   self._loader.drop_last, start),
-                        rref=True, timeout=self._source.timeout, secret=self._source.secret, callback=opened)
+            client.call(
+                worker,
+                open_stream,
+                args=(fetcher, context, self._loader.batch_size, self._loader.drop_last, start),
+                rref=True,
+                timeout=self._source.timeout,
+                secret=self._source.secret,
+                callback=opened,
+            )
         except (WorkerLost, OSError) as exc:
             self._worker_lost(worker, exc)
 
@@ -234,7 +266,8 @@ class IterablePass:
                 if target is None:
                     self._fatal = self._fatal or WorkerLost(
                         f"every worker was lost during a pass over an iterable-style dataset ({exc})",
-                        {w: repr(e) for w, e in self._lost.items()})
+                        {w: repr(e) for w, e in self._lost.items()},
+                    )
                     return
                 self._open_locked(slot, target)
 
@@ -254,13 +287,13 @@ class IterablePass:
                 slot.ref.request((grants, self._total(slot)), callback=on_result, pin=self._pin)
             except (WorkerLost, OSError) as exc:
                 if grants:  # not sent: back to the queue
-                    del slot.grants[-len(grants):]
+                    del slot.grants[-len(grants) :]
                     self._queue.extendleft(reversed(grants))
                 self._worker_lost(slot.worker, exc)
                 return
             slot.inflight += 1
 
-    def _total(self, slot: _Slot) -> Optional[int]:
+    def _total(self, slot: _Slot) -> int | None:
         """The number of shards ``slot`` gets in all, once the queue is empty (dynamic sharding)."""
         return len(slot.grants) if self._dynamic and not self._queue else None
 
@@ -306,7 +339,7 @@ class IterablePass:
     def _ready(self, slot: _Slot) -> bool:
         return slot.delivered in slot.results
 
-    def _choose(self) -> Optional[_Slot]:
+    def _choose(self) -> _Slot | None:
         live = [s for s in self._slots if not s.ended]
         if not live:
             return None
@@ -354,8 +387,10 @@ class IterablePass:
                     raise exc
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
-                    raise Timeout(f"the next batch of stream {slot.index} (an iterable-style dataset, on worker "
-                                  f"{slot.worker}) did not arrive within timeout={self._timeout:g} s")
+                    raise Timeout(
+                        f"the next batch of stream {slot.index} (an iterable-style dataset, on worker "
+                        f"{slot.worker}) did not arrive within timeout={self._timeout:g} s"
+                    )
                 self._cond.wait(_POLL if deadline is None else min(_POLL, deadline - now))
 
     # -- state ---------------------------------------------------------------------------
@@ -369,9 +404,13 @@ class IterablePass:
             return self._snapshot_locked()
 
     def _snapshot_locked(self) -> dict:
-        return {"format": SNAPSHOT_FORMAT, "streams": len(self._slots), "turn": self._turn,
-                "slots": [s.snapshot() for s in self._slots],
-                "queue": list(self._queue) if self._queue is not None else None}
+        return {
+            "format": SNAPSHOT_FORMAT,
+            "streams": len(self._slots),
+            "turn": self._turn,
+            "slots": [s.snapshot() for s in self._slots],
+            "queue": list(self._queue) if self._queue is not None else None,
+        }
 
     def _close_locked(self) -> None:
         if self._closed:

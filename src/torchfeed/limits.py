@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from .errors import FrameTooLarge
 from .wire import Limits
@@ -37,8 +37,9 @@ def reply_limits() -> Limits:
     return _current
 
 
-def set_reply_limits(max_meta_bytes: Optional[int] = None, max_buffers: Optional[int] = None,
-                     max_buffer_bytes: Optional[int] = None) -> Limits:
+def set_reply_limits(
+    max_meta_bytes: int | None = None, max_buffers: int | None = None, max_buffer_bytes: int | None = None
+) -> Limits:
     """Set how large a reply from a worker may be; return the previous limits.
 
     Call it before creating loaders (their workers learn the limits when a loader first
@@ -62,7 +63,9 @@ def set_reply_limits(max_meta_bytes: Optional[int] = None, max_buffers: Optional
         count = previous.max_buffers if max_buffers is None else int(max_buffers)
         total = previous.max_buffer_bytes if max_buffer_bytes is None else int(max_buffer_bytes)
         if not 0 < meta <= WIRE_MAX_META:
-            raise ValueError(f"max_meta_bytes must be in [1, {WIRE_MAX_META}] (the wire format's bound), got {meta}")
+            raise ValueError(
+                f"max_meta_bytes must be in [1, {WIRE_MAX_META}] (the wire format's bound), got {meta}"
+            )
         if not 0 <= count <= WIRE_MAX_BUFFERS or total < 0:
             raise ValueError(f"max_buffers and max_buffer_bytes must be >= 0, got {count} and {total}")
         _current = Limits(max_meta=meta, max_buffers=count, max_buffer_bytes=total)
@@ -76,7 +79,7 @@ def _size(n: int) -> str:
     return f"{n:,} bytes"
 
 
-def check_reply(meta: bytes, buffers: Sequence, limits: Optional[Limits] = None) -> None:
+def check_reply(meta: bytes, buffers: Sequence, limits: Limits | None = None) -> None:
     """Raise :class:`FrameTooLarge` (a clear message) if a reply exceeds ``limits``."""
     limits = limits or _current
     meta_cap = min(limits.max_meta, WIRE_MAX_META)
@@ -85,15 +88,18 @@ def check_reply(meta: bytes, buffers: Sequence, limits: Optional[Limits] = None)
             f"the result is too large to send: its pickled part (everything except tensors, numpy arrays "
             f"and large bytes) is {_size(len(meta))}, over the reply limit of {_size(meta_cap)}. Raise the "
             f"limit in the trainer with {KNOB}(max_meta_bytes=...) (at most 4 GiB, the wire format's bound), "
-            "or return such data as tensors, numpy arrays or bytes, which travel as raw buffers")
+            "or return such data as tensors, numpy arrays or bytes, which travel as raw buffers"
+        )
     if len(buffers) > limits.max_buffers:
         raise FrameTooLarge(
             f"the result is too large to send: it has {len(buffers):,} raw buffers (tensors, arrays, large "
             f"bytes), over the reply limit of {limits.max_buffers:,}. Raise it in the trainer with "
-            f"{KNOB}(max_buffers=...), or collate the samples into fewer, larger tensors")
+            f"{KNOB}(max_buffers=...), or collate the samples into fewer, larger tensors"
+        )
     total = sum(memoryview(b).nbytes for b in buffers)
     if total > limits.max_buffer_bytes:
         raise FrameTooLarge(
             f"the result is too large to send: its raw buffers (tensors, arrays, large bytes) hold "
             f"{_size(total)}, over the reply limit of {_size(limits.max_buffer_bytes)}. Raise it in the "
-            f"trainer with {KNOB}(max_buffer_bytes=...), or use smaller batches")
+            f"trainer with {KNOB}(max_buffer_bytes=...), or use smaller batches"
+        )

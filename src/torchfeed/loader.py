@@ -12,7 +12,8 @@ import logging
 import multiprocessing
 import threading
 import weakref
-from typing import Any, Callable, Generic, Iterable, List, Optional, Sequence, TypeVar, Union
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
@@ -116,55 +117,64 @@ class RemoteDataLoader(Generic[T_co]):
     def __init__(
         self,
         dataset,
-        batch_size: Optional[int] = 1,
-        shuffle: Optional[bool] = None,
-        sampler: Union[Sampler, Iterable, None] = None,
-        batch_sampler: Union[Sampler[List], Iterable[List], None] = None,
-        num_workers: Optional[int] = None,
-        collate_fn: Optional[Callable] = None,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Sampler | Iterable | None = None,
+        batch_sampler: Sampler[list] | Iterable[list] | None = None,
+        num_workers: int | None = None,
+        collate_fn: Callable | None = None,
         pin_memory: bool = False,
         drop_last: bool = False,
         timeout: float = 120,
-        worker_init_fn: Optional[Callable] = None,
+        worker_init_fn: Callable | None = None,
         multiprocessing_context=None,
-        generator: Optional[torch.Generator] = None,
+        generator: torch.Generator | None = None,
         *,
-        prefetch_factor: Optional[int] = None,
+        prefetch_factor: int | None = None,
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
-        seed: Optional[int] = None,
+        seed: int | None = None,
         per_sample_seeding: bool = True,
         max_retries: int = 2,
-        straggler_factor: Optional[float] = 4.0,
+        straggler_factor: float | None = 4.0,
         straggler_min_seconds: float = 0.05,
-        workers: Optional[Sequence[str]] = None,
+        workers: Sequence[str] | None = None,
         args: Sequence = (),
-        kwargs: Optional[dict] = None,
+        kwargs: dict | None = None,
     ):
         if callable(num_workers):
-            raise TypeError("the 6th positional argument of RemoteDataLoader is num_workers, as in torch's "
-                            "DataLoader: pass collate_fn=... by keyword")
+            raise TypeError(
+                "the 6th positional argument of RemoteDataLoader is num_workers, as in torch's "
+                "DataLoader: pass collate_fn=... by keyword"
+            )
         _check_workers_args(num_workers, timeout, prefetch_factor, persistent_workers)
         dataset = _remote_dataset(dataset, workers, args, kwargs)
         source = Source(dataset)
         if source.iterable:
             _check_iterable_args(shuffle, sampler, batch_sampler)
         if seed is not None and generator is not None:
-            raise ValueError("give seed= or generator=, not both: with seed the shuffle order and every "
-                             "sample's random draws come from (seed, epoch)")
+            raise ValueError(
+                "give seed= or generator=, not both: with seed the shuffle order and every "
+                "sample's random draws come from (seed, epoch)"
+            )
         if prefetch_factor == 0:
-            raise ValueError("prefetch_factor must be at least 1 with remote workers (it is the number "
-                             "of requests each worker holds)")
+            raise ValueError(
+                "prefetch_factor must be at least 1 with remote workers (it is the number "
+                "of requests each worker holds)"
+            )
         self._initialized = False
         self._source = source
         self.num_workers = len(source.workers) if num_workers is None else num_workers
         self._num_streams = num_workers  # iterable-style: the number of streams (None: one per worker)
-        self._iterable_pass = None  # (pass id, weakref, snapshot once closed) of the latest iterable-style pass
+        self._iterable_pass = (
+            None  # (pass id, weakref, snapshot once closed) of the latest iterable-style pass
+        )
         self.multiprocessing_context = multiprocessing_context  # checked by the property, as in torch
         self._log_ignored(num_workers, multiprocessing_context, pin_memory_device, in_order)
         batch_size, drop_last, sampler, batch_sampler = self._samplers(
-            dataset, source, batch_size, shuffle, sampler, batch_sampler, drop_last, seed, generator)
+            dataset, source, batch_size, shuffle, sampler, batch_sampler, drop_last, seed, generator
+        )
         self.dataset = dataset
         self.batch_size = batch_size
         self.drop_last = drop_last
@@ -188,28 +198,33 @@ class RemoteDataLoader(Generic[T_co]):
         self.collate_fn = collate_fn
         self._fetchers = FetcherSet(self._make_fetcher, source.timeout, source.secret)
         self._epoch = 0  # epoch of the next pass
-        self._progress: Optional[resume.Progress] = None  # the latest pass
-        self._resume_from: Optional[dict] = None
-        self._persistent_seed: Optional[int] = None
+        self._progress: resume.Progress | None = None  # the latest pass
+        self._resume_from: dict | None = None
+        self._persistent_seed: int | None = None
         self._estimates: dict = {}  # seconds per batch of each worker, from the latest pass
         self._head = None  # the next pass's first batches, prefetched (prefetch.Head)
         self._prefetch = True  # load the next pass's first batches ahead when it is predictable
         self._initialized = True
 
     # -- construction ---------------------------------------------------------------
-    def _samplers(self, dataset, source, batch_size, shuffle, sampler, batch_sampler, drop_last, seed, generator):
+    def _samplers(
+        self, dataset, source, batch_size, shuffle, sampler, batch_sampler, drop_last, seed, generator
+    ):
         if sampler is not None and shuffle:
             raise ValueError("sampler option is mutually exclusive with shuffle")
         if batch_sampler is not None:
             if batch_size != 1 or shuffle or sampler is not None or drop_last:
-                raise ValueError("batch_sampler option is mutually exclusive with batch_size, shuffle, "
-                                 "sampler, and drop_last")
+                raise ValueError(
+                    "batch_sampler option is mutually exclusive with batch_size, shuffle, "
+                    "sampler, and drop_last"
+                )
             batch_size = None
             drop_last = False
         elif batch_size is None and drop_last:
-            raise ValueError("batch_size=None option disables auto-batching and is mutually exclusive "
-                             "with drop_last")
-        self._shuffle_generator: Optional[torch.Generator] = None
+            raise ValueError(
+                "batch_size=None option disables auto-batching and is mutually exclusive with drop_last"
+            )
+        self._shuffle_generator: torch.Generator | None = None
         if sampler is None:
             if source.iterable:
                 sampler = _EndlessSampler()
@@ -226,18 +241,30 @@ class RemoteDataLoader(Generic[T_co]):
     def _log_ignored(self, num_workers, context, pin_memory_device, in_order) -> None:
         workers = len(self._source.workers)
         if num_workers and not self._source.iterable:  # iterable-style: the number of streams
-            _log_once("num_workers", f"RemoteDataLoader: num_workers={num_workers} has no effect: loading runs on "
-                      f"the RemoteDataset's {workers} worker process(es); for more, start more `torchfeed worker` "
-                      "processes (--procs) and list them all")
+            _log_once(
+                "num_workers",
+                f"RemoteDataLoader: num_workers={num_workers} has no effect: loading runs on "
+                f"the RemoteDataset's {workers} worker process(es); for more, start more `torchfeed worker` "
+                "processes (--procs) and list them all",
+            )
         if context is not None:
-            _log_once("multiprocessing_context", "RemoteDataLoader: multiprocessing_context has no effect: the "
-                      "workers are processes started by `torchfeed worker`, not by this loader")
+            _log_once(
+                "multiprocessing_context",
+                "RemoteDataLoader: multiprocessing_context has no effect: the "
+                "workers are processes started by `torchfeed worker`, not by this loader",
+            )
         if pin_memory_device:
-            _log_once("pin_memory_device", "RemoteDataLoader: pin_memory_device has no effect: with "
-                      "pin_memory=True batches are received into memory pinned for CUDA")
+            _log_once(
+                "pin_memory_device",
+                "RemoteDataLoader: pin_memory_device has no effect: with "
+                "pin_memory=True batches are received into memory pinned for CUDA",
+            )
         if not in_order:
-            _log_once("in_order", "RemoteDataLoader: in_order=False has no effect: batches always come in "
-                      "sampler order (slow workers are given later batches instead, so order costs little)")
+            _log_once(
+                "in_order",
+                "RemoteDataLoader: in_order=False has no effect: batches always come in "
+                "sampler order (slow workers are given later batches instead, so order costs little)",
+            )
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _FROZEN and self.__dict__.get("_initialized"):
@@ -253,17 +280,23 @@ class RemoteDataLoader(Generic[T_co]):
     def multiprocessing_context(self, context) -> None:
         if context is not None:
             if self.num_workers == 0:
-                raise ValueError("multiprocessing_context can only be used with multi-process loading "
-                                 f"(num_workers > 0), but got num_workers={self.num_workers}")
+                raise ValueError(
+                    "multiprocessing_context can only be used with multi-process loading "
+                    f"(num_workers > 0), but got num_workers={self.num_workers}"
+                )
             if isinstance(context, str):
                 methods = multiprocessing.get_all_start_methods()
                 if context not in methods:
-                    raise ValueError("multiprocessing_context option should specify a valid start method in "
-                                     f"{methods!r}, but got multiprocessing_context={context!r}")
+                    raise ValueError(
+                        "multiprocessing_context option should specify a valid start method in "
+                        f"{methods!r}, but got multiprocessing_context={context!r}"
+                    )
                 context = multiprocessing.get_context(context)
             if not isinstance(context, multiprocessing.context.BaseContext):
-                raise TypeError("multiprocessing_context option should be a valid context object or a string "
-                                f"specifying the start method, but got multiprocessing_context={context}")
+                raise TypeError(
+                    "multiprocessing_context option should be a valid context object or a string "
+                    f"specifying the start method, but got multiprocessing_context={context}"
+                )
         self._multiprocessing_context = context
 
     def check_worker_number_rationality(self) -> None:
@@ -320,7 +353,7 @@ class RemoteDataLoader(Generic[T_co]):
             return length
         return len(self._index_sampler)
 
-    def __iter__(self) -> Union[MapPass, IterablePass]:
+    def __iter__(self) -> MapPass | IterablePass:
         serialize.check_pinnable(self.pin_memory)
         resume_from, self._resume_from = self._resume_from, None
         # torch's persistent workers draw their base seed once, at the first pass
@@ -331,9 +364,15 @@ class RemoteDataLoader(Generic[T_co]):
         base_seed = progress.record.base_seed
         if self.seed is None:
             self._persistent_seed = base_seed
-        plan = PassPlan(source=self._source, fetchers=self._fetchers, sampler_iter=sampler_iter, progress=progress,
-                        auto_collation=self._auto_collation, base_seed=base_seed,
-                        sample_seed=base_seed if self.per_sample_seeding else None)
+        plan = PassPlan(
+            source=self._source,
+            fetchers=self._fetchers,
+            sampler_iter=sampler_iter,
+            progress=progress,
+            auto_collation=self._auto_collation,
+            base_seed=base_seed,
+            sample_seed=base_seed if self.per_sample_seeding else None,
+        )
         if self._source.iterable:
             streams = resume_from.get("streams") if resume_from is not None else None
             running = IterablePass(self, plan, streams)
@@ -356,10 +395,18 @@ class RemoteDataLoader(Generic[T_co]):
         if not indices:
             return None
         base_seed = mix_seed(self.seed, epoch)
-        head = prefetch.Head(fetchers=self._fetchers, source=self._source, auto=self._auto_collation,
-                             pin=self.pin_memory, epoch=epoch, base_seed=base_seed,
-                             sample_seed=base_seed if self.per_sample_seeding else None, indices=indices,
-                             pass_id=new_pass_id(), estimates=ending.estimates())
+        head = prefetch.Head(
+            fetchers=self._fetchers,
+            source=self._source,
+            auto=self._auto_collation,
+            pin=self.pin_memory,
+            epoch=epoch,
+            base_seed=base_seed,
+            sample_seed=base_seed if self.per_sample_seeding else None,
+            indices=indices,
+            pass_id=new_pass_id(),
+            estimates=ending.estimates(),
+        )
         self._head = head
         return head
 
@@ -372,22 +419,36 @@ class RemoteDataLoader(Generic[T_co]):
     # -- per-worker setup ----------------------------------------------------
     def _make_fetcher(self, address: str):
         source = self._source
-        return client.rpc_async(address, Fetcher, args=(source.target(address), self.collate_fn,
-                                                        self._auto_collation, self.worker_init_fn,
-                                                        self.persistent_workers, limits.reply_limits()),
-                                rref=True, timeout=source.timeout, secret=source.secret)
+        return client.rpc_async(
+            address,
+            Fetcher,
+            args=(
+                source.target(address),
+                self.collate_fn,
+                self._auto_collation,
+                self.worker_init_fn,
+                self.persistent_workers,
+                limits.reply_limits(),
+            ),
+            rref=True,
+            timeout=source.timeout,
+            secret=source.secret,
+        )
 
 
 def _check_workers_args(num_workers, timeout, prefetch_factor, persistent_workers) -> None:
     """torch's checks, in torch's order; an omitted num_workers means: the remote workers."""
     if num_workers is not None and num_workers < 0:
-        raise ValueError("num_workers option should be non-negative; use num_workers=0 to disable "
-                         "multiprocessing.")
+        raise ValueError(
+            "num_workers option should be non-negative; use num_workers=0 to disable multiprocessing."
+        )
     if timeout < 0:
         raise ValueError("timeout option should be non-negative")
     if num_workers == 0 and prefetch_factor is not None:
-        raise ValueError("prefetch_factor option could only be specified in multiprocessing."
-                         "let num_workers > 0 to enable multiprocessing, otherwise set prefetch_factor to None.")
+        raise ValueError(
+            "prefetch_factor option could only be specified in multiprocessing."
+            "let num_workers > 0 to enable multiprocessing, otherwise set prefetch_factor to None."
+        )
     if prefetch_factor is not None and prefetch_factor < 0:
         raise ValueError("prefetch_factor option should be non-negative")
     if persistent_workers and num_workers == 0:
@@ -396,14 +457,18 @@ def _check_workers_args(num_workers, timeout, prefetch_factor, persistent_worker
 
 def _check_iterable_args(shuffle, sampler, batch_sampler) -> None:
     if shuffle not in {False, None}:
-        raise ValueError(f"DataLoader with IterableDataset: expected unspecified shuffle option, but got "
-                         f"shuffle={shuffle}")
+        raise ValueError(
+            f"DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle={shuffle}"
+        )
     if sampler is not None:
-        raise ValueError(f"DataLoader with IterableDataset: expected unspecified sampler option, but got "
-                         f"sampler={sampler}")
+        raise ValueError(
+            f"DataLoader with IterableDataset: expected unspecified sampler option, but got sampler={sampler}"
+        )
     if batch_sampler is not None:
-        raise ValueError("DataLoader with IterableDataset: expected unspecified batch_sampler option, but got "
-                         f"batch_sampler={batch_sampler}")
+        raise ValueError(
+            "DataLoader with IterableDataset: expected unspecified batch_sampler option, but got "
+            f"batch_sampler={batch_sampler}"
+        )
 
 
 def _remote_dataset(dataset, workers, args, kwargs):
@@ -422,5 +487,6 @@ def _remote_dataset(dataset, workers, args, kwargs):
             f"RemoteDataLoader loads from remote workers and needs a RemoteDataset (or a Subset/ConcatDataset of "
             f"them), got {'the class ' + shown if isinstance(dataset, type) else 'a ' + name}. Build the dataset "
             f"on the workers: RemoteDataLoader(RemoteDataset(workers, {shown}, *args), ...), or "
-            f"RemoteDataLoader(workers=[...], dataset={shown}, args=(...), ...)") from None
+            f"RemoteDataLoader(workers=[...], dataset={shown}, args=(...), ...)"
+        ) from None
     return dataset

@@ -9,13 +9,12 @@ import subprocess
 import sys
 import time
 import weakref
-from typing import Dict, List, Optional, Sequence
+from collections.abc import Sequence
 
 from .cli import ENV_SYS_PATH
 from .pumps import Pump, to_stderr, to_stdout
 
-
-_open: "weakref.WeakSet" = weakref.WeakSet()  # LocalWorkers not closed yet
+_open: weakref.WeakSet = weakref.WeakSet()  # LocalWorkers not closed yet
 
 
 @atexit.register
@@ -60,18 +59,25 @@ class LocalWorkers:
         More ``torchfeed worker`` options.
     """
 
-    def __init__(self, n: int = 2, *, parallel: int = 1, host: str = "127.0.0.1",
-                 env: Optional[Dict[str, str]] = None, start_timeout: float = 60.0,
-                 extra_args: Sequence[str] = ()):
+    def __init__(
+        self,
+        n: int = 2,
+        *,
+        parallel: int = 1,
+        host: str = "127.0.0.1",
+        env: dict[str, str] | None = None,
+        start_timeout: float = 60.0,
+        extra_args: Sequence[str] = (),
+    ):
         if n < 1:
             raise ValueError(f"need at least one worker, got n={n}")
         self.host = host
         self._env = {**os.environ, ENV_SYS_PATH: _parent_sys_path(), **(env or {})}
         self._env.setdefault("PYTHONUNBUFFERED", "1")
         self._args = ["--parallel", str(parallel), "--watch-stdin", *extra_args]
-        self.processes: List[subprocess.Popen] = []
-        self.addresses: List[str] = []
-        self._pumps: List[tuple] = []
+        self.processes: list[subprocess.Popen] = []
+        self.addresses: list[str] = []
+        self._pumps: list[tuple] = []
         _open.add(self)
         try:
             for i in range(n):
@@ -82,11 +88,29 @@ class LocalWorkers:
             raise
 
     def _spawn(self, i: int, port: int) -> None:
-        cmd = [sys.executable, "-m", "torchfeed", "worker", "--host", self.host, "--port", str(port), *self._args]
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=self._env, start_new_session=True)
-        pumps = (Pump(proc.stdout, to_stdout, f"[worker {i}] ", first_line=True, name=f"torchfeed-worker-{i}-out"),
-                 Pump(proc.stderr, to_stderr, f"[worker {i}] ", name=f"torchfeed-worker-{i}-err"))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torchfeed",
+            "worker",
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            *self._args,
+        ]
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=self._env,
+            start_new_session=True,
+        )
+        pumps = (
+            Pump(proc.stdout, to_stdout, f"[worker {i}] ", first_line=True, name=f"torchfeed-worker-{i}-out"),
+            Pump(proc.stderr, to_stderr, f"[worker {i}] ", name=f"torchfeed-worker-{i}-err"),
+        )
         if i < len(self.processes):
             self.processes[i], self._pumps[i] = proc, pumps
         else:
@@ -104,8 +128,10 @@ class LocalWorkers:
             if proc.poll() is not None:
                 err.join(2.0)
                 tail = "\n".join(err.tail)
-                raise RuntimeError(f"worker process {i} exited with code {proc.returncode} before it was ready"
-                                   + (f"; its stderr ends with:\n{tail}" if tail else ""))
+                raise RuntimeError(
+                    f"worker process {i} exited with code {proc.returncode} before it was ready"
+                    + (f"; its stderr ends with:\n{tail}" if tail else "")
+                )
         raise TimeoutError(f"worker process {i} did not print its address within {timeout:g} s")
 
     def restart(self, i: int, timeout: float = 60.0) -> str:
@@ -156,7 +182,7 @@ class LocalWorkers:
                 p.wait()
             self._close_pipes(i)
 
-    def __enter__(self) -> "LocalWorkers":
+    def __enter__(self) -> LocalWorkers:
         return self
 
     def __exit__(self, *exc) -> None:

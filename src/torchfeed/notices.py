@@ -12,18 +12,20 @@ import os
 import sys
 import threading
 import warnings
-from typing import List, Tuple, Type
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_PLUMBING = (_PACKAGE_DIR, os.path.dirname(threading.__file__) + os.sep + "threading.py",
-             os.path.dirname(threading.__file__) + os.sep + "contextlib.py")
+_PLUMBING = (
+    _PACKAGE_DIR,
+    os.path.dirname(threading.__file__) + os.sep + "threading.py",
+    os.path.dirname(threading.__file__) + os.sep + "contextlib.py",
+)
 
 
 def _is_ours(filename: str) -> bool:
     return filename.startswith(_PLUMBING)
 
 
-def warn(message: str, category: Type[Warning] = UserWarning) -> None:
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn`` attributed to the first frame outside torchfeed."""
     frame = sys._getframe(1)
     level = 2  # warnings.warn's stacklevel of our caller's frame
@@ -38,9 +40,9 @@ class Pending:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._items: List[Tuple[str, Type[Warning]]] = []
+        self._items: list[tuple[str, type[Warning]]] = []
 
-    def add(self, message: str, category: Type[Warning] = UserWarning) -> None:
+    def add(self, message: str, category: type[Warning] = UserWarning) -> None:
         with self._lock:
             self._items.append((message, category))
 

@@ -16,8 +16,9 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any
 
 from . import client, notices
 from .errors import ConnectionClosed, PoisonSampleError, RemoteError, Timeout, WorkerLost
@@ -31,7 +32,7 @@ _POLL = 0.05  # seconds between straggler checks while the consumer waits
 _JOIN_SECONDS = 1.0  # how long close() waits for the dispatch thread to end
 _STALL_DEFAULT = 120.0  # seconds to wait for a worker when none is left and timeout=0
 _pass_ids = itertools.count(1)
-_live: "weakref.WeakSet" = weakref.WeakSet()  # passes not closed yet
+_live: weakref.WeakSet = weakref.WeakSet()  # passes not closed yet
 _exiting = False
 
 
@@ -60,10 +61,10 @@ class FetcherSet:
         self._make = make
         self._timeout = timeout
         self._secret = secret
-        self._refs: Dict[str, client.RemoteRef] = {}
+        self._refs: dict[str, client.RemoteRef] = {}
         self._lock = threading.Lock()
 
-    def ensure(self, workers: Sequence[str]) -> Dict[str, BaseException]:
+    def ensure(self, workers: Sequence[str]) -> dict[str, BaseException]:
         """Create the fetchers not made yet (or lost with their connection); return the failures."""
         with self._lock:
             missing = [w for w in workers if w not in self._refs or self._refs[w].closed]
@@ -80,7 +81,7 @@ class FetcherSet:
                     self._refs[w] = v
             return failed
 
-    def get(self, address: str) -> Optional[client.RemoteRef]:
+    def get(self, address: str) -> client.RemoteRef | None:
         return self._refs.get(address)
 
 
@@ -93,7 +94,7 @@ class PassPlan:
     sampler_iter: Any
     progress: Any  # resume.Progress
     auto_collation: bool
-    sample_seed: Optional[int]  # per-sample seeding's base seed, None when off
+    sample_seed: int | None  # per-sample seeding's base seed, None when off
     base_seed: int  # the pass's base seed (worker seeds are base_seed + id, as in torch)
 
 
@@ -131,6 +132,7 @@ class PassPlan:
 # are used by one thread at a time: the consumer until the dispatch thread starts, then
 # that thread; the next pass's prediction works on copies (fresh generators).
 
+
 class MapPass:
     """One pass over a map-style dataset. See the NOTE above for its threads and locks."""
 
@@ -150,14 +152,14 @@ class MapPass:
         self._work = threading.Condition(self._lock)  # the dispatch thread waits here
         self._dirty = False  # the dispatch thread has something to do
         self._notices = notices.Pending()
-        self._indices: Dict[int, Any] = {}
-        self._results: Dict[int, tuple] = {}
-        self._requests: Dict[int, Dict[str, int]] = {}  # seq -> {address: request id}
-        self._to_cancel: Dict[str, List[int]] = {}  # sent by the dispatch thread
-        self._errors: Dict[str, str] = {}
-        self._fatal: Optional[BaseException] = None
+        self._indices: dict[int, Any] = {}
+        self._results: dict[int, tuple] = {}
+        self._requests: dict[int, dict[str, int]] = {}  # seq -> {address: request id}
+        self._to_cancel: dict[str, list[int]] = {}  # sent by the dispatch thread
+        self._errors: dict[str, str] = {}
+        self._fatal: BaseException | None = None
         self._closed = False
-        self._stalled_since: Optional[float] = None  # when the last serving worker was lost
+        self._stalled_since: float | None = None  # when the last serving worker was lost
         self._next_head = None  # the next pass's prefetch, started by this pass
         self.prefetched = 0  # batches of this pass loaded by the previous one
         workers = self._source.alive_workers()
@@ -170,9 +172,13 @@ class MapPass:
         credits = loader.prefetch_factor
         # reorder slack beyond the credits, so one slow worker does not stall the rest
         n = max(len(workers), len(self._source.workers), 1)
-        self._sched = Scheduler(workers, credits=credits, window=max(2 * credits * n, n + 2 * credits),
-                                pass_length=_pass_length(loader, plan.progress),
-                                estimates=getattr(loader, "_estimates", None))
+        self._sched = Scheduler(
+            workers,
+            credits=credits,
+            window=max(2 * credits * n, n + 2 * credits),
+            pass_length=_pass_length(loader, plan.progress),
+            estimates=getattr(loader, "_estimates", None),
+        )
         self._source.subscribe(self)
         _live.add(self)
         with self._lock:
@@ -181,8 +187,12 @@ class MapPass:
         # the first window is pulled here, on the consumer thread (torch pulls its first
         # batches in iter() too); the dispatch thread sends them and pulls the rest
         self._pull(self._sched.window)
-        self._thread = threading.Thread(target=_dispatch_loop, args=(weakref.ref(self), self._work),
-                                        name=f"torchfeed-dispatch-{self._pass_id}", daemon=True)
+        self._thread = threading.Thread(
+            target=_dispatch_loop,
+            args=(weakref.ref(self), self._work),
+            name=f"torchfeed-dispatch-{self._pass_id}",
+            daemon=True,
+        )
         with self._lock:
             self._wake()
         self._thread.start()
@@ -250,7 +260,7 @@ class MapPass:
                 if released is not None:
                     self._to_cancel.setdefault(released[0], []).append(released[1])
 
-    def _merge_cancels(self, cancels: Dict[str, List[int]]) -> None:
+    def _merge_cancels(self, cancels: dict[str, list[int]]) -> None:
         for address, rids in cancels.items():
             self._to_cancel.setdefault(address, []).extend(rids)
 
@@ -262,11 +272,14 @@ class MapPass:
             if self._closed:
                 return
             sched = self._sched
-            want = 0 if sched.exhausted or self._fatal is not None else max(
-                sched.delivered + sched.window - sched.known, 0)
+            want = (
+                0
+                if sched.exhausted or self._fatal is not None
+                else max(sched.delivered + sched.window - sched.known, 0)
+            )
         if want:
             self._pull(want)
-        sends: List[tuple] = []
+        sends: list[tuple] = []
         with self._lock:
             if self._closed:
                 return
@@ -280,7 +293,12 @@ class MapPass:
                     sends.append((*choice, self._indices.get(choice[1])))
             cancels, self._to_cancel = self._to_cancel, {}
             more = sched.wants_more() and self._fatal is None
-            if self._next_head is None and self._fatal is None and sched.exhausted and not sched.has_pending():
+            if (
+                self._next_head is None
+                and self._fatal is None
+                and sched.exhausted
+                and not sched.has_pending()
+            ):
                 self._next_head = False  # decided once per pass
                 predict = True
             else:
@@ -307,16 +325,19 @@ class MapPass:
         worker's credits; in practice the free credits of the pass's tail take fewer."""
         return self._sched.credits * max(len(self._sched.workers), 1) * 4
 
-    def estimates(self) -> Dict[str, float]:
+    def estimates(self) -> dict[str, float]:
         with self._lock:
             return self._sched.estimates()
 
-    def _free_credits(self) -> Dict[str, int]:
+    def _free_credits(self) -> dict[str, int]:
         """Credits this pass leaves unused, per worker (for the next pass's prefetch)."""
-        return {w.address: self._sched.credits - len(w.in_flight) for w in self._sched.workers.values()
-                if w.alive and len(w.in_flight) < self._sched.credits}
+        return {
+            w.address: self._sched.credits - len(w.in_flight)
+            for w in self._sched.workers.values()
+            if w.alive and len(w.in_flight) < self._sched.credits
+        }
 
-    def _hedges(self) -> List[tuple]:
+    def _hedges(self) -> list[tuple]:
         factor = self._loader.straggler_factor
         if factor is None:
             return []
@@ -359,13 +380,13 @@ class MapPass:
             elif address in self._sched.holders(seq):  # else: answered (or given up) already
                 self._requests.setdefault(seq, {})[address] = rid
 
-    def _add_cancels(self, others: List[str], requests: Dict[str, int]) -> None:
+    def _add_cancels(self, others: list[str], requests: dict[str, int]) -> None:
         for a in others:
             rid = requests.get(a)
             if rid is not None:
                 self._to_cancel.setdefault(a, []).append(rid)
 
-    def _send_cancels(self, cancels: Dict[str, List[int]]) -> None:
+    def _send_cancels(self, cancels: dict[str, list[int]]) -> None:
         """Tell workers to drop these requests (no lock held)."""
         for address, rids in cancels.items():
             fetcher = self._plan.fetchers.get(address)
@@ -388,14 +409,19 @@ class MapPass:
         if self._quiet(exc):
             log.info("connection to worker %s closed by this process", address)
         else:
-            self._notices.add(f"torchfeed: lost worker {address} ({exc}); its {len(requeued)} batch(es) go to "
-                              "the other workers")
+            self._notices.add(
+                f"torchfeed: lost worker {address} ({exc}); its {len(requeued)} batch(es) go to "
+                "the other workers"
+            )
         if blamed is not None and self._sched.losses.get(blamed, 0) > self._loader.max_retries:
             indices = keys_of(self._indices.get(blamed), self._auto)
             self._fatal = PoisonSampleError(
                 f"loading samples {_short(indices)} (batch {blamed}) killed {self._sched.losses[blamed]} worker "
                 f"processes in a row (the last: {address}); giving up after max_retries="
-                f"{self._loader.max_retries}. Fix or exclude these samples.", indices, [address])
+                f"{self._loader.max_retries}. Fix or exclude these samples.",
+                indices,
+                [address],
+            )
         if not self._sched.serving_workers() and self._stalled_since is None:
             self._no_worker_left(quiet=self._quiet(exc))
         self._ready.notify()
@@ -406,9 +432,11 @@ class MapPass:
         if quiet or self._sched.finished():
             return
         lost = ", ".join(self._errors) or ", ".join(self._source.workers)
-        self._notices.add(f"torchfeed: no worker is left to load from (lost: {lost}); waiting up to "
-                          f"{self._stall_limit():g} s (the loader's timeout) for one to come back or join, "
-                          "then WorkerLost is raised")
+        self._notices.add(
+            f"torchfeed: no worker is left to load from (lost: {lost}); waiting up to "
+            f"{self._stall_limit():g} s (the loader's timeout) for one to come back or join, "
+            "then WorkerLost is raised"
+        )
 
     # -- membership changes (from the datasets' threads) -----------------------------------
     def worker_joined(self, address: str) -> None:
@@ -491,16 +519,22 @@ class MapPass:
                     raise StopIteration
                 now = time.monotonic()
                 stalled = self._stalled_since is not None
-                if stalled and (now - self._stalled_since > self._stall_limit()
-                                or (deadline is not None and now >= deadline)):
+                if stalled and (
+                    now - self._stalled_since > self._stall_limit()
+                    or (deadline is not None and now >= deadline)
+                ):
                     self._close_locked()
-                    raise WorkerLost(f"no worker is left (waited {now - self._stalled_since:.1f} s for one "
-                                     "to come back or join): "
-                                     + "; ".join(f"{w}: {e}" for w, e in self._errors.items()), self._errors)
+                    raise WorkerLost(
+                        f"no worker is left (waited {now - self._stalled_since:.1f} s for one "
+                        "to come back or join): " + "; ".join(f"{w}: {e}" for w, e in self._errors.items()),
+                        self._errors,
+                    )
                 if deadline is not None and now >= deadline:
                     holders = ", ".join(sched.holders(seq)) or "no worker (not dispatched yet)"
-                    raise Timeout(f"batch {seq} (indices {_short(keys_of(self._indices.get(seq), self._auto))}) did not arrive "
-                                  f"within timeout={self._timeout:g} s; it is held by {holders}")
+                    raise Timeout(
+                        f"batch {seq} (indices {_short(keys_of(self._indices.get(seq), self._auto))}) did not arrive "
+                        f"within timeout={self._timeout:g} s; it is held by {holders}"
+                    )
                 self._lock.release()  # warnings noticed meanwhile are emitted while waiting
                 try:
                     self._notices.emit()
@@ -543,7 +577,7 @@ class MapPass:
             pass
 
 
-def _pass_length(loader, progress) -> Optional[int]:
+def _pass_length(loader, progress) -> int | None:
     """Batches this pass will load, when the sampler says (fewer after a resume)."""
     try:
         return max(len(loader) - progress.batches, 0)
@@ -551,7 +585,7 @@ def _pass_length(loader, progress) -> Optional[int]:
         return None
 
 
-def _dispatch_loop(ref: "weakref.ref[MapPass]", work: threading.Condition) -> None:
+def _dispatch_loop(ref: weakref.ref[MapPass], work: threading.Condition) -> None:
     """The dispatch thread of a pass (holds the pass only while it works, so an abandoned
     pass is still collected and closed)."""
     while True:
@@ -573,8 +607,9 @@ def _dispatch_loop(ref: "weakref.ref[MapPass]", work: threading.Condition) -> No
         if closed:
             try:
                 it._send_cancels(cancels)
-            finally:
-                return
+            except Exception:  # noqa: BLE001 - closing: a failed cancel only means the worker is gone
+                log.debug("torchfeed dispatch thread: cancel on close", exc_info=True)
+            return
         try:
             it._pump()
         except Exception as exc:  # noqa: BLE001 - the sampler's own error (or ours) reaches the user
@@ -585,5 +620,5 @@ def _dispatch_loop(ref: "weakref.ref[MapPass]", work: threading.Condition) -> No
         del it
 
 
-def _short(items: List[Any]) -> str:
+def _short(items: list[Any]) -> str:
     return str(items) if len(items) <= 8 else f"[{', '.join(map(str, items[:8]))}, ...]"

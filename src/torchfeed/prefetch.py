@@ -21,7 +21,7 @@ import operator
 import threading
 import time
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
@@ -34,7 +34,7 @@ from .sampling import mix_seed
 _LOOKAHEAD_RATIO = 1.5  # a worker this much slower than the fastest gets later batches
 
 
-def predict(loader, epoch: int, count: int) -> Optional[List[Any]]:
+def predict(loader, epoch: int, count: int) -> list[Any] | None:
     """The first ``count`` batches of keys of the pass of ``epoch``, or None if unknown.
 
     Uses copies (or fresh generators): nothing the user's samplers hold is touched.
@@ -47,8 +47,11 @@ def predict(loader, epoch: int, count: int) -> Optional[List[Any]]:
     sampler = batches.sampler
     if type(sampler) is SequentialSampler:
         ahead = sampler
-    elif (type(sampler) is RandomSampler and loader._shuffle_generator is not None
-          and sampler.generator is loader._shuffle_generator):
+    elif (
+        type(sampler) is RandomSampler
+        and loader._shuffle_generator is not None
+        and sampler.generator is loader._shuffle_generator
+    ):
         ahead = copy.copy(sampler)
         ahead.generator = torch.Generator()
         ahead.generator.manual_seed(mix_seed(loader.seed, epoch, _SHUFFLE_TAG) & _INT63)
@@ -65,18 +68,30 @@ class _Entry:
 
     def __init__(self):
         self.state = "unsent"  # unsent | sending | running | done | lost | dropped
-        self.address: Optional[str] = None
-        self.rid: Optional[int] = None
+        self.address: str | None = None
+        self.rid: int | None = None
         self.started = 0.0
-        self.result: Optional[tuple] = None
+        self.result: tuple | None = None
         self.owner = None  # weakref to the pass that claimed it
 
 
 class Head:
     """The prefetched first batches of one predicted pass (see the module doc)."""
 
-    def __init__(self, *, fetchers, source, auto: bool, pin: bool, epoch: int, base_seed: int,
-                 sample_seed: Optional[int], indices: List[Any], pass_id: int, estimates: Dict[str, float]):
+    def __init__(
+        self,
+        *,
+        fetchers,
+        source,
+        auto: bool,
+        pin: bool,
+        epoch: int,
+        base_seed: int,
+        sample_seed: int | None,
+        indices: list[Any],
+        pass_id: int,
+        estimates: dict[str, float],
+    ):
         self.fetchers, self.source, self.auto, self.pin = fetchers, source, auto, pin
         self.epoch, self.base_seed, self.sample_seed = epoch, base_seed, sample_seed
         self.indices = indices
@@ -85,19 +100,26 @@ class Head:
         self._lock = threading.Lock()
         self._entries = [_Entry() for _ in indices]
         self._unsent = list(range(len(indices)))
-        self._in_flight: Dict[str, int] = {}
+        self._in_flight: dict[str, int] = {}
         self._dead = False
         self.waker = None  # wakes the dispatch thread of the pass that fills this head
 
     def matches(self, plan, pin: bool) -> bool:
         """Whether a pass built from ``plan`` loads what this head predicted (keys aside)."""
         record = plan.progress.record
-        return (not self._dead and plan.fetchers is self.fetchers and plan.progress.batches == 0
-                and record.epoch == self.epoch and plan.base_seed == self.base_seed
-                and plan.sample_seed == self.sample_seed and pin == self.pin and plan.auto_collation == self.auto)
+        return (
+            not self._dead
+            and plan.fetchers is self.fetchers
+            and plan.progress.batches == 0
+            and record.epoch == self.epoch
+            and plan.base_seed == self.base_seed
+            and plan.sample_seed == self.sample_seed
+            and pin == self.pin
+            and plan.auto_collation == self.auto
+        )
 
     # -- sending (the dispatch thread of the pass that ends; no lock held) ------------------
-    def fill(self, free: Dict[str, int]) -> None:
+    def fill(self, free: dict[str, int]) -> None:
         """Send predicted batches to the credits the ending pass leaves free."""
         with self._lock:
             if self._dead:
@@ -181,7 +203,7 @@ class Head:
             waker()  # a credit is free for the next predicted batch
 
     # -- the next pass (its lock held: takes only the head's lock) -----------------------------
-    def claim(self, seq: int, idx: Any, owner) -> Optional[tuple]:
+    def claim(self, seq: int, idx: Any, owner) -> tuple | None:
         """What the pass ``owner`` gets for its batch ``seq`` with keys ``idx``.
 
         ``None``: no more prefetched batches for it (the head is used up, or this batch
@@ -213,7 +235,7 @@ class Head:
                 self._finish(entry, "dropped")  # its sender cancels it once it has an id
             return ("miss",)
 
-    def release(self, seq: int) -> Optional[tuple]:
+    def release(self, seq: int) -> tuple | None:
         """The claiming pass could not use the running batch ``seq``: (address, rid) to cancel."""
         with self._lock:
             entry = self._entries[seq]
@@ -223,10 +245,10 @@ class Head:
             self._finish(entry, "dropped")
             return entry.address, entry.rid
 
-    def take_cancels(self) -> Dict[str, List[int]]:
+    def take_cancels(self) -> dict[str, list[int]]:
         """Drop everything not claimed; return the requests to cancel (sent by the caller,
         with no lock held)."""
-        cancels: Dict[str, List[int]] = {}
+        cancels: dict[str, list[int]] = {}
         with self._lock:
             self._dead = True
             self._unsent.clear()

@@ -15,7 +15,8 @@ import collections
 import os
 import sys
 import threading
-from typing import Callable, Deque, Optional, TextIO
+from collections.abc import Callable
+from typing import TextIO
 
 _CHUNK = 65536
 _LONGEST_LINE = 1 << 20  # a line longer than this is written in pieces
@@ -30,17 +31,25 @@ class Pump:
     lines are kept in :attr:`tail` (for error messages).
     """
 
-    def __init__(self, stream, target: Callable[[], TextIO], prefix: str = "", *, first_line: bool = False,
-                 name: str = "torchfeed-pump", hold: bool = False):
+    def __init__(
+        self,
+        stream,
+        target: Callable[[], TextIO],
+        prefix: str = "",
+        *,
+        first_line: bool = False,
+        name: str = "torchfeed-pump",
+        hold: bool = False,
+    ):
         self._stream = stream
-        self._held: Optional[list] = [] if hold else None
+        self._held: list | None = [] if hold else None
         self._target = target
         self.prefix = prefix
         self._want_first = first_line
-        self._first: Optional[str] = None
+        self._first: str | None = None
         self._first_event = threading.Event()
         self._lock = threading.Lock()
-        self.tail: Deque[str] = collections.deque(maxlen=20)
+        self.tail: collections.deque[str] = collections.deque(maxlen=20)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -94,7 +103,7 @@ class Pump:
             if held:
                 self._write(held)
 
-    def wait_first_line(self, timeout: float) -> Optional[str]:
+    def wait_first_line(self, timeout: float) -> str | None:
         """The first line, or None if the output ended (or ``timeout`` passed) without one."""
         self._first_event.wait(timeout)
         return self._first

@@ -14,15 +14,16 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import Dataset
 
 from . import building, client
+from .addrfile import read_address_file
 from .auth import SecretLike
 from .errors import AuthenticationError, RemoteError, SerializationError, Timeout, WorkerLost
-from .addrfile import read_address_file
 
 log = logging.getLogger("torchfeed.dataset")
 
@@ -33,10 +34,10 @@ _TICK = 0.25
 T_co = TypeVar("T_co", covariant=True)
 
 
-def wait_all(futures: Dict[str, torch.futures.Future], timeout: float) -> Dict[str, Any]:
+def wait_all(futures: dict[str, torch.futures.Future], timeout: float) -> dict[str, Any]:
     """Wait for futures with one overall deadline; return address -> result or exception."""
     deadline = time.monotonic() + timeout
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for addr, fut in futures.items():
         while not fut.done() and time.monotonic() < deadline:
             time.sleep(0.002)
@@ -50,7 +51,7 @@ def wait_all(futures: Dict[str, torch.futures.Future], timeout: float) -> Dict[s
     return out
 
 
-def read_workers_file(path: str) -> List[str]:
+def read_workers_file(path: str) -> list[str]:
     return [client.format_address(a) for a in read_address_file(path)]
 
 
@@ -94,29 +95,38 @@ class RemoteDataset(Dataset[T_co]):
         self.iterable = False  # set from the built instances: an IterableDataset
         self.args = args
         self.kwargs = kwargs
-        self.workers: List[str] = []
-        self._refs: Dict[str, client.RemoteRef] = {}
-        self._length: Optional[int] = None
+        self.workers: list[str] = []
+        self._refs: dict[str, client.RemoteRef] = {}
+        self._length: int | None = None
         self._lock = threading.RLock()
-        self._listeners: "weakref.WeakSet" = weakref.WeakSet()
-        self._lost: Dict[str, dict] = {}  # address -> {"error", "next_try", "delay"}
-        self._watch_path: Optional[str] = None
+        self._listeners: weakref.WeakSet = weakref.WeakSet()
+        self._lost: dict[str, dict] = {}  # address -> {"error", "next_try", "delay"}
+        self._watch_path: str | None = None
         self._watch_stamp = None
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._closed = False
         self._build_on(workers, strict=True, wait=True)
         self.workers = list(workers)
 
     # -- building ---------------------------------------------------------------
-    def _build_on(self, workers: Sequence[str], strict: bool, wait: bool = False) -> Dict[str, BaseException]:
+    def _build_on(self, workers: Sequence[str], strict: bool, wait: bool = False) -> dict[str, BaseException]:
         """Build on ``workers``; return the unreachable ones (raise if ``strict``).
 
         With ``wait``, refused connections are retried until ``timeout`` first.
         """
         unreachable = building.connect_all(workers, self.secret, self.timeout) if wait else {}
-        futs = {w: client.rpc_async(w, building.build, args=(self.factory, self.args, self.kwargs), rref=True,
-                                    timeout=self.timeout, secret=self.secret)
-                for w in workers if w not in unreachable}
+        futs = {
+            w: client.rpc_async(
+                w,
+                building.build,
+                args=(self.factory, self.args, self.kwargs),
+                rref=True,
+                timeout=self.timeout,
+                secret=self.secret,
+            )
+            for w in workers
+            if w not in unreachable
+        }
         built = wait_all(futs, self.timeout)
         built.update(unreachable)
         errors = {w: v for w, v in built.items() if isinstance(v, BaseException)}
@@ -125,13 +135,20 @@ class RemoteDataset(Dataset[T_co]):
                 raise v  # the dataset itself fails, or the setup is wrong: retrying cannot help
         if errors and strict:
             first = next(iter(errors.values()))
-            raise WorkerLost("could not build the dataset on "
-                             + ", ".join(f"{w} ({e})" for w, e in errors.items()),
-                             {w: repr(e) for w, e in errors.items()}) from first
+            raise WorkerLost(
+                "could not build the dataset on " + ", ".join(f"{w} ({e})" for w, e in errors.items()),
+                {w: repr(e) for w, e in errors.items()},
+            ) from first
         built = {w: v for w, v in built.items() if w not in errors}
-        described = wait_all({w: client.rpc_async(w, building.describe, args=(ref,), timeout=self.timeout,
-                                                  secret=self.secret)
-                              for w, ref in built.items()}, self.timeout)
+        described = wait_all(
+            {
+                w: client.rpc_async(
+                    w, building.describe, args=(ref,), timeout=self.timeout, secret=self.secret
+                )
+                for w, ref in built.items()
+            },
+            self.timeout,
+        )
         for d in described.values():
             if isinstance(d, BaseException):
                 raise d
@@ -141,8 +158,10 @@ class RemoteDataset(Dataset[T_co]):
             if self._refs or self._length is not None:
                 distinct.add(self._length)
             if len(distinct) > 1:
-                raise ValueError(f"workers built datasets of different lengths {lengths} (expected "
-                                 f"{self._length}): every worker must see the same data")
+                raise ValueError(
+                    f"workers built datasets of different lengths {lengths} (expected "
+                    f"{self._length}): every worker must see the same data"
+                )
             if distinct:
                 self._length = distinct.pop()
             self.iterable = self.iterable or any(d[0] for d in described.values())
@@ -150,7 +169,7 @@ class RemoteDataset(Dataset[T_co]):
         return errors
 
     # -- membership ----------------------------------------------------------------
-    def add_workers(self, workers: Sequence[str]) -> List[str]:
+    def add_workers(self, workers: Sequence[str]) -> list[str]:
         """Build the dataset on new workers; running loader passes start using them.
 
         Unreachable ones are retried in the background. Returns the workers added now.
@@ -188,12 +207,15 @@ class RemoteDataset(Dataset[T_co]):
 
     def _mark_lost(self, address: str, error: BaseException) -> None:
         with self._lock:
-            self._lost[address] = {"error": repr(error), "next_try": time.monotonic() + _BACKOFF_FIRST,
-                                   "delay": _BACKOFF_FIRST}
+            self._lost[address] = {
+                "error": repr(error),
+                "next_try": time.monotonic() + _BACKOFF_FIRST,
+                "delay": _BACKOFF_FIRST,
+            }
             self._refs.pop(address, None)
         self._ensure_thread()
 
-    def lost_workers(self) -> Dict[str, str]:
+    def lost_workers(self) -> dict[str, str]:
         """Workers being retried, with their last error."""
         with self._lock:
             return {w: v["error"] for w, v in self._lost.items()}
@@ -211,8 +233,9 @@ class RemoteDataset(Dataset[T_co]):
 
     # -- workers file ----------------------------------------------------------------
     @classmethod
-    def from_file(cls, path: str, dataset: Callable, *args, min_workers: int = 1,
-                  wait_timeout: float = 300.0, **kwargs) -> "RemoteDataset":
+    def from_file(
+        cls, path: str, dataset: Callable, *args, min_workers: int = 1, wait_timeout: float = 300.0, **kwargs
+    ) -> RemoteDataset:
         """Build on the workers listed in ``path`` (one ``host:port`` per line) and watch it.
 
         Waits until at least ``min_workers`` addresses are listed; addresses appended later
@@ -222,9 +245,11 @@ class RemoteDataset(Dataset[T_co]):
         deadline = time.monotonic() + wait_timeout
         while len(read_workers_file(path)) < min_workers:
             if time.monotonic() > deadline:
-                raise Timeout(f"{path} lists {len(read_workers_file(path))} workers after {wait_timeout:g} s, "
-                              f"expected at least {min_workers}: are the workers started with "
-                              f"`torchfeed worker --address-file {path}`?")
+                raise Timeout(
+                    f"{path} lists {len(read_workers_file(path))} workers after {wait_timeout:g} s, "
+                    f"expected at least {min_workers}: are the workers started with "
+                    f"`torchfeed worker --address-file {path}`?"
+                )
             time.sleep(0.1)
         ds = cls(read_workers_file(path), dataset, *args, **kwargs)
         ds._watch_path = path
@@ -256,8 +281,12 @@ class RemoteDataset(Dataset[T_co]):
     def _ensure_thread(self) -> None:
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=_membership_loop, args=(weakref.ref(self),),
-                                                name="torchfeed-membership", daemon=True)
+                self._thread = threading.Thread(
+                    target=_membership_loop,
+                    args=(weakref.ref(self),),
+                    name="torchfeed-membership",
+                    daemon=True,
+                )
                 self._thread.start()
 
     def _retry_lost(self) -> None:
@@ -303,7 +332,7 @@ class RemoteDataset(Dataset[T_co]):
     def ref(self, address: str) -> client.RemoteRef:
         return self._refs[address]
 
-    def alive_workers(self) -> List[str]:
+    def alive_workers(self) -> list[str]:
         with self._lock:
             return [w for w in self.workers if w in self._refs and not self._refs[w]._conn.closed]
 
@@ -315,12 +344,14 @@ class RemoteDataset(Dataset[T_co]):
     def __getitem__(self, index):
         """Fetch one sample (handy for inspection; the loader fetches whole batches)."""
         for w in self.alive_workers():
-            return client.rpc_async(w, lambda ds, i: ds[i], args=(self._refs[w], index),
-                                    timeout=self.timeout, secret=self.secret).wait()
+            return client.rpc_async(
+                w, lambda ds, i: ds[i], args=(self._refs[w], index), timeout=self.timeout, secret=self.secret
+            ).wait()
         raise WorkerLost(f"no worker of this dataset is reachable: {self.workers}")
 
-    def run_on_workers(self, fn: Callable, *args, pass_worker_id: bool = False,
-                       pass_dataset: bool = False) -> Dict[str, Any]:
+    def run_on_workers(
+        self, fn: Callable, *args, pass_worker_id: bool = False, pass_dataset: bool = False
+    ) -> dict[str, Any]:
         """Run ``fn`` once on every reachable worker; return address -> result.
 
         ``fn`` gets ``*args``, then the worker's dataset instance if ``pass_dataset``,
@@ -345,7 +376,7 @@ class RemoteDataset(Dataset[T_co]):
         return f"RemoteDataset({name}, workers={self.workers}, len={self._length})"
 
 
-def _membership_loop(ref: "weakref.ref[RemoteDataset]") -> None:
+def _membership_loop(ref: weakref.ref[RemoteDataset]) -> None:
     while True:
         time.sleep(_TICK)
         ds = ref()

@@ -12,8 +12,9 @@ skip by themselves, by global position, so the number of ranks may change.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,11 +29,11 @@ _INT63 = (1 << 63) - 1
 @dataclass
 class PassRecord:
     epoch: int
-    seed: Optional[int]
+    seed: int | None
     base_seed: int
-    global_rng: Optional[bytes] = None
-    generators: Dict[str, bytes] = field(default_factory=dict)
-    sampler: Optional[Dict[str, int]] = None
+    global_rng: bytes | None = None
+    generators: dict[str, bytes] = field(default_factory=dict)
+    sampler: dict[str, int] | None = None
 
 
 @dataclass
@@ -53,9 +54,9 @@ def _from_bytes(raw: bytes) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
 
 
-def _generators(loader) -> Dict[str, torch.Generator]:
+def _generators(loader) -> dict[str, torch.Generator]:
     """The generators this loader's sampling draws from, by a stable name."""
-    found: Dict[str, torch.Generator] = {}
+    found: dict[str, torch.Generator] = {}
     candidates = [("loader", loader.generator), ("sampler", getattr(loader.sampler, "generator", None))]
     bs = loader.batch_sampler
     if bs is not None:
@@ -69,23 +70,26 @@ def _generators(loader) -> Dict[str, torch.Generator]:
     return found
 
 
-def _elastic(loader) -> Optional[DistributedSampler]:
+def _elastic(loader) -> DistributedSampler | None:
     for s in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
         if isinstance(s, DistributedSampler):
             return s
     return None
 
 
-def _check(state: Dict[str, Any], loader) -> None:
+def _check(state: dict[str, Any], loader) -> None:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError("this is not a RemoteDataLoader state (made by RemoteDataLoader.state_dict())")
     if state["seed"] != loader.seed:
-        raise ValueError(f"the state was taken with seed={state['seed']}, this loader has seed={loader.seed}: "
-                         "create the loader with the same seed to resume")
+        raise ValueError(
+            f"the state was taken with seed={state['seed']}, this loader has seed={loader.seed}: "
+            "create the loader with the same seed to resume"
+        )
 
 
-def begin_pass(loader, epoch: int, resume: Optional[Dict[str, Any]],
-               base_seed: Optional[int] = None) -> Tuple[Iterator, Progress]:
+def begin_pass(
+    loader, epoch: int, resume: dict[str, Any] | None, base_seed: int | None = None
+) -> tuple[Iterator, Progress]:
     """Start a pass (or resume one); return the index iterator and its progress record.
 
     ``base_seed`` (the first pass's, for torch's persistent workers) is used instead of
@@ -106,9 +110,13 @@ def begin_pass(loader, epoch: int, resume: Optional[Dict[str, Any]],
             torch.set_rng_state(_from_bytes(resume["global_rng"]))
         if elastic is not None and resume["sampler"] is not None:
             elastic.load_state_dict({**resume["sampler"], "consumed_on_rank": resume["samples"]})
-    record = PassRecord(epoch=epoch, seed=loader.seed, base_seed=0,
-                        generators={n: _to_bytes(g.get_state()) for n, g in gens.items()},
-                        sampler=elastic.state_dict() if elastic is not None else None)
+    record = PassRecord(
+        epoch=epoch,
+        seed=loader.seed,
+        base_seed=0,
+        generators={n: _to_bytes(g.get_state()) for n, g in gens.items()},
+        sampler=elastic.state_dict() if elastic is not None else None,
+    )
     if loader.seed is not None:
         if loader._shuffle_generator is not None:
             loader._shuffle_generator.manual_seed(mix_seed(loader.seed, epoch, _SHUFFLE_TAG) & _INT63)
@@ -137,11 +145,21 @@ def begin_pass(loader, epoch: int, resume: Optional[Dict[str, Any]],
     return indices, progress
 
 
-def state_of(progress: Optional[Progress], next_epoch: int, seed: Optional[int]) -> Dict[str, Any]:
+def state_of(progress: Progress | None, next_epoch: int, seed: int | None) -> dict[str, Any]:
     """Plain-data state: small (bytes, ints), safe to put in a checkpoint."""
     if progress is None or progress.finished:
-        return {"format": FORMAT, "epoch": next_epoch, "seed": seed, "active": False, "batches": 0,
-                "samples": 0, "base_seed": None, "global_rng": None, "generators": {}, "sampler": None}
+        return {
+            "format": FORMAT,
+            "epoch": next_epoch,
+            "seed": seed,
+            "active": False,
+            "batches": 0,
+            "samples": 0,
+            "base_seed": None,
+            "global_rng": None,
+            "generators": {},
+            "sampler": None,
+        }
     rec = asdict(progress.record)
     rec.update(format=FORMAT, active=True, batches=progress.batches, samples=progress.samples)
     return rec

@@ -16,7 +16,7 @@ import math
 import os
 import random
 import threading
-from typing import Dict, Iterator, Optional, Sized, Union
+from collections.abc import Iterator, Sized
 
 import numpy as np
 import torch
@@ -65,7 +65,9 @@ def seed_like_torch(base_seed: int, worker_id: int) -> int:
     seed = base_seed + worker_id
     random.seed(seed)
     torch.manual_seed(seed)
-    derive = getattr(getattr(getattr(torch.utils.data, "_utils", None), "worker", None), "_generate_state", None)
+    derive = getattr(
+        getattr(getattr(torch.utils.data, "_utils", None), "worker", None), "_generate_state", None
+    )
     if derive is not None:
         np.random.seed(derive(base_seed, worker_id))
     else:
@@ -92,7 +94,7 @@ class Stream:
     """
 
     def __init__(self):
-        self.states: Optional[tuple] = None
+        self.states: tuple | None = None
 
     def stash(self) -> None:
         self.states = _global_states()
@@ -120,8 +122,8 @@ class _Owner:
     a change of owner is done lazily: consecutive batches of the same owner pay nothing.
     """
 
-    current: Optional[Stream] = None
-    outside: Optional[tuple] = None
+    current: Stream | None = None
+    outside: tuple | None = None
     lock = threading.Lock()
 
 
@@ -208,8 +210,17 @@ class DistributedSampler(Sampler[int]):
         differing by one sample.
     """
 
-    def __init__(self, dataset: Union[Sized, int], num_replicas: Optional[int] = None, rank: Optional[int] = None,
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, start: int = 0, pad: bool = True):
+    def __init__(
+        self,
+        dataset: Sized | int,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        start: int = 0,
+        pad: bool = True,
+    ):
         default_w, default_r = _default_replicas()
         self.num_samples_total = dataset if isinstance(dataset, int) else len(dataset)
         self.num_replicas = default_w if num_replicas is None else num_replicas
@@ -251,24 +262,31 @@ class DistributedSampler(Sampler[int]):
         return self._rank_count()
 
     def __iter__(self) -> Iterator[int]:
-        remaining = self._global_order()[self.start:]
+        remaining = self._global_order()[self.start :]
         w, count = self.num_replicas, self._rank_count()
         if not self.drop_last and self.pad and len(remaining) and len(remaining) % w:
             reps = math.ceil(count * w / len(remaining))
             remaining = remaining.repeat(reps)[: count * w]
         return iter(remaining[self.rank :: w][:count].tolist())
 
-    def state_dict(self, consumed_on_rank: int = 0) -> Dict[str, int]:
+    def state_dict(self, consumed_on_rank: int = 0) -> dict[str, int]:
         """Plain-data state; ``consumed_on_rank`` samples of this pass were already used."""
-        return {"seed": self.seed, "epoch": self.epoch, "start": self.start,
-                "world_size": self.num_replicas, "consumed_on_rank": int(consumed_on_rank),
-                "num_samples_total": self.num_samples_total}
+        return {
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "start": self.start,
+            "world_size": self.num_replicas,
+            "consumed_on_rank": int(consumed_on_rank),
+            "num_samples_total": self.num_samples_total,
+        }
 
-    def load_state_dict(self, state: Dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue after ``state``, with this sampler's (possibly different) world size."""
         if state["num_samples_total"] != self.num_samples_total:
-            raise ValueError(f"the state is for a dataset of {state['num_samples_total']} samples, "
-                             f"this sampler has {self.num_samples_total}")
+            raise ValueError(
+                f"the state is for a dataset of {state['num_samples_total']} samples, "
+                f"this sampler has {self.num_samples_total}"
+            )
         self.seed = state["seed"]
         self.epoch = state["epoch"]
         consumed = state["start"] + state["consumed_on_rank"] * state["world_size"]

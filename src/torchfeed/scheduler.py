@@ -51,8 +51,8 @@ import heapq
 import math
 import random
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 _ALPHA = 0.3  # weight of the newest sample in the per-worker time estimate
 _SLOW_RATIO = 1.5  # a worker this much slower than the best one skips ahead
@@ -61,14 +61,14 @@ _RESUM_EVERY = 1024  # re-add the rate sum from scratch after this many updates 
 _LATE_RATIO = 2.0  # a request running this much longer than its worker's estimate raises it
 
 # Heap entry: (key, tie, order, version, worker); current while the worker's version is.
-_Entry = Tuple[float, float, int, int, "WorkerState"]
+_Entry = tuple[float, float, int, int, "WorkerState"]
 
 
 @dataclass(eq=False)
 class WorkerState:
     address: str
-    in_flight: Dict[int, float] = field(default_factory=dict)  # seq -> dispatch time
-    seconds_per_batch: Optional[float] = None
+    in_flight: dict[int, float] = field(default_factory=dict)  # seq -> dispatch time
+    seconds_per_batch: float | None = None
     last_done: float = 0.0
     completed: int = 0
     status: str = "alive"  # alive | draining | lost
@@ -76,10 +76,10 @@ class WorkerState:
     order: int = field(default=0, repr=False)  # unique per scheduler: entries never compare workers
     late: float = 0.0  # how long its oldest request had run when that was found far too long
     version: int = field(default=0, repr=False)
-    counted: Optional[tuple] = field(default=None, repr=False)  # (spb, effective, in flight) in the sums
+    counted: tuple | None = field(default=None, repr=False)  # (spb, effective, in flight) in the sums
 
     @property
-    def effective_seconds(self) -> Optional[float]:
+    def effective_seconds(self) -> float | None:
         """The estimate decisions use: the measured time, or more while a request is late."""
         spb = self.seconds_per_batch or 0.0
         return max(spb, self.late) or None
@@ -117,9 +117,18 @@ class Scheduler:
         default).
     """
 
-    def __init__(self, workers: Iterable[str], credits: int, window: int, max_window: Optional[int] = None, *,
-                 clock: Callable[[], float] = time.monotonic, pass_length: Optional[int] = None,
-                 estimates: Optional[Mapping[str, float]] = None, seed: Optional[int] = None):
+    def __init__(
+        self,
+        workers: Iterable[str],
+        credits: int,
+        window: int,
+        max_window: int | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        pass_length: int | None = None,
+        estimates: Mapping[str, float] | None = None,
+        seed: int | None = None,
+    ):
         if credits < 1:
             raise ValueError("credits must be >= 1")
         self.credits = credits
@@ -131,7 +140,7 @@ class Scheduler:
         self._random = random.Random(seed)
         self._next_order = 0
         # sums over the alive workers, kept as workers change
-        self._times: List[float] = []  # sorted seconds_per_batch of the measured ones
+        self._times: list[float] = []  # sorted seconds_per_batch of the measured ones
         self._rate_sum = 0.0  # sum of 1 / effective_seconds of those that have one
         self._rate_updates = 0
         self._alive = 0
@@ -140,28 +149,28 @@ class Scheduler:
         # heaps of alive workers with a free credit / all of them, with an estimate (key:
         # drain time) / without (key: requests in flight); of non-lost workers holding
         # requests, keyed by when the oldest began (hedging) / will be late
-        self._free_measured: List[_Entry] = []
-        self._all_measured: List[_Entry] = []
-        self._free_unmeasured: List[_Entry] = []
-        self._all_unmeasured: List[_Entry] = []
-        self._running: List[_Entry] = []
-        self._late: List[_Entry] = []
-        self._holders: Dict[int, List[WorkerState]] = {}  # seq -> workers that hold it
-        self._hold_until: Optional[float] = None  # end-of-pass withholding expires then
-        self.workers: Dict[str, WorkerState] = {}
+        self._free_measured: list[_Entry] = []
+        self._all_measured: list[_Entry] = []
+        self._free_unmeasured: list[_Entry] = []
+        self._all_unmeasured: list[_Entry] = []
+        self._running: list[_Entry] = []
+        self._late: list[_Entry] = []
+        self._holders: dict[int, list[WorkerState]] = {}  # seq -> workers that hold it
+        self._hold_until: float | None = None  # end-of-pass withholding expires then
+        self.workers: dict[str, WorkerState] = {}
         for address in workers:
             if address not in self.workers:
                 self.workers[address] = self._new_state(address)
         self._rebuild()
-        self._pending: List[int] = []  # sorted sequence numbers not yet dispatched
+        self._pending: list[int] = []  # sorted sequence numbers not yet dispatched
         self.known = 0  # batches 0..known-1 have been added
         self.exhausted = False  # no more batches will be added
         self.delivered = 0  # batches below this were handed to the consumer
-        self.done: Set[int] = set()  # completed, not yet delivered
-        self.losses: Dict[int, int] = {}  # seq -> worker deaths blamed on it
-        self.hedged: Set[int] = set()  # seqs that were duplicated once
+        self.done: set[int] = set()  # completed, not yet delivered
+        self.losses: dict[int, int] = {}  # seq -> worker deaths blamed on it
+        self.hedged: set[int] = set()  # seqs that were duplicated once
 
-    def _now(self, now: Optional[float]) -> float:
+    def _now(self, now: float | None) -> float:
         return self.clock() if now is None else now
 
     # -- membership ---------------------------------------------------------
@@ -176,13 +185,17 @@ class Scheduler:
     def _new_state(self, address: str) -> WorkerState:
         self._next_order += 1
         estimate = self._estimates.get(address)
-        return WorkerState(address, seconds_per_batch=estimate if estimate and estimate > 0 else None,
-                           tie=self._random.random(), order=self._next_order)
+        return WorkerState(
+            address,
+            seconds_per_batch=estimate if estimate and estimate > 0 else None,
+            tie=self._random.random(),
+            order=self._next_order,
+        )
 
-    def alive_workers(self) -> List[str]:
+    def alive_workers(self) -> list[str]:
         return [w.address for w in self.workers.values() if w.alive]
 
-    def serving_workers(self) -> List[str]:
+    def serving_workers(self) -> list[str]:
         """Workers that are alive or still finishing their batches."""
         return [w.address for w in self.workers.values() if w.status != "lost"]
 
@@ -192,7 +205,7 @@ class Scheduler:
             state.status = "draining"
             self._refresh(state)
 
-    def worker_lost(self, address: str) -> Tuple[List[int], Optional[int]]:
+    def worker_lost(self, address: str) -> tuple[list[int], int | None]:
         """Mark a worker dead. Return its batches now pending again, and the blamed one."""
         state = self.workers.get(address)
         if state is None or state.status == "lost":
@@ -212,11 +225,14 @@ class Scheduler:
             bisect.insort(self._pending, s)
         return requeued, blamed
 
-    def estimates(self) -> Dict[str, float]:
+    def estimates(self) -> dict[str, float]:
         """Seconds per batch of the workers not lost, for ``estimates=`` of the next pass
         (including what a request still running says about its worker)."""
-        return {w.address: w.effective_seconds for w in self.workers.values()
-                if w.status != "lost" and w.effective_seconds}
+        return {
+            w.address: w.effective_seconds
+            for w in self.workers.values()
+            if w.status != "lost" and w.effective_seconds
+        }
 
     # -- batches ------------------------------------------------------------
     def add_batch(self) -> int:
@@ -229,13 +245,13 @@ class Scheduler:
         """Whether the loader should pull another batch from the sampler."""
         return not self.exhausted and self.known < self.delivered + self.window
 
-    def holders(self, seq: int) -> List[str]:
+    def holders(self, seq: int) -> list[str]:
         return [w.address for w in self._holders.get(seq, ())]
 
     def finished(self) -> bool:
         return self.exhausted and self.delivered >= self.known
 
-    def pass_end(self) -> Optional[int]:
+    def pass_end(self) -> int | None:
         """The number of batches of this pass, if known yet."""
         if self.exhausted:
             return self.known
@@ -314,8 +330,14 @@ class Scheduler:
     def _rebuild(self) -> None:
         """Sums and heaps from scratch: appends, one sort and one heapify per structure."""
         self._times, self._alive, self._unmeasured, self._in_flight = [], 0, 0, 0
-        heaps = (self._free_measured, self._all_measured, self._free_unmeasured, self._all_unmeasured,
-                 self._running, self._late)
+        heaps = (
+            self._free_measured,
+            self._all_measured,
+            self._free_unmeasured,
+            self._all_unmeasured,
+            self._running,
+            self._late,
+        )
         for heap in heaps:
             heap.clear()
         for w in self.workers.values():
@@ -338,17 +360,17 @@ class Scheduler:
             self._rate_sum += delta
 
     @staticmethod
-    def _append(heap: List[_Entry], key: float, w: WorkerState) -> None:
+    def _append(heap: list[_Entry], key: float, w: WorkerState) -> None:
         heap.append((key, w.tie, w.order, w.version, w))
 
-    def _push(self, heap: List[_Entry], key: float, w: WorkerState) -> None:
+    def _push(self, heap: list[_Entry], key: float, w: WorkerState) -> None:
         heapq.heappush(heap, (key, w.tie, w.order, w.version, w))
         if len(heap) > 4 * len(self.workers) + 64:  # mostly stale entries: drop them
             heap[:] = [e for e in heap if e[3] == e[4].version]
             heapq.heapify(heap)
 
     @staticmethod
-    def _top(heap: List[_Entry], exclude: Optional[WorkerState] = None) -> Optional[_Entry]:
+    def _top(heap: list[_Entry], exclude: WorkerState | None = None) -> _Entry | None:
         while heap and heap[0][3] != heap[0][4].version:
             heapq.heappop(heap)
         if not heap or heap[0][4] is not exclude:
@@ -358,8 +380,9 @@ class Scheduler:
         heapq.heappush(heap, held)
         return second
 
-    def _best(self, measured: List[_Entry], unmeasured: List[_Entry],
-              exclude: Optional[WorkerState] = None) -> Optional[Tuple[float, WorkerState]]:
+    def _best(
+        self, measured: list[_Entry], unmeasured: list[_Entry], exclude: WorkerState | None = None
+    ) -> tuple[float, WorkerState] | None:
         """(drain time, worker) of the soonest-draining worker of the two heaps."""
         m = self._top(measured, exclude)
         u = self._top(unmeasured, exclude)
@@ -384,7 +407,7 @@ class Scheduler:
         return self._rate_sum + self._unmeasured / typical
 
     # -- decisions ----------------------------------------------------------
-    def next_dispatch(self, now: Optional[float] = None) -> Optional[Tuple[str, int]]:
+    def next_dispatch(self, now: float | None = None) -> tuple[str, int] | None:
         """Pick (worker, seq) for the next request, or None if nothing can go now."""
         if not self._pending:
             return None
@@ -419,8 +442,9 @@ class Scheduler:
         self._hold_until = None
         return worker.address, seq
 
-    def _keep_for_others(self, worker: WorkerState, mine: float, soonest: float, total_rate: float,
-                         typical: float, now: float) -> bool:
+    def _keep_for_others(
+        self, worker: WorkerState, mine: float, soonest: float, total_rate: float, typical: float, now: float
+    ) -> bool:
         """End of the pass: would the others finish every remaining batch before ``worker``
         finishes one more?"""
         end = self.pass_end()
@@ -446,7 +470,7 @@ class Scheduler:
         needed = int(self._total_rate(typical) * slowest_queue) + self._alive + self.credits
         self.window = min(max(self.base_window, needed), self.max_window)
 
-    def completed(self, address: str, seq: int, now: Optional[float] = None) -> Tuple[bool, List[str]]:
+    def completed(self, address: str, seq: int, now: float | None = None) -> tuple[bool, list[str]]:
         """Record a finished batch.
 
         Returns whether this result is the one to deliver (False for a late duplicate or
@@ -472,7 +496,7 @@ class Scheduler:
             self._resize_window()
         return True, self._forget(seq)
 
-    def failed(self, address: str, seq: int) -> List[str]:
+    def failed(self, address: str, seq: int) -> list[str]:
         """A request ended without a usable result (its error is delivered in order)."""
         state = self.workers.get(address)
         if state is not None and state.in_flight.pop(seq, None) is not None:
@@ -482,7 +506,7 @@ class Scheduler:
         self.done.add(seq)
         return self._forget(seq)
 
-    def _forget(self, seq: int) -> List[str]:
+    def _forget(self, seq: int) -> list[str]:
         others = self._holders.pop(seq, [])
         for w in others:
             del w.in_flight[seq]  # its lateness stays: it says how slow w is until w finishes something
@@ -490,12 +514,12 @@ class Scheduler:
         return [w.address for w in others]
 
     # -- stragglers -----------------------------------------------------------
-    def typical_batch_seconds(self) -> Optional[float]:
+    def typical_batch_seconds(self) -> float | None:
         """Median measured seconds per batch of the alive workers."""
         times = self._times
         return times[len(times) // 2] if times else None
 
-    def hedge(self, factor: float, min_seconds: float, now: Optional[float] = None) -> List[Tuple[str, int]]:
+    def hedge(self, factor: float, min_seconds: float, now: float | None = None) -> list[tuple[str, int]]:
         """Duplicate overdue batches that are needed soon onto workers with a free credit."""
         typical = self.typical_batch_seconds()
         if typical is None:
@@ -516,9 +540,13 @@ class Scheduler:
         for entry in stuck:
             holder = entry[4]
             for seq, dispatched in holder.in_flight.items():
-                if (self.delivered <= seq < horizon and seq not in self.hedged and seq not in self.done
-                        and len(self._holders.get(seq, ())) == 1
-                        and now - max(dispatched, holder.last_done) > limit):  # requests run one after another
+                if (
+                    self.delivered <= seq < horizon
+                    and seq not in self.hedged
+                    and seq not in self.done
+                    and len(self._holders.get(seq, ())) == 1
+                    and now - max(dispatched, holder.last_done) > limit
+                ):  # requests run one after another
                     overdue.append((seq, holder))
         out = []
         for seq, holder in sorted(overdue, key=lambda item: item[0]):

@@ -18,7 +18,8 @@ import io
 import pickle
 import threading
 from collections import ChainMap
-from typing import Any, List, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import cloudpickle
 import numpy as np
@@ -33,7 +34,8 @@ _state = threading.local()
 
 # -- tensors and arrays ----------------------------------------------------
 
-def _rebuild_tensor(buf, dtype_name: str, shape: Tuple[int, ...], requires_grad: bool):
+
+def _rebuild_tensor(buf, dtype_name: str, shape: tuple[int, ...], requires_grad: bool):
     dtype = getattr(torch, dtype_name)
     mv = memoryview(buf)
     if mv.nbytes == 0:
@@ -47,7 +49,9 @@ def _rebuild_tensor(buf, dtype_name: str, shape: Tuple[int, ...], requires_grad:
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_BIT_DTYPES = {getattr(torch, n) for n in [f"{p}int{b}" for p in ("", "u") for b in range(1, 8)] if hasattr(torch, n)}
+_BIT_DTYPES = {
+    getattr(torch, n) for n in [f"{p}int{b}" for p in ("", "u") for b in range(1, 8)] if hasattr(torch, n)
+}
 
 
 def _reduce_tensor(t: torch.Tensor):
@@ -103,7 +107,7 @@ _RETRY_APART = 1 << 20  # ...when the pickle of a reply would otherwise exceed t
 class _BytesApart:
     """persistent_id that sends large bytes/bytearray objects as out-of-band buffers."""
 
-    buffers: List[memoryview]
+    buffers: list[memoryview]
 
     def persistent_id(self, obj):
         kind = type(obj)
@@ -121,17 +125,21 @@ class _CloudPicklerApart(_BytesApart, _CloudPickler):
     pass
 
 
-_PICKLERS = {(False, False): _Pickler, (True, False): _CloudPickler,
-             (False, True): _PicklerApart, (True, True): _CloudPicklerApart}
+_PICKLERS = {
+    (False, False): _Pickler,
+    (True, False): _CloudPickler,
+    (False, True): _PicklerApart,
+    (True, True): _CloudPicklerApart,
+}
 
 
-def dumps(obj: Any, *, by_value: bool = False, bytes_apart: bool = False) -> Tuple[bytes, List[memoryview]]:
+def dumps(obj: Any, *, by_value: bool = False, bytes_apart: bool = False) -> tuple[bytes, list[memoryview]]:
     """Serialize ``obj``; return the pickle stream and the out-of-band buffers.
 
     ``by_value=True`` uses cloudpickle (for functions, classes, lambdas); ``bytes_apart``
     sends large ``bytes`` and ``bytearray`` objects as buffers too (read with :func:`loads`).
     """
-    buffers: List[memoryview] = []
+    buffers: list[memoryview] = []
 
     def keep(pb: pickle.PickleBuffer) -> bool:
         buffers.append(pb.raw())
@@ -144,7 +152,7 @@ def dumps(obj: Any, *, by_value: bool = False, bytes_apart: bool = False) -> Tup
     return out.getvalue(), buffers
 
 
-def dumps_reply(obj: Any) -> Tuple[bytes, List[memoryview]]:
+def dumps_reply(obj: Any) -> tuple[bytes, list[memoryview]]:
     """Serialize a result: plain pickle (fast), by value when it needs to be.
 
     A result may be an instance of a class that reached the worker by value (defined in
@@ -175,8 +183,9 @@ def _cuda_pinnable() -> bool:
         return True
     if not _warned_pin:
         _warned_pin = True
-        notices.warn("pin_memory=True but CUDA is not available: batches are received into ordinary "
-                     "memory instead")
+        notices.warn(
+            "pin_memory=True but CUDA is not available: batches are received into ordinary memory instead"
+        )
     return False
 
 
@@ -186,7 +195,7 @@ def check_pinnable(pin: bool) -> None:
         _cuda_pinnable()
 
 
-def allocate(lengths: Sequence[int], pin: bool = False) -> List[memoryview]:
+def allocate(lengths: Sequence[int], pin: bool = False) -> list[memoryview]:
     """One block holding every buffer of a message, each 64-byte aligned.
 
     With ``pin=True`` and CUDA available the block is page-locked host memory, so the

@@ -25,7 +25,7 @@ import itertools
 import pickle
 import threading
 from collections import deque
-from typing import Any, List, Optional
+from typing import Any
 
 from . import errors, sampling
 from .context import WorkerSetup, own_copy, worker_context
@@ -45,7 +45,7 @@ class NeedShard(Exception):
 class Inbox:
     """Shards granted to one stream, not yet taken by its iterator."""
 
-    def __init__(self, grants=(), final: bool = False, taken: int = 0, total: Optional[int] = None):
+    def __init__(self, grants=(), final: bool = False, taken: int = 0, total: int | None = None):
         self._grants: deque = deque(grants)
         self.taken = taken  # counted over the stream's life (it may have moved)
         # the number of grants this stream gets in all, once the trainer knows it
@@ -56,12 +56,12 @@ class Inbox:
         """Every grant this stream will get was taken (requests may run out of order)."""
         return self.total is not None and self.taken >= self.total
 
-    def add(self, grants, total: Optional[int]) -> None:
+    def add(self, grants, total: int | None) -> None:
         self._grants.extend(grants)
         if total is not None:
             self.total = total
 
-    def take(self) -> Optional[Any]:
+    def take(self) -> Any | None:
         """The next granted shard; None when none is waiting (then see :attr:`final`)."""
         if not self._grants:
             return None
@@ -86,8 +86,9 @@ class Stream:
 
     manages_rng = True
 
-    def __init__(self, fetcher, context: tuple, batch_size: Optional[int], drop_last: bool,
-                 start: Optional[dict] = None):
+    def __init__(
+        self, fetcher, context: tuple, batch_size: int | None, drop_last: bool, start: dict | None = None
+    ):
         start = start or {}
         self._collate = fetcher.collate_fn
         self._batch_size = batch_size
@@ -95,14 +96,16 @@ class Stream:
         self._lock = threading.Lock()
         self._number = int(start.get("position", 0))
         self._ended = False
-        self._partial: List[Any] = []  # items of a batch interrupted by NeedShard
-        self._inbox = Inbox(start.get("grants", ()), taken=int(start.get("taken", 0)), total=start.get("total"))
+        self._partial: list[Any] = []  # items of a batch interrupted by NeedShard
+        self._inbox = Inbox(
+            start.get("grants", ()), taken=int(start.get("taken", 0)), total=start.get("total")
+        )
         with _DRAWING:  # seeding takes the global generators too
             self._pass = _setup_for(fetcher, context, fresh=not self._number).enter(*context)
             with worker_context(self._pass.info):
                 self._start(self._pass.dataset, start.get("state"), start.get("rng"))
 
-    def _start(self, dataset, state: Optional[bytes], rng: Optional[bytes]) -> None:
+    def _start(self, dataset, state: bytes | None, rng: bytes | None) -> None:
         """``iter(dataset)`` at the stream's position: from its state, else replayed."""
         sampling.use(self._pass.stream)
         if rng is not None:
@@ -129,7 +132,7 @@ class Stream:
         for _ in itertools.islice(self._iterator, batches * per_batch):
             pass
 
-    def __call__(self, grants=(), total: Optional[int] = None):
+    def __call__(self, grants=(), total: int | None = None):
         """The next batch: ``(number, kind, payload, state, rng, taken)``; errors are returned.
 
         ``grants`` are shards handed to the stream; ``total``, once known, the number of
@@ -197,13 +200,14 @@ def _setup_for(fetcher, context: tuple, fresh: bool) -> WorkerSetup:
     return kept[key]
 
 
-def open_stream(fetcher, context: tuple, batch_size: Optional[int], drop_last: bool,
-                start: Optional[dict] = None) -> Stream:
+def open_stream(
+    fetcher, context: tuple, batch_size: int | None, drop_last: bool, start: dict | None = None
+) -> Stream:
     """Runs on the worker: open a stream (kept there as a remote reference)."""
     return Stream(fetcher, context, batch_size, drop_last, start)
 
 
-def shard_plan(fetcher) -> Optional[tuple]:
+def shard_plan(fetcher) -> tuple | None:
     """Runs on the worker: ``(number of shards, shuffle, seed)`` for a dynamically sharded dataset."""
     plan = getattr(fetcher.setup.dataset, "_torchfeed_plan", None)
     return plan() if plan is not None else None

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import bisect
 import operator
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch.utils.data import ConcatDataset, Subset
 
 from .fetch import Parts
 from .remote_dataset import RemoteDataset
 
-Mapper = Callable[[Any], Tuple[int, Any]]
+Mapper = Callable[[Any], tuple[int, Any]]
 
 
 def _plain(key: Any) -> Any:
@@ -30,10 +31,10 @@ def _plain(key: Any) -> Any:
         return key
 
 
-def _resolve(dataset: Any, parts: List[RemoteDataset]) -> Mapper:
+def _resolve(dataset: Any, parts: list[RemoteDataset]) -> Mapper:
     """Collect the RemoteDatasets under ``dataset`` into ``parts``; return key -> (part, key)."""
     if isinstance(dataset, RemoteDataset):
-        for number, known in enumerate(parts):
+        for known in parts:
             if known is dataset:
                 break
         else:
@@ -61,35 +62,38 @@ def _resolve(dataset: Any, parts: List[RemoteDataset]) -> Mapper:
     raise TypeError(
         f"RemoteDataLoader cannot load from a {type(dataset).__qualname__}: give it a RemoteDataset, or a "
         "Subset, random_split part or ConcatDataset of RemoteDatasets. To load a local dataset remotely, "
-        "build it on the workers: RemoteDataset(workers, DatasetClass, *args)")
+        "build it on the workers: RemoteDataset(workers, DatasetClass, *args)"
+    )
 
 
 class Source:
     """The RemoteDatasets a loader loads from and the mapping of its keys (see the module doc)."""
 
     def __init__(self, dataset: Any):
-        self.parts: List[RemoteDataset] = []
+        self.parts: list[RemoteDataset] = []
         mapper = _resolve(dataset, self.parts)
         self.direct = isinstance(dataset, RemoteDataset)
-        self._mapper: Optional[Mapper] = None if self.direct else mapper
+        self._mapper: Mapper | None = None if self.direct else mapper
         first = self.parts[0]
         if len(self.parts) > 1:
             if any(p.iterable for p in self.parts):
                 raise ValueError("a ConcatDataset of iterable-style RemoteDatasets cannot be loaded")
             if not self.workers:
-                raise ValueError("the RemoteDatasets of this ConcatDataset were built on different workers "
-                                 f"({[p.workers for p in self.parts]}): build them on the same workers")
+                raise ValueError(
+                    "the RemoteDatasets of this ConcatDataset were built on different workers "
+                    f"({[p.workers for p in self.parts]}): build them on the same workers"
+                )
         self.iterable = first.iterable
         self.timeout = first.timeout
         self.secret = first.secret
 
     # -- membership (the intersection of the parts') ----------------------------------
     @property
-    def workers(self) -> List[str]:
+    def workers(self) -> list[str]:
         first, rest = self.parts[0], self.parts[1:]
         return [w for w in first.workers if all(w in p.workers for p in rest)]
 
-    def alive_workers(self) -> List[str]:
+    def alive_workers(self) -> list[str]:
         first, rest = self.parts[0], self.parts[1:]
         alive = first.alive_workers()
         for p in rest:
@@ -97,7 +101,7 @@ class Source:
             alive = [w for w in alive if w in theirs]
         return alive
 
-    def worker_id(self, address: str) -> Tuple[int, int]:
+    def worker_id(self, address: str) -> tuple[int, int]:
         """(id, number of workers) as ``get_worker_info()`` reports them on ``address``."""
         workers = self.workers
         return (workers.index(address) if address in workers else len(workers)), max(len(workers), 1)
@@ -132,7 +136,7 @@ class Source:
         return self.map_key(index)
 
 
-def keys_of(index: Any, auto_collation: bool) -> List[Any]:
+def keys_of(index: Any, auto_collation: bool) -> list[Any]:
     """The sample keys of one sampler output (for messages and counting)."""
     if index is None:
         return []

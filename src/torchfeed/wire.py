@@ -21,8 +21,8 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
 
 from .errors import FrameTooLarge, ProtocolError
 
@@ -49,9 +49,19 @@ BYE = 18  # worker -> client: the worker refuses this connection (reason text), 
 KIND_NAMES = {
     v: k
     for k, v in dict(
-        HELLO=HELLO, AUTH=AUTH, AUTH_OK=AUTH_OK, AUTH_FAIL=AUTH_FAIL, CALL=CALL,
-        CALL_REF=CALL_REF, REPLY=REPLY, ERROR=ERROR, RELEASE=RELEASE, PING=PING,
-        PONG=PONG, CANCEL=CANCEL, BYE=BYE,
+        HELLO=HELLO,
+        AUTH=AUTH,
+        AUTH_OK=AUTH_OK,
+        AUTH_FAIL=AUTH_FAIL,
+        CALL=CALL,
+        CALL_REF=CALL_REF,
+        REPLY=REPLY,
+        ERROR=ERROR,
+        RELEASE=RELEASE,
+        PING=PING,
+        PONG=PONG,
+        CANCEL=CANCEL,
+        BYE=BYE,
     ).items()
 }
 
@@ -86,7 +96,7 @@ class Frame:
     flags: int
     request_id: int
     meta: bytes
-    buffer_lengths: List[int]
+    buffer_lengths: list[int]
     meta_len: int = 0
 
     @property
@@ -131,7 +141,9 @@ def check_limits(frame: Frame, limits: Limits) -> None:
         )
 
 
-def pack_header(kind: int, request_id: int, meta_len: int, buffer_lengths: Sequence[int], flags: int = 0) -> bytes:
+def pack_header(
+    kind: int, request_id: int, meta_len: int, buffer_lengths: Sequence[int], flags: int = 0
+) -> bytes:
     head = pack_fixed(kind, request_id, meta_len, len(buffer_lengths), flags)
     if buffer_lengths:
         head += struct.pack(f"<{len(buffer_lengths)}Q", *buffer_lengths)
@@ -155,7 +167,7 @@ def send_frame(
     sendmsg_all(sock, parts)
 
 
-def sendmsg_all(sock: socket.socket, parts: List, stall_timeout: Optional[float] = None) -> None:
+def sendmsg_all(sock: socket.socket, parts: list, stall_timeout: float | None = None) -> None:
     """Write every byte of ``parts`` (a list of bytes-like objects), handling partial writes.
 
     On a socket with a send timeout (``SO_SNDTIMEO``), a peer that reads nothing for
@@ -259,7 +271,7 @@ class FrameReader:
         kind, flags, request_id, meta_len, nbuf = parse_header(self._take(HEADER.size))
         if nbuf > limits.max_buffers:
             raise FrameTooLarge(f"{nbuf} buffers exceed the limit of {limits.max_buffers}")
-        lengths: List[int] = []
+        lengths: list[int] = []
         if nbuf:
             raw = bytearray(nbuf * 8)
             self.read_into(memoryview(raw))
@@ -276,8 +288,6 @@ class FrameReader:
     def read_buffers(self, dests: Sequence[memoryview]) -> None:
         for d in dests:
             self.read_into(d)
-
-
 
     def skip_buffers(self, lengths: Sequence[int]) -> None:
         scratch = memoryview(bytearray(min(max(lengths, default=0), 1 << 20)))

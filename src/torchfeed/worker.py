@@ -40,13 +40,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any
 
 from . import auth, errors, sampling, serialize, wire
-from .limits import check_reply
 from .addrfile import announce, read_address_file  # noqa: F401  (read_address_file: old import path)
 from .doorman import Doorman
 from .errors import FrameTooLarge, LimitExceeded, ProtocolError, TorchfeedError
+from .limits import check_reply
 
 log = logging.getLogger("torchfeed.worker")
 
@@ -69,9 +69,13 @@ class ConnectionLimits:
                 raise ValueError(f"{name} must be >= 1, got {value}")
 
     def frame_limits(self) -> wire.Limits:
-        return wire.Limits(max_meta=self.max_call_bytes, max_buffers=65536, max_buffer_bytes=self.max_call_bytes,
-                           knob="raise it with `torchfeed worker --max-call-bytes N` or pass less data per call "
-                                "(build large objects inside the dataset on the worker)")
+        return wire.Limits(
+            max_meta=self.max_call_bytes,
+            max_buffers=65536,
+            max_buffer_bytes=self.max_call_bytes,
+            knob="raise it with `torchfeed worker --max-call-bytes N` or pass less data per call "
+            "(build large objects inside the dataset on the worker)",
+        )
 
 
 class UnknownReference(TorchfeedError, KeyError):
@@ -83,9 +87,9 @@ class Registry:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._objects: Dict[int, tuple] = {}  # id -> (object, owner connection id)
+        self._objects: dict[int, tuple] = {}  # id -> (object, owner connection id)
 
-    def put(self, obj: Any, owner: int, limit: Optional[int] = None) -> int:
+    def put(self, obj: Any, owner: int, limit: int | None = None) -> int:
         with self._lock:
             if limit is not None and sum(1 for v in self._objects.values() if v[1] == owner) >= limit:
                 raise LimitExceeded(
@@ -133,7 +137,7 @@ class ServerConnection:
 
     _ids = iter(range(1, 1 << 62))
 
-    def __init__(self, server: "WorkerServer", sock: socket.socket, peer: str, channel):
+    def __init__(self, server: WorkerServer, sock: socket.socket, peer: str, channel):
         self.server = server
         self.sock = sock
         self.peer = peer
@@ -273,18 +277,20 @@ class ServerConnection:
             else:
                 raise ProtocolError(f"a client may not send {wire.KIND_NAMES[kind]} messages")
 
-    def _over_limits(self, frame: wire.Frame) -> Optional[LimitExceeded]:
+    def _over_limits(self, frame: wire.Frame) -> LimitExceeded | None:
         lim = self.limits
         if frame.size > lim.max_call_bytes:
             return LimitExceeded(
                 f"a call of {frame.size:,} bytes (pickled arguments plus buffers) exceeds the worker's limit of "
                 f"{lim.max_call_bytes:,}: pass less data per call (build large objects inside the dataset on "
-                "the worker) or start the worker with a larger --max-call-bytes")
+                "the worker) or start the worker with a larger --max-call-bytes"
+            )
         if self.queued >= lim.max_queued_requests or self.queued_bytes + frame.size > lim.max_queued_bytes:
             return LimitExceeded(
                 f"this client has {self.queued} requests ({self.queued_bytes:,} bytes) waiting on the worker (the "
                 f"limits are {lim.max_queued_requests} requests and {lim.max_queued_bytes:,} bytes): wait for "
-                "replies before sending more, or start the worker with a larger --max-queued-requests")
+                "replies before sending more, or start the worker with a larger --max-queued-requests"
+            )
         return None
 
     def _wait_for_room(self) -> None:
@@ -349,10 +355,19 @@ class ServerConnection:
 class WorkerServer:
     """A listening worker. ``serve_forever`` blocks; ``start`` serves from a thread."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout: float = 120.0, parallel: int = 1,
-                 *, secret: auth.SecretLike = None, handshake_timeout: float = HANDSHAKE_TIMEOUT,
-                 limits: Optional[ConnectionLimits] = None, max_pending_handshakes: int = 128,
-                 integrity_only: Optional[bool] = None):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout: float = 120.0,
+        parallel: int = 1,
+        *,
+        secret: auth.SecretLike = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        limits: ConnectionLimits | None = None,
+        max_pending_handshakes: int = 128,
+        integrity_only: bool | None = None,
+    ):
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
         if timeout <= 0:
@@ -365,7 +380,7 @@ class WorkerServer:
         self.parallel = parallel
         self.limits = limits or ConnectionLimits()
         self.registry = Registry()
-        self.tasks: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._conns: set = set()
         self._conns_lock = threading.Lock()
         self._stopping = threading.Event()
@@ -380,11 +395,19 @@ class WorkerServer:
         self.address = f"[{shown}]:{self.port}" if ":" in shown else f"{shown}:{self.port}"
         if integrity_only is None:
             integrity_only = auth.integrity_only_requested()
-        self.doorman = Doorman(self.listener, self.secret, self._authenticated,
-                               handshake_timeout=self.handshake_timeout, stopping=self._stopping,
-                               max_pending=max_pending_handshakes, allow_integrity_only=integrity_only)
-        self._threads = [threading.Thread(target=self._executor, name=f"torchfeed-exec-{i}", daemon=True)
-                         for i in range(parallel)]
+        self.doorman = Doorman(
+            self.listener,
+            self.secret,
+            self._authenticated,
+            handshake_timeout=self.handshake_timeout,
+            stopping=self._stopping,
+            max_pending=max_pending_handshakes,
+            allow_integrity_only=integrity_only,
+        )
+        self._threads = [
+            threading.Thread(target=self._executor, name=f"torchfeed-exec-{i}", daemon=True)
+            for i in range(parallel)
+        ]
         self._threads.append(threading.Thread(target=self._keeper, name="torchfeed-keeper", daemon=True))
         for t in self._threads:
             t.start()
@@ -413,7 +436,7 @@ class WorkerServer:
         finally:
             self.stop()
 
-    def start(self) -> "WorkerServer":
+    def start(self) -> WorkerServer:
         threading.Thread(target=self.serve_forever, name="torchfeed-accept", daemon=True).start()
         return self
 
@@ -458,8 +481,11 @@ class WorkerServer:
             for conn in self.connections():
                 # a connection with replies to send is judged by its writer's progress instead
                 if conn.silent_for(now) > self.timeout and not conn.busy():
-                    log.warning("closing silent connection from %s (nothing received for %.0f s)",
-                                conn.peer, conn.silent_for(now))
+                    log.warning(
+                        "closing silent connection from %s (nothing received for %.0f s)",
+                        conn.peer,
+                        conn.silent_for(now),
+                    )
                     conn.close()
 
 
@@ -479,11 +505,20 @@ def raise_fd_limit() -> int:
     return soft
 
 
-def run_worker(host: str, port: int, timeout: float = 120, parallel: int = 1, *,
-               secret: auth.SecretLike = None, address_file: Optional[str] = None,
-               torch_threads: Optional[int] = 1, handshake_timeout: float = HANDSHAKE_TIMEOUT,
-               limits: Optional[ConnectionLimits] = None, max_handshakes: int = 128,
-               integrity_only: Optional[bool] = None) -> None:
+def run_worker(
+    host: str,
+    port: int,
+    timeout: float = 120,
+    parallel: int = 1,
+    *,
+    secret: auth.SecretLike = None,
+    address_file: str | None = None,
+    torch_threads: int | None = 1,
+    handshake_timeout: float = HANDSHAKE_TIMEOUT,
+    limits: ConnectionLimits | None = None,
+    max_handshakes: int = 128,
+    integrity_only: bool | None = None,
+) -> None:
     """Start listening and serving remote calls until SIGTERM/SIGINT.
 
     Parameters
@@ -518,10 +553,20 @@ def run_worker(host: str, port: int, timeout: float = 120, parallel: int = 1, *,
         import torch
 
         torch.set_num_threads(torch_threads)
-    server = WorkerServer(host, port, timeout, parallel, secret=secret, handshake_timeout=handshake_timeout,
-                          limits=limits, max_pending_handshakes=max_handshakes, integrity_only=integrity_only)
+    server = WorkerServer(
+        host,
+        port,
+        timeout,
+        parallel,
+        secret=secret,
+        handshake_timeout=handshake_timeout,
+        limits=limits,
+        max_pending_handshakes=max_handshakes,
+        integrity_only=integrity_only,
+    )
     in_main = threading.current_thread() is threading.main_thread()
     if in_main:
+
         def _stop(signum, _frame):
             raise SystemExit(0)
 

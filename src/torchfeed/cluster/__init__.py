@@ -26,7 +26,18 @@ _EXPORTS = {
     "workers": "discovery",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "Environment",
+    "SlurmJob",
+    "choose_port",
+    "device_group",
+    "environment",
+    "init_distributed",
+    "sbatch_script",
+    "split_workers",
+    "workers",
+]
+assert sorted(__all__) == sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

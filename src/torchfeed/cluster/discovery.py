@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 import time
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
 
-from ..errors import Timeout, TorchfeedError
 from ..addrfile import read_address_file
+from ..errors import Timeout, TorchfeedError
 from .env import _int_var, environment
 
 ENV_WORKERS = "TORCHFEED_WORKERS"
@@ -22,8 +22,9 @@ ENV_NUM_WORKERS = "TORCHFEED_NUM_WORKERS"
 read_addresses = read_address_file  # the format is the worker's: it writes these files
 
 
-def wait_for_addresses(path: str, expected: int, timeout: float = 300.0, *, poll: float = 0.2,
-                       alive=None) -> List[str]:
+def wait_for_addresses(
+    path: str, expected: int, timeout: float = 300.0, *, poll: float = 0.2, alive=None
+) -> list[str]:
     """Wait until ``expected`` addresses are in ``path``; return the first ``expected``.
 
     ``alive``, a callable, is polled too: when it returns False (the workers' job step
@@ -37,17 +38,28 @@ def wait_for_addresses(path: str, expected: int, timeout: float = 300.0, *, poll
         if len(found) >= expected:
             return found[:expected]
         if alive is not None and not alive():
-            raise TorchfeedError(f"the workers stopped before registering: {len(found)} of {expected} addresses in "
-                                 f"{path}; see the workers' log")
+            raise TorchfeedError(
+                f"the workers stopped before registering: {len(found)} of {expected} addresses in "
+                f"{path}; see the workers' log"
+            )
         if time.monotonic() >= deadline:
-            raise Timeout(f"only {len(found)} of {expected} workers registered in {path} within {timeout:g} s: "
-                          f"check that the workers run (`torchfeed worker --address-file {path}`) and that "
-                          f"this path is on a file system they share with the trainers")
+            raise Timeout(
+                f"only {len(found)} of {expected} workers registered in {path} within {timeout:g} s: "
+                f"check that the workers run (`torchfeed worker --address-file {path}`) and that "
+                f"this path is on a file system they share with the trainers"
+            )
         time.sleep(poll)
 
 
-def workers(*, shared: bool = False, expected: Optional[int] = None, address_file: Optional[str] = None,
-            timeout: float = 300.0, rank: Optional[int] = None, world_size: Optional[int] = None) -> List[str]:
+def workers(
+    *,
+    shared: bool = False,
+    expected: int | None = None,
+    address_file: str | None = None,
+    timeout: float = 300.0,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> list[str]:
     """This trainer's worker addresses (``host:port``).
 
     Taken from ``TORCHFEED_WORKERS`` (space- or comma-separated), or else from an address
@@ -79,16 +91,19 @@ def workers(*, shared: bool = False, expected: Optional[int] = None, address_fil
     else:
         path = address_file or os.environ.get(ENV_ADDRESS_FILE)
         if not path:
-            raise TorchfeedError(f"no workers given: set {ENV_WORKERS}='host:port host:port ...', or start workers "
-                                 f"with `torchfeed worker --address-file FILE` and pass address_file=FILE "
-                                 f"(or set {ENV_ADDRESS_FILE})")
+            raise TorchfeedError(
+                f"no workers given: set {ENV_WORKERS}='host:port host:port ...', or start workers "
+                f"with `torchfeed worker --address-file FILE` and pass address_file=FILE "
+                f"(or set {ENV_ADDRESS_FILE})"
+            )
         count = expected if expected is not None else _int_var(os.environ, ENV_NUM_WORKERS, 1)
         addresses = wait_for_addresses(path, count, timeout)
     return split_workers(addresses, rank, world_size, shared=shared)
 
 
-def split_workers(addresses: Sequence[str], rank: Optional[int] = None, world_size: Optional[int] = None, *,
-                  shared: bool = False) -> List[str]:
+def split_workers(
+    addresses: Sequence[str], rank: int | None = None, world_size: int | None = None, *, shared: bool = False
+) -> list[str]:
     """``addresses[rank::world_size]`` (``[addresses[rank % n]]`` with fewer workers than ranks), or all."""
     addresses = list(addresses)
     if shared or not addresses:

@@ -21,9 +21,9 @@ import os
 import re
 import socket
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import List, Mapping, Optional, Union
 
 from ..errors import TorchfeedError
 
@@ -60,10 +60,10 @@ class Environment:
     world_size: int = 1
     local_world_size: int = 1
     node_rank: int = 0
-    master_addr: Optional[str] = "127.0.0.1"
+    master_addr: str | None = "127.0.0.1"
     master_port: int = 0
     source: str = "single"
-    job_id: Optional[str] = None
+    job_id: str | None = None
 
     @property
     def distributed(self) -> bool:
@@ -72,6 +72,7 @@ class Environment:
 
 
 # -- ports ------------------------------------------------------------------------
+
 
 def derive_port(key: str, attempt: int = 0) -> int:
     """A port in ``[15000, 30000)`` derived from ``key`` (a job id), the same on every host."""
@@ -91,8 +92,9 @@ def port_is_free(port: int, host: str = "") -> bool:
     return True
 
 
-def choose_port(job_id: Optional[str] = None, *, host: str = "", attempts: int = 64,
-                environ: Optional[Mapping[str, str]] = None) -> int:
+def choose_port(
+    job_id: str | None = None, *, host: str = "", attempts: int = 64, environ: Mapping[str, str] | None = None
+) -> int:
     """Pick the rendezvous port on the host of rank 0: derived from the job id, checked free.
 
     ``MASTER_PORT`` in the environment is returned unchanged. Otherwise candidates derived
@@ -122,13 +124,16 @@ def choose_port(job_id: Optional[str] = None, *, host: str = "", attempts: int =
         port = derive_port(job_id, attempt)
         if port_is_free(port, host):
             return port
-    raise TorchfeedError(f"none of the {attempts} ports derived from job id {job_id!r} is free on this host; "
-                         f"set MASTER_PORT to a free port")
+    raise TorchfeedError(
+        f"none of the {attempts} ports derived from job id {job_id!r} is free on this host; "
+        f"set MASTER_PORT to a free port"
+    )
 
 
 # -- helpers ----------------------------------------------------------------------
 
-def _int_var(environ: Mapping[str, str], name: str, default: Optional[int] = None) -> int:
+
+def _int_var(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
     value = environ.get(name)
     if value is None or value == "":
         if default is None:
@@ -140,17 +145,24 @@ def _int_var(environ: Mapping[str, str], name: str, default: Optional[int] = Non
         raise TorchfeedError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def _job_id(environ: Mapping[str, str]) -> Optional[str]:
-    for name in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "PBS_JOBID", "LSB_JOBID", "PMIX_NAMESPACE",
-                 "OMPI_MCA_ess_base_jobid", "PMI_KVSNAME"):
+def _job_id(environ: Mapping[str, str]) -> str | None:
+    for name in (
+        "SLURM_JOB_ID",
+        "TORCHELASTIC_RUN_ID",
+        "PBS_JOBID",
+        "LSB_JOBID",
+        "PMIX_NAMESPACE",
+        "OMPI_MCA_ess_base_jobid",
+        "PMI_KVSNAME",
+    ):
         if environ.get(name):
             return environ[name]
     return None
 
 
-def expand_hostlist(expr: str) -> List[str]:
+def expand_hostlist(expr: str) -> list[str]:
     """Expand a Slurm host list such as ``"gpu[01-03,7],cpu1"`` (as ``scontrol show hostnames``)."""
-    hosts: List[str] = []
+    hosts: list[str] = []
     for item in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", expr):
         parts = [item]
         while any("[" in p for p in parts):
@@ -172,9 +184,9 @@ def expand_hostlist(expr: str) -> List[str]:
     return hosts
 
 
-def expand_tasks_per_node(expr: str) -> List[int]:
+def expand_tasks_per_node(expr: str) -> list[int]:
     """Expand Slurm's ``"2(x3),1"`` into ``[2, 2, 2, 1]``."""
-    counts: List[int] = []
+    counts: list[int] = []
     for item in expr.split(","):
         m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
         if not m:
@@ -185,16 +197,25 @@ def expand_tasks_per_node(expr: str) -> List[int]:
 
 # -- launchers --------------------------------------------------------------------
 
+
 def _from_env_vars(environ: Mapping[str, str]) -> Environment:
     rank, world = _int_var(environ, "RANK"), _int_var(environ, "WORLD_SIZE")
     local_world = _int_var(environ, "LOCAL_WORLD_SIZE", 1)
     node_rank = _int_var(environ, "GROUP_RANK", _int_var(environ, "NODE_RANK", rank // max(local_world, 1)))
-    return Environment(rank, _int_var(environ, "LOCAL_RANK", 0), world, local_world, node_rank,
-                       environ.get("MASTER_ADDR"), _int_var(environ, "MASTER_PORT", 0),
-                       "torchrun" if "TORCHELASTIC_RUN_ID" in environ else "env", _job_id(environ))
+    return Environment(
+        rank,
+        _int_var(environ, "LOCAL_RANK", 0),
+        world,
+        local_world,
+        node_rank,
+        environ.get("MASTER_ADDR"),
+        _int_var(environ, "MASTER_PORT", 0),
+        "torchrun" if "TORCHELASTIC_RUN_ID" in environ else "env",
+        _job_id(environ),
+    )
 
 
-def _slurm_rank0_host(environ: Mapping[str, str], nodes: List[str]) -> str:
+def _slurm_rank0_host(environ: Mapping[str, str], nodes: list[str]) -> str:
     """Node of rank 0: first node of the lowest het group taking part in the step."""
     if environ.get("SLURM_HET_SIZE"):
         in_step = set(nodes)
@@ -224,21 +245,33 @@ def _from_slurm(environ: Mapping[str, str]) -> Environment:
     else:
         port = derive_port(f"{job}.{environ.get('SLURM_STEP_ID', '')}")
     addr = environ.get("MASTER_ADDR") or (_slurm_rank0_host(environ, nodes) if nodes else None)
-    return Environment(rank, _int_var(environ, "SLURM_LOCALID", 0), world, local_world,
-                       _int_var(environ, "SLURM_NODEID", 0), addr, port, "slurm", job)
+    return Environment(
+        rank,
+        _int_var(environ, "SLURM_LOCALID", 0),
+        world,
+        local_world,
+        _int_var(environ, "SLURM_NODEID", 0),
+        addr,
+        port,
+        "slurm",
+        job,
+    )
 
 
-def _mpi(environ: Mapping[str, str], source: str, rank: str, size: str, local_rank: str,
-         local_size: str) -> Environment:
+def _mpi(
+    environ: Mapping[str, str], source: str, rank: str, size: str, local_rank: str, local_size: str
+) -> Environment:
     r, world = _int_var(environ, rank), _int_var(environ, size)
     lr, lws = _int_var(environ, local_rank, 0), _int_var(environ, local_size, 1)
     job = _job_id(environ)
     addr = environ.get("MASTER_ADDR") or ("127.0.0.1" if lws >= world else None)
-    port = _int_var(environ, "MASTER_PORT", 0) or derive_port(job or f"{source}:{environ.get('HOSTNAME', '')}")
+    port = _int_var(environ, "MASTER_PORT", 0) or derive_port(
+        job or f"{source}:{environ.get('HOSTNAME', '')}"
+    )
     return Environment(r, lr, world, lws, r // max(lws, 1), addr, port, source, job)
 
 
-def _from_dask(environ: Mapping[str, str]) -> Optional[Environment]:
+def _from_dask(environ: Mapping[str, str]) -> Environment | None:
     """Rank among the Dask cluster's workers (sorted by address), when running in a Dask task."""
     distributed = sys.modules.get("distributed")
     if distributed is None:
@@ -261,11 +294,20 @@ def _from_dask(environ: Mapping[str, str]) -> Optional[Environment]:
     same = [a for a, h in zip(addresses, hosts) if h == host]
     job = str(info.get("address") or info.get("id") or "dask")
     port = _int_var(environ, "MASTER_PORT", 0) or derive_port(job)
-    return Environment(rank, same.index(me.address), len(addresses), len(same), node_hosts.index(host),
-                       environ.get("MASTER_ADDR") or hosts[0], port, "dask", job)
+    return Environment(
+        rank,
+        same.index(me.address),
+        len(addresses),
+        len(same),
+        node_hosts.index(host),
+        environ.get("MASTER_ADDR") or hosts[0],
+        port,
+        "dask",
+        job,
+    )
 
 
-def environment(environ: Optional[Mapping[str, str]] = None) -> Environment:
+def environment(environ: Mapping[str, str] | None = None) -> Environment:
     """Describe this process's place in the job, from its launcher's environment.
 
     Checked in this order: torchrun / ``env://`` variables (``RANK`` and ``WORLD_SIZE``),
@@ -291,8 +333,14 @@ def environment(environ: Optional[Mapping[str, str]] = None) -> Environment:
     if "SLURM_PROCID" in environ and "SLURM_STEP_NUM_TASKS" in environ:
         return _from_slurm(environ)
     if "OMPI_COMM_WORLD_RANK" in environ:
-        return _mpi(environ, "openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-                    "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
+        return _mpi(
+            environ,
+            "openmpi",
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+        )
     if "PMI_RANK" in environ and "PMI_SIZE" in environ:
         if "MPI_LOCALRANKID" in environ:
             return _mpi(environ, "mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
@@ -304,17 +352,29 @@ def environment(environ: Optional[Mapping[str, str]] = None) -> Environment:
 
 # -- torch.distributed -----------------------------------------------------------
 
+
 def _export(env: Environment) -> None:
     """Publish the usual variables for user code, keeping any that are already set."""
-    values = {"RANK": env.rank, "WORLD_SIZE": env.world_size, "LOCAL_RANK": env.local_rank,
-              "LOCAL_WORLD_SIZE": env.local_world_size, "GROUP_RANK": env.node_rank,
-              "MASTER_ADDR": env.master_addr, "MASTER_PORT": env.master_port}
+    values = {
+        "RANK": env.rank,
+        "WORLD_SIZE": env.world_size,
+        "LOCAL_RANK": env.local_rank,
+        "LOCAL_WORLD_SIZE": env.local_world_size,
+        "GROUP_RANK": env.node_rank,
+        "MASTER_ADDR": env.master_addr,
+        "MASTER_PORT": env.master_port,
+    }
     for name, value in values.items():
         os.environ.setdefault(name, str(value))
 
 
-def init_distributed(backend: Optional[str] = None, timeout: Union[float, timedelta] = 600.0, *,
-                     gpus_per_model: Optional[int] = None, env: Optional[Environment] = None) -> Environment:
+def init_distributed(
+    backend: str | None = None,
+    timeout: float | timedelta = 600.0,
+    *,
+    gpus_per_model: int | None = None,
+    env: Environment | None = None,
+) -> Environment:
     """Initialise ``torch.distributed`` from :func:`environment` (a no-op for one process).
 
     The backend defaults to ``nccl`` when CUDA is available, else ``gloo``; with CUDA the
@@ -345,13 +405,17 @@ def init_distributed(backend: Optional[str] = None, timeout: Union[float, timede
         return env
     if dist.is_initialized():
         if dist.get_rank() != env.rank or dist.get_world_size() != env.world_size:
-            raise TorchfeedError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
-                                 f"{dist.get_world_size()}, but the {env.source} environment says rank "
-                                 f"{env.rank} of {env.world_size}")
+            raise TorchfeedError(
+                f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but the {env.source} environment says rank "
+                f"{env.rank} of {env.world_size}"
+            )
         return env
     if env.master_addr is None:
-        raise TorchfeedError(f"the {env.source} launcher does not say which host runs rank 0: set MASTER_ADDR "
-                             f"(and MASTER_PORT) for every process, e.g. `mpirun -x MASTER_ADDR=$(hostname)`")
+        raise TorchfeedError(
+            f"the {env.source} launcher does not say which host runs rank 0: set MASTER_ADDR "
+            f"(and MASTER_PORT) for every process, e.g. `mpirun -x MASTER_ADDR=$(hostname)`"
+        )
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(device_group(gpus_per_model, local_rank=env.local_rank)[0])
@@ -360,21 +424,29 @@ def init_distributed(backend: Optional[str] = None, timeout: Union[float, timede
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
     try:
-        dist.init_process_group(backend or ("nccl" if cuda else "gloo"), init_method=f"tcp://{host}:{env.master_port}",
-                                rank=env.rank, world_size=env.world_size, timeout=timeout)
+        dist.init_process_group(
+            backend or ("nccl" if cuda else "gloo"),
+            init_method=f"tcp://{host}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+        )
     except Exception as exc:  # noqa: BLE001 - only re-worded when it is a port clash
         text = str(exc).lower()
         if "address already in use" in text or f"errno: {errno.EADDRINUSE}" in text:
-            raise TorchfeedError(f"rank 0 cannot listen on {env.master_addr}:{env.master_port} (already in use, "
-                                 f"port from {env.source}): set MASTER_PORT to a free port, or launch with "
-                                 f"`torchfeed slurm`, which picks a free one per job") from exc
+            raise TorchfeedError(
+                f"rank 0 cannot listen on {env.master_addr}:{env.master_port} (already in use, "
+                f"port from {env.source}): set MASTER_PORT to a free port, or launch with "
+                f"`torchfeed slurm`, which picks a free one per job"
+            ) from exc
         raise
     return env
 
 
 # -- model-parallel replicas -----------------------------------------------------
 
-def device_group(gpus_per_model: Optional[int] = None, *, local_rank: Optional[int] = None) -> list:
+
+def device_group(gpus_per_model: int | None = None, *, local_rank: int | None = None) -> list:
     """Devices of this process's model replica: local rank r gets GPUs r*g ... r*g+g-1.
 
     When each task sees only its own ``g`` GPUs (Slurm ``--gpus-per-task``) they are
@@ -405,7 +477,9 @@ def device_group(gpus_per_model: Optional[int] = None, *, local_rank: Optional[i
     elif visible == g:
         first = 0
     else:
-        raise TorchfeedError(f"local rank {r} needs GPUs {r * g}..{r * g + g - 1} but this node shows {visible}: "
-                             f"run at most {visible // g} task(s) per node with gpus_per_model={g} "
-                             f"(`torchfeed slurm --gpus-per-model {g}` sizes tasks to match)")
+        raise TorchfeedError(
+            f"local rank {r} needs GPUs {r * g}..{r * g + g - 1} but this node shows {visible}: "
+            f"run at most {visible // g} task(s) per node with gpus_per_model={g} "
+            f"(`torchfeed slurm --gpus-per-model {g}` sizes tasks to match)"
+        )
     return [torch.device("cuda", i) for i in range(first, first + g)]

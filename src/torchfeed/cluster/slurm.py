@@ -19,16 +19,16 @@ import shutil
 import signal as _signal
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import TorchfeedError
 
 _PYTHON_NAME = re.compile(r"python[0-9.]*$")
 
 
-def parse_signal(spec: Optional[str]) -> Optional[Tuple[str, int]]:
+def parse_signal(spec: str | None) -> tuple[str, int] | None:
     """``"USR2@120"`` -> ``("USR2", 120)``; ``None``/``"none"`` -> None. ``B:``/``SIG`` prefixes are accepted."""
     if spec is None or spec.strip().lower() in ("", "none", "off"):
         return None
@@ -38,7 +38,9 @@ def parse_signal(spec: Optional[str]) -> Optional[Tuple[str, int]]:
     name = name.upper()
     name = name[3:] if name.startswith("SIG") else name
     if not hasattr(_signal, f"SIG{name}") or name in ("KILL", "STOP"):
-        raise ValueError(f"--signal {spec!r}: unknown or uncatchable signal {name!r}; use e.g. USR2@120 or USR1@90")
+        raise ValueError(
+            f"--signal {spec!r}: unknown or uncatchable signal {name!r}; use e.g. USR2@120 or USR1@90"
+        )
     try:
         secs = int(seconds) if seconds else 120
     except ValueError:
@@ -90,21 +92,21 @@ class SlurmJob:
 
     command: Sequence[str]
     job_dir: str = "torchfeed-jobs/%j"
-    partition: Optional[str] = None
+    partition: str | None = None
     nodes: int = 1
-    ntasks_per_node: Optional[int] = None
+    ntasks_per_node: int | None = None
     gpus_per_node: int = 0
-    cpus_per_task: Optional[int] = None
-    worker_partition: Optional[str] = None
+    cpus_per_task: int | None = None
+    worker_partition: str | None = None
     worker_nodes: int = 1
     workers_per_node: int = 1
     cpus_per_worker: int = 1
-    time: Optional[str] = None
+    time: str | None = None
     sbatch: Sequence[str] = field(default_factory=tuple)
     worker_sbatch: Sequence[str] = field(default_factory=tuple)
     torchrun: bool = False
     gpus_per_model: int = 1
-    signal: Optional[str] = "USR2@120"
+    signal: str | None = "USR2@120"
     job_name: str = "torchfeed"
     python: str = sys.executable
     worker_args: Sequence[str] = field(default_factory=tuple)
@@ -113,21 +115,32 @@ class SlurmJob:
     # -- derived values ---------------------------------------------------------
     def _check(self) -> None:
         if not self.command:
-            raise ValueError("no training command: give it after `--`, e.g. `torchfeed slurm -- python train.py`")
+            raise ValueError(
+                "no training command: give it after `--`, e.g. `torchfeed slurm -- python train.py`"
+            )
         for name in ("nodes", "worker_nodes", "workers_per_node", "cpus_per_worker", "gpus_per_model"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.gpus_per_node and self.gpus_per_node % self.gpus_per_model:
-            raise ValueError(f"--gpus-per-node {self.gpus_per_node} is not a multiple of --gpus-per-model "
-                             f"{self.gpus_per_model}: each replica needs whole GPUs on one node")
-        if (self.ntasks_per_node and self.gpus_per_node
-                and self.ntasks_per_node * self.gpus_per_model > self.gpus_per_node):
-            raise ValueError(f"{self.ntasks_per_node} tasks per node x {self.gpus_per_model} GPUs per model needs "
-                             f"{self.ntasks_per_node * self.gpus_per_model} GPUs, but --gpus-per-node is "
-                             f"{self.gpus_per_node}: lower --ntasks-per-node or leave it out")
+            raise ValueError(
+                f"--gpus-per-node {self.gpus_per_node} is not a multiple of --gpus-per-model "
+                f"{self.gpus_per_model}: each replica needs whole GPUs on one node"
+            )
+        if (
+            self.ntasks_per_node
+            and self.gpus_per_node
+            and self.ntasks_per_node * self.gpus_per_model > self.gpus_per_node
+        ):
+            raise ValueError(
+                f"{self.ntasks_per_node} tasks per node x {self.gpus_per_model} GPUs per model needs "
+                f"{self.ntasks_per_node * self.gpus_per_model} GPUs, but --gpus-per-node is "
+                f"{self.gpus_per_node}: lower --ntasks-per-node or leave it out"
+            )
         if "%j" in os.path.dirname(self.job_dir):
-            raise ValueError(f"--job-dir {self.job_dir!r}: %j may only appear in the last path component "
-                             f"(the directory above must exist when the job is submitted)")
+            raise ValueError(
+                f"--job-dir {self.job_dir!r}: %j may only appear in the last path component "
+                f"(the directory above must exist when the job is submitted)"
+            )
         parse_signal(self.signal)
 
     @property
@@ -158,12 +171,14 @@ class SlurmJob:
             cmd = cmd[1:]
             if not cmd:
                 raise ValueError("with --torchrun, give the training script after `python`")
-        return (f'"$PYTHON" -m torch.distributed.run --nnodes={self.nodes} --nproc-per-node={self.procs_per_node} '
-                f'--rdzv-backend=c10d \\\n    --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" '
-                + " ".join(_q(w) for w in cmd))
+        return (
+            f'"$PYTHON" -m torch.distributed.run --nnodes={self.nodes} --nproc-per-node={self.procs_per_node} '
+            f'--rdzv-backend=c10d \\\n    --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" '
+            + " ".join(_q(w) for w in cmd)
+        )
 
     # -- the script ---------------------------------------------------------------
-    def _directives(self) -> List[str]:
+    def _directives(self) -> list[str]:
         sig = parse_signal(self.signal)
         lines = [f"--job-name={self.job_name}", f"--output={self.output}", "--open-mode=append", "--requeue"]
         if sig:
@@ -187,8 +202,11 @@ class SlurmJob:
         lines.append("hetjob")
         if self.worker_partition:
             lines.append(f"--partition={self.worker_partition}")
-        lines += [f"--nodes={self.worker_nodes}", f"--ntasks-per-node={self.workers_per_node}",
-                  f"--cpus-per-task={self.cpus_per_worker}"]
+        lines += [
+            f"--nodes={self.worker_nodes}",
+            f"--ntasks-per-node={self.workers_per_node}",
+            f"--cpus-per-task={self.cpus_per_worker}",
+        ]
         if self.time:
             lines.append(f"--time={self.time}")
         lines += [s.strip() for s in self.worker_sbatch]
@@ -199,15 +217,23 @@ class SlurmJob:
         self._check()
         sig = parse_signal(self.signal)
         job_dir = '"${SLURM_JOB_ID}"'.join(_q(part) if part else "" for part in self.job_dir.split("%j"))
-        trainer_cpus = self.cpus_per_task * (self.procs_per_node if self.torchrun else 1) if self.cpus_per_task else 0
-        trainer_srun = ["srun", "--het-group=0", "--kill-on-bad-exit=1",
-                        f"--ntasks-per-node={1 if self.torchrun else self.procs_per_node}"]
+        trainer_cpus = (
+            self.cpus_per_task * (self.procs_per_node if self.torchrun else 1) if self.cpus_per_task else 0
+        )
+        trainer_srun = [
+            "srun",
+            "--het-group=0",
+            "--kill-on-bad-exit=1",
+            f"--ntasks-per-node={1 if self.torchrun else self.procs_per_node}",
+        ]
         if trainer_cpus:
             trainer_srun.append(f"--cpus-per-task={trainer_cpus}")
         trainer = " ".join(trainer_srun) + " \\\n    " + self._trainer_line()
-        worker = (f"srun --het-group=1 --kill-on-bad-exit=1 --ntasks-per-node={self.workers_per_node} "
-                  f"--cpus-per-task={self.cpus_per_worker} \\\n    \"$PYTHON\" -m torchfeed worker --host 0.0.0.0 "
-                  f"--port 0 --address-file \"$JOB_DIR/workers\"")
+        worker = (
+            f"srun --het-group=1 --kill-on-bad-exit=1 --ntasks-per-node={self.workers_per_node} "
+            f'--cpus-per-task={self.cpus_per_worker} \\\n    "$PYTHON" -m torchfeed worker --host 0.0.0.0 '
+            f'--port 0 --address-file "$JOB_DIR/workers"'
+        )
         if self.worker_args:
             worker += " " + " ".join(_q(a) for a in self.worker_args)
         head = [
@@ -225,45 +251,51 @@ class SlurmJob:
             "unset RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK NODE_RANK TORCHELASTIC_RUN_ID",
             f"PYTHON={_q(self.python)}",
             f"JOB_DIR={job_dir}  # secret, worker addresses and logs, checkpoints",
-            "mkdir -p \"$JOB_DIR\" && chmod 700 \"$JOB_DIR\"  # yours alone: it holds the secret and the workers file",
-            "export TORCHFEED_JOB_DIR=\"$JOB_DIR\"",
+            'mkdir -p "$JOB_DIR" && chmod 700 "$JOB_DIR"  # yours alone: it holds the secret and the workers file',
+            'export TORCHFEED_JOB_DIR="$JOB_DIR"',
             f"export TORCHFEED_GPUS_PER_MODEL={self.gpus_per_model}",
         ]
         if sig:
-            head.append(f"export TORCHFEED_PREEMPT_SIGNAL={sig[0]}   # torchfeed.checkpoint.Preemption listens for it")
+            head.append(
+                f"export TORCHFEED_PREEMPT_SIGNAL={sig[0]}   # torchfeed.checkpoint.Preemption listens for it"
+            )
         body = [
             "",
             "# A fresh secret for this run, readable only by you: workers and trainers authenticate with it.",
             "unset TORCHFEED_SECRET",
-            "export TORCHFEED_SECRET_FILE=\"$JOB_DIR/secret\"",
-            "rm -f \"$TORCHFEED_SECRET_FILE\"",
-            "(umask 077 && \"$PYTHON\" -c 'import secrets; print(secrets.token_hex(32))' > \"$TORCHFEED_SECRET_FILE\")",
+            'export TORCHFEED_SECRET_FILE="$JOB_DIR/secret"',
+            'rm -f "$TORCHFEED_SECRET_FILE"',
+            '(umask 077 && "$PYTHON" -c \'import secrets; print(secrets.token_hex(32))\' > "$TORCHFEED_SECRET_FILE")',
             "",
             "# Start the workers (group 1); each appends its host:port to the address file.",
-            "(umask 077 && : > \"$JOB_DIR/workers\")  # 0600: trainers refuse a workers file others can write",
-            worker + " \\\n    >> \"$JOB_DIR/workers.log\" 2>&1 &",
+            '(umask 077 && : > "$JOB_DIR/workers")  # 0600: trainers refuse a workers file others can write',
+            worker + ' \\\n    >> "$JOB_DIR/workers.log" 2>&1 &',
             "WORKERS_PID=$!",
             "",
             f"# Wait until all {self.num_workers} workers have registered (fails early if their step dies).",
-            f"TORCHFEED_WORKERS=$(\"$PYTHON\" -m torchfeed.cluster wait-workers \"$JOB_DIR/workers\" {self.num_workers} "
+            f'TORCHFEED_WORKERS=$("$PYTHON" -m torchfeed.cluster wait-workers "$JOB_DIR/workers" {self.num_workers} '
             f"--timeout {self.worker_timeout:g} --pid $WORKERS_PID) \\",
-            "    || { echo \"torchfeed: workers did not start, see $JOB_DIR/workers.log\" >&2; kill $WORKERS_PID; exit 1; }",
+            '    || { echo "torchfeed: workers did not start, see $JOB_DIR/workers.log" >&2; kill $WORKERS_PID; exit 1; }',
             "export TORCHFEED_WORKERS",
             "",
             "# Rendezvous: rank 0 runs on this node; the port is derived from the job id and free here.",
             "export MASTER_ADDR=${MASTER_ADDR:-$(hostname)}",
-            "export MASTER_PORT=$(\"$PYTHON\" -m torchfeed.cluster port)",
+            'export MASTER_PORT=$("$PYTHON" -m torchfeed.cluster port)',
         ]
         if self.torchrun and sig:
             handled = f"SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIG{sig[0]}"
-            body += ["# torchrun passes the warning signal on to its trainer processes.",
-                     f"export PET_SIGNALS_TO_HANDLE={handled} TORCHELASTIC_SIGNALS_TO_HANDLE={handled}"]
+            body += [
+                "# torchrun passes the warning signal on to its trainer processes.",
+                f"export PET_SIGNALS_TO_HANDLE={handled} TORCHELASTIC_SIGNALS_TO_HANDLE={handled}",
+            ]
         if sig:
-            body += ["",
-                     f"# Slurm sends SIG{sig[0]} to this script {sig[1]} s before the time limit: pass it to the "
-                     "trainers, which checkpoint and requeue the job.",
-                     f"trap 'echo \"torchfeed: SIG{sig[0]} received, forwarding it to the trainers\" >&2; "
-                     f"kill -{sig[0]} $TRAINERS_PID 2>/dev/null' {sig[0]}"]
+            body += [
+                "",
+                f"# Slurm sends SIG{sig[0]} to this script {sig[1]} s before the time limit: pass it to the "
+                "trainers, which checkpoint and requeue the job.",
+                f'trap \'echo "torchfeed: SIG{sig[0]} received, forwarding it to the trainers" >&2; '
+                f"kill -{sig[0]} $TRAINERS_PID 2>/dev/null' {sig[0]}",
+            ]
         body += [
             "",
             "# Run the trainers (group 0).",
@@ -286,7 +318,7 @@ class SlurmJob:
         base = os.path.dirname(self.job_dir.rstrip("/")) if "%j" in self.job_dir else self.job_dir
         return Path(base or ".") / f"{self.job_name}.sbatch"
 
-    def write(self, path: Optional[os.PathLike] = None) -> Path:
+    def write(self, path: os.PathLike | None = None) -> Path:
         """Write the script (mode 0755) and create the directory of the Slurm output file."""
         text = self.script()
         path = Path(path) if path is not None else self.default_path()
@@ -296,19 +328,27 @@ class SlurmJob:
         path.chmod(0o755)
         return path
 
-    def submit(self, path: Optional[os.PathLike] = None, *, sbatch: str = "sbatch",
-               env: Optional[Mapping[str, str]] = None) -> str:
+    def submit(
+        self, path: os.PathLike | None = None, *, sbatch: str = "sbatch", env: Mapping[str, str] | None = None
+    ) -> str:
         """Write the script and submit it with ``sbatch``; return the job id.
 
         ``env`` is the environment sbatch runs with, and so the job's (default: this process's).
         """
         exe = shutil.which(sbatch, path=(env or os.environ).get("PATH"))
         if exe is None:
-            raise TorchfeedError(f"{sbatch} not found: submit from a Slurm login node, or write the script "
-                                 f"with `torchfeed slurm` (no --submit) and run `sbatch` on it there")
+            raise TorchfeedError(
+                f"{sbatch} not found: submit from a Slurm login node, or write the script "
+                f"with `torchfeed slurm` (no --submit) and run `sbatch` on it there"
+            )
         script = self.write(path)
-        done = subprocess.run([exe, "--parsable", str(script)], capture_output=True, text=True, timeout=120,
-                              env=None if env is None else dict(env))
+        done = subprocess.run(
+            [exe, "--parsable", str(script)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=None if env is None else dict(env),
+        )
         if done.returncode != 0:
             raise TorchfeedError(f"sbatch refused {script}: {done.stderr.strip() or done.stdout.strip()}")
         return done.stdout.strip().split(";")[0]
@@ -322,41 +362,76 @@ def sbatch_script(command: Sequence[str], **options) -> str:
 def add_parser(sub) -> None:
     """The ``torchfeed slurm`` subcommand (used by :mod:`torchfeed.cli`)."""
     p = sub.add_parser(
-        "slurm", help="write (and submit) a heterogeneous Slurm job: trainers fed by torchfeed workers",
+        "slurm",
+        help="write (and submit) a heterogeneous Slurm job: trainers fed by torchfeed workers",
         description="Write a heterogeneous sbatch script: group 0 runs COMMAND on trainer nodes, group 1 runs "
-                    "torchfeed workers; with --submit, submit it. Usage: torchfeed slurm [options] -- COMMAND ARGS...")
-    p.add_argument("--job-dir", default="torchfeed-jobs/%j", help="job files directory; %%j = job id "
-                   "(default torchfeed-jobs/%%j)")
+        "torchfeed workers; with --submit, submit it. Usage: torchfeed slurm [options] -- COMMAND ARGS...",
+    )
+    p.add_argument(
+        "--job-dir",
+        default="torchfeed-jobs/%j",
+        help="job files directory; %%j = job id (default torchfeed-jobs/%%j)",
+    )
     p.add_argument("--partition", help="trainer partition (GPU nodes)")
     p.add_argument("--nodes", type=int, default=1, help="trainer nodes")
-    p.add_argument("--ntasks-per-node", type=int, help="trainer processes per node "
-                   "(default: gpus-per-node / gpus-per-model, or 1)")
+    p.add_argument(
+        "--ntasks-per-node",
+        type=int,
+        help="trainer processes per node (default: gpus-per-node / gpus-per-model, or 1)",
+    )
     p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per trainer node (default 0)")
     p.add_argument("--cpus-per-task", type=int, help="CPUs per trainer process")
     p.add_argument("--gpus-per-model", type=int, default=1, help="GPUs per model replica (model parallel)")
-    p.add_argument("--torchrun", action="store_true", help="launch trainers with srun + torchrun (c10d rendezvous)")
+    p.add_argument(
+        "--torchrun", action="store_true", help="launch trainers with srun + torchrun (c10d rendezvous)"
+    )
     p.add_argument("--worker-partition", help="worker partition (CPU nodes)")
     p.add_argument("--worker-nodes", type=int, default=1, help="worker nodes (default 1)")
-    p.add_argument("--workers-per-node", type=int, default=1,
-                   help="torchfeed worker processes per worker node (default 1)")
+    p.add_argument(
+        "--workers-per-node",
+        type=int,
+        default=1,
+        help="torchfeed worker processes per worker node (default 1)",
+    )
     p.add_argument("--cpus-per-worker", type=int, default=1, help="CPUs per worker process (default 1)")
-    p.add_argument("--worker-arg", action="append", default=[], dest="worker_args", metavar="ARG",
-                   help="extra `torchfeed worker` argument (repeatable), e.g. --worker-arg=--parallel=4")
+    p.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        dest="worker_args",
+        metavar="ARG",
+        help="extra `torchfeed worker` argument (repeatable), e.g. --worker-arg=--parallel=4",
+    )
     p.add_argument("--time", help="time limit, e.g. 1-00:00:00")
-    p.add_argument("--signal", default="USR2@120", help="warning signal before the time limit, NAME[@SECONDS] "
-                   "(default USR2@120; NCCL jobs: USR1@120; 'none' for no signal)")
-    p.add_argument("--sbatch", action="append", default=[], metavar="LINE",
-                   help="extra #SBATCH option for the trainer group (repeatable), e.g. --sbatch=--account=abc")
-    p.add_argument("--worker-sbatch", action="append", default=[], metavar="LINE",
-                   help="extra #SBATCH option for the worker group (repeatable)")
+    p.add_argument(
+        "--signal",
+        default="USR2@120",
+        help="warning signal before the time limit, NAME[@SECONDS] "
+        "(default USR2@120; NCCL jobs: USR1@120; 'none' for no signal)",
+    )
+    p.add_argument(
+        "--sbatch",
+        action="append",
+        default=[],
+        metavar="LINE",
+        help="extra #SBATCH option for the trainer group (repeatable), e.g. --sbatch=--account=abc",
+    )
+    p.add_argument(
+        "--worker-sbatch",
+        action="append",
+        default=[],
+        metavar="LINE",
+        help="extra #SBATCH option for the worker group (repeatable)",
+    )
     p.add_argument("--job-name", default="torchfeed", help="Slurm job name (default torchfeed)")
     p.add_argument("--python", default=sys.executable, help="python on the nodes (default: this one)")
     p.add_argument("--worker-timeout", type=float, default=300.0, help="seconds to wait for the workers")
     p.add_argument("--script", help="where to write the script (default: JOB_DIR's parent/JOB_NAME.sbatch)")
     p.add_argument("--dry-run", action="store_true", help="print the script, write and submit nothing")
     p.add_argument("--submit", action="store_true", help="submit the script with sbatch")
-    p.add_argument("train_command", nargs="*", metavar="COMMAND", help="the training command and its arguments, "
-                   "after --")
+    p.add_argument(
+        "train_command", nargs="*", metavar="COMMAND", help="the training command and its arguments, after --"
+    )
 
 
 def run(args) -> int:
@@ -366,21 +441,38 @@ def run(args) -> int:
         command = command[1:]
     job_dir = os.path.abspath(args.job_dir)
     try:
-        job = SlurmJob(command, job_dir=job_dir, partition=args.partition, nodes=args.nodes,
-                       ntasks_per_node=args.ntasks_per_node, gpus_per_node=args.gpus_per_node,
-                       cpus_per_task=args.cpus_per_task, worker_partition=args.worker_partition,
-                       worker_nodes=args.worker_nodes, workers_per_node=args.workers_per_node,
-                       cpus_per_worker=args.cpus_per_worker, time=args.time, sbatch=args.sbatch,
-                       worker_sbatch=args.worker_sbatch, torchrun=args.torchrun, gpus_per_model=args.gpus_per_model,
-                       signal=args.signal, job_name=args.job_name, python=args.python,
-                       worker_args=args.worker_args, worker_timeout=args.worker_timeout)
+        job = SlurmJob(
+            command,
+            job_dir=job_dir,
+            partition=args.partition,
+            nodes=args.nodes,
+            ntasks_per_node=args.ntasks_per_node,
+            gpus_per_node=args.gpus_per_node,
+            cpus_per_task=args.cpus_per_task,
+            worker_partition=args.worker_partition,
+            worker_nodes=args.worker_nodes,
+            workers_per_node=args.workers_per_node,
+            cpus_per_worker=args.cpus_per_worker,
+            time=args.time,
+            sbatch=args.sbatch,
+            worker_sbatch=args.worker_sbatch,
+            torchrun=args.torchrun,
+            gpus_per_model=args.gpus_per_model,
+            signal=args.signal,
+            job_name=args.job_name,
+            python=args.python,
+            worker_args=args.worker_args,
+            worker_timeout=args.worker_timeout,
+        )
         if args.dry_run:
             sys.stdout.write(job.script())
             return 0
         if args.submit:
             job_id = job.submit(args.script)
-            print(f"submitted job {job_id}; output: {job.output.replace('%j', job_id)}; "
-                  f"files: {job.job_dir.replace('%j', job_id)}")
+            print(
+                f"submitted job {job_id}; output: {job.output.replace('%j', job_id)}; "
+                f"files: {job.job_dir.replace('%j', job_id)}"
+            )
         else:
             path = job.write(args.script)
             print(f"wrote {path}; submit it with: sbatch {path}")

@@ -13,10 +13,19 @@ Needs ``pip install 'torchfeed[dask]'``.
 try:
     import distributed  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the installation
-    raise ImportError("torchfeed.dask needs Dask's distributed package: pip install 'torchfeed[dask]'") from exc
+    raise ImportError(
+        "torchfeed.dask needs Dask's distributed package: pip install 'torchfeed[dask]'"
+    ) from exc
 
 from .ranks import RankError, run
 from .results import ResultsHandler
 from .workers import WorkerAddresses, start_workers, stop_workers
 
-__all__ = sorted(["RankError", "ResultsHandler", "WorkerAddresses", "run", "start_workers", "stop_workers"])
+__all__ = [
+    "RankError",
+    "ResultsHandler",
+    "WorkerAddresses",
+    "run",
+    "start_workers",
+    "stop_workers",
+]

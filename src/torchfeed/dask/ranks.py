@@ -8,8 +8,9 @@ import re
 import socket
 import traceback
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any
 
 import distributed
 import torch
@@ -35,20 +36,38 @@ class RankError(RemoteError):
         The exception type, its message and the traceback text from the worker.
     """
 
-    def __init__(self, rank: int, world_size: int, address: str, remote_type: str, remote_message: str,
-                 remote_traceback: str):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        address: str,
+        remote_type: str,
+        remote_message: str,
+        remote_traceback: str,
+    ):
         self.rank = rank
         self.world_size = world_size
         super().__init__(address, remote_type, remote_message, remote_traceback)
 
     def _render(self) -> str:
-        return (f"rank {self.rank} of {self.world_size} (Dask worker {self.address}) raised "
-                f"{self.remote_type}: {self.remote_message}\n"
-                f"--- remote traceback ---\n{self.remote_traceback.rstrip()}")
+        return (
+            f"rank {self.rank} of {self.world_size} (Dask worker {self.address}) raised "
+            f"{self.remote_type}: {self.remote_message}\n"
+            f"--- remote traceback ---\n{self.remote_traceback.rstrip()}"
+        )
 
     def __reduce__(self):
-        return (RankError, (self.rank, self.world_size, self.address, self.remote_type, self.remote_message,
-                            self.remote_traceback))
+        return (
+            RankError,
+            (
+                self.rank,
+                self.world_size,
+                self.address,
+                self.remote_type,
+                self.remote_message,
+                self.remote_traceback,
+            ),
+        )
 
 
 @dataclass(frozen=True)
@@ -62,7 +81,7 @@ class _Rank:
     worker: str
 
 
-def _describe_worker(dask_worker=None) -> Dict[str, Any]:
+def _describe_worker(dask_worker=None) -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "name": str(dask_worker.name)}
 
 
@@ -76,14 +95,16 @@ def _natural(text: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
-def _order_workers(infos: Mapping[str, Dict[str, Any]]) -> List[str]:
+def _order_workers(infos: Mapping[str, dict[str, Any]]) -> list[str]:
     """Workers grouped by host (hosts sorted), in natural order of their names within a host."""
-    by_pid: Dict[tuple, str] = {}
+    by_pid: dict[tuple, str] = {}
     for addr, info in infos.items():
         other = by_pid.setdefault((info["host"], info["pid"]), addr)
         if other != addr:
-            raise RuntimeError(f"Dask workers {other} and {addr} run in the same process: DDP needs one process "
-                               "per rank. Use worker processes (e.g. LocalCluster(processes=True))")
+            raise RuntimeError(
+                f"Dask workers {other} and {addr} run in the same process: DDP needs one process "
+                "per rank. Use worker processes (e.g. LocalCluster(processes=True))"
+            )
     return sorted(infos, key=lambda a: (infos[a]["host"], _natural(infos[a]["name"]), a))
 
 
@@ -91,17 +112,25 @@ def _qualname(cls: type) -> str:
     return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _run_rank(fn, args: tuple, kwargs: dict, spec: _Rank, backend: Optional[str], init_kwargs: Optional[dict]):
+def _run_rank(fn, args: tuple, kwargs: dict, spec: _Rank, backend: str | None, init_kwargs: dict | None):
     import torch.distributed as dist
 
-    values = (spec.rank, spec.world_size, spec.local_rank, spec.local_world_size, spec.master_addr,
-              spec.master_port)
+    values = (
+        spec.rank,
+        spec.world_size,
+        spec.local_rank,
+        spec.local_world_size,
+        spec.master_addr,
+        spec.master_port,
+    )
     saved = {k: os.environ.get(k) for k in _RANK_ENV}
     os.environ.update({k: str(v) for k, v in zip(_RANK_ENV, values)})
     try:
         if dist.is_initialized():
-            raise RuntimeError("torch.distributed is already initialized in this Dask worker process (another "
-                               "rank or an unfinished run?): one run() at a time per worker")
+            raise RuntimeError(
+                "torch.distributed is already initialized in this Dask worker process (another "
+                "rank or an unfinished run?): one run() at a time per worker"
+            )
         chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         options = {"init_method": "env://", **(init_kwargs or {})}
         dist.init_process_group(backend=chosen, rank=spec.rank, world_size=spec.world_size, **options)
@@ -113,8 +142,9 @@ def _run_rank(fn, args: tuple, kwargs: dict, spec: _Rank, backend: Optional[str]
             except Exception:  # noqa: BLE001 - never hide the function's own outcome
                 log.warning("rank %d: destroy_process_group failed", spec.rank, exc_info=True)
     except Exception as exc:
-        raise RankError(spec.rank, spec.world_size, spec.worker, _qualname(type(exc)), str(exc),
-                        traceback.format_exc()) from None
+        raise RankError(
+            spec.rank, spec.world_size, spec.worker, _qualname(type(exc)), str(exc), traceback.format_exc()
+        ) from None
     finally:
         for k, v in saved.items():
             if v is None:
@@ -123,8 +153,14 @@ def _run_rank(fn, args: tuple, kwargs: dict, spec: _Rank, backend: Optional[str]
                 os.environ[k] = v
 
 
-def run(client: "distributed.Client", fn, *args, backend: Optional[str] = None,
-        init_kwargs: Optional[Dict[str, Any]] = None, **kwargs) -> List["distributed.Future"]:
+def run(
+    client: distributed.Client,
+    fn,
+    *args,
+    backend: str | None = None,
+    init_kwargs: dict[str, Any] | None = None,
+    **kwargs,
+) -> list[distributed.Future]:
     """Run ``fn(*args, **kwargs)`` once on every Dask worker, each as one DDP rank.
 
     Ranks are grouped by host (hosts sorted by name, workers by name within a host), so
@@ -156,12 +192,14 @@ def run(client: "distributed.Client", fn, *args, backend: Optional[str] = None,
     """
     infos = client.run(_describe_worker)
     if not infos:
-        raise ValueError("the Dask cluster has no workers: start some, or wait with client.wait_for_workers(n)")
+        raise ValueError(
+            "the Dask cluster has no workers: start some, or wait with client.wait_for_workers(n)"
+        )
     order = _order_workers(infos)
     master = order[0]
     port = client.run(_free_port, workers=[master])[master]
     master_addr = get_address_host(master)
-    hosts: Dict[str, List[str]] = {}
+    hosts: dict[str, list[str]] = {}
     for addr in order:
         hosts.setdefault(infos[addr]["host"], []).append(addr)
     token = uuid.uuid4().hex[:8]
@@ -170,7 +208,19 @@ def run(client: "distributed.Client", fn, *args, backend: Optional[str] = None,
     for rank, addr in enumerate(order):
         local = hosts[infos[addr]["host"]]
         spec = _Rank(rank, len(order), local.index(addr), len(local), master_addr, port, addr)
-        futures.append(client.submit(_run_rank, fn, args, kwargs, spec, backend, init_kwargs,
-                                     key=f"torchfeed-rank-{rank}-{name}-{token}", workers=[addr],
-                                     allow_other_workers=False, pure=False))
+        futures.append(
+            client.submit(
+                _run_rank,
+                fn,
+                args,
+                kwargs,
+                spec,
+                backend,
+                init_kwargs,
+                key=f"torchfeed-rank-{rank}-{name}-{token}",
+                workers=[addr],
+                allow_other_workers=False,
+                pure=False,
+            )
+        )
     return futures

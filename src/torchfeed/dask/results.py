@@ -7,7 +7,8 @@ import io
 import logging
 import os
 import uuid
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import distributed
 import torch
@@ -23,8 +24,10 @@ def check_result_path(path: str) -> str:
         raise ValueError(f"result path must be a non-empty string, not {path!r}")
     parts = path.split("/")
     if path.startswith("/") or "\\" in path or any(p in ("", ".", "..") for p in parts):
-        raise ValueError(f"result path {path!r} must be relative to the prefix, '/'-separated, without '', '.' "
-                         "or '..' components (e.g. 'rank0/metrics-3.json')")
+        raise ValueError(
+            f"result path {path!r} must be relative to the prefix, '/'-separated, without '', '.' "
+            "or '..' components (e.g. 'rank0/metrics-3.json')"
+        )
     return path
 
 
@@ -38,7 +41,7 @@ def _to_bytes(data: Any) -> bytes:
     return buf.getvalue()
 
 
-def _current_rank() -> Optional[int]:
+def _current_rank() -> int | None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -92,10 +95,10 @@ class ResultsHandler:
         Largest payload sent through the scheduler.
     """
 
-    def __init__(self, key: Optional[str] = None, *, inline_limit: int = 1 << 20):
+    def __init__(self, key: str | None = None, *, inline_limit: int = 1 << 20):
         self.key = key or uuid.uuid4().hex
         self.inline_limit = inline_limit
-        self._queues: Dict[str, "distributed.Queue"] = {}
+        self._queues: dict[str, distributed.Queue] = {}
 
     def __getstate__(self) -> dict:
         return {"key": self.key, "inline_limit": self.inline_limit}
@@ -103,20 +106,22 @@ class ResultsHandler:
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["key"], inline_limit=state["inline_limit"])
 
-    def _queue(self, kind: str) -> "distributed.Queue":
+    def _queue(self, kind: str) -> distributed.Queue:
         queue = self._queues.get(kind)
         if queue is None:
             try:
                 client = distributed.get_client()
             except ValueError:
-                raise RuntimeError("ResultsHandler needs Dask: call it inside a Dask task (e.g. a function "
-                                   "started by torchfeed.dask.run) or where a distributed.Client exists") from None
+                raise RuntimeError(
+                    "ResultsHandler needs Dask: call it inside a Dask task (e.g. a function "
+                    "started by torchfeed.dask.run) or where a distributed.Client exists"
+                ) from None
             queue = self._queues[kind] = distributed.Queue(f"torchfeed-{kind}-{self.key}", client=client)
         return queue
 
     # -- on the ranks
 
-    def submit_result(self, path: str, data: Union[str, bytes, Any]) -> None:
+    def submit_result(self, path: str, data: str | bytes | Any) -> None:
         """Send ``data`` to be written at ``prefix/path`` by :meth:`process_results`.
 
         ``str`` is written UTF-8 encoded, ``bytes`` as they are, anything else (a
@@ -132,7 +137,7 @@ class ResultsHandler:
         [future] = client.scatter([(path, _current_rank(), payload)], workers=here, hash=False)
         self._queue("results").put(future)
 
-    def submit_metrics(self, metrics: Optional[Mapping[str, Any]] = None, **values: Any) -> None:
+    def submit_metrics(self, metrics: Mapping[str, Any] | None = None, **values: Any) -> None:
         """Send one metrics dict (numbers, strings, lists; scalar tensors become numbers).
 
         ``rank`` is added when missing and known.
@@ -144,9 +149,16 @@ class ResultsHandler:
 
     # -- on the driver
 
-    def process_results(self, prefix: str, futures, raise_errors: bool = True, *,
-                        storage_options: Optional[Dict[str, Any]] = None, on_metrics=None,
-                        poll_interval: float = 0.2) -> List[str]:
+    def process_results(
+        self,
+        prefix: str,
+        futures,
+        raise_errors: bool = True,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        on_metrics=None,
+        poll_interval: float = 0.2,
+    ) -> list[str]:
         """Write results under ``prefix`` as they arrive, until ``futures`` finish.
 
         Each file is written atomically: locally to a temporary name then renamed, on
@@ -173,7 +185,7 @@ class ResultsHandler:
             The paths written, in arrival order.
         """
         fs, root = open_url(prefix, storage_options)
-        written: List[str] = []
+        written: list[str] = []
 
         def drain() -> None:
             for item in self._queue("results").get(batch=True):
@@ -191,11 +203,17 @@ class ResultsHandler:
             pass
         return written
 
-    def metrics(self, futures, raise_errors: bool = True, poll_interval: float = 0.2) -> Iterator[Dict[str, Any]]:
+    def metrics(
+        self, futures, raise_errors: bool = True, poll_interval: float = 0.2
+    ) -> Iterator[dict[str, Any]]:
         """Yield metrics dicts as the ranks send them, until ``futures`` finish."""
-        pending: List[Dict[str, Any]] = []
-        for _ in self._follow(futures, raise_errors, poll_interval,
-                              lambda: pending.extend(self._queue("metrics").get(batch=True))):
+        pending: list[dict[str, Any]] = []
+        for _ in self._follow(
+            futures,
+            raise_errors,
+            poll_interval,
+            lambda: pending.extend(self._queue("metrics").get(batch=True)),
+        ):
             while pending:
                 yield pending.pop(0)
 
@@ -217,8 +235,9 @@ class ResultsHandler:
             if finished:
                 return
             try:
-                distributed.wait([f for f in futures if not f.done()], timeout=poll_interval,
-                                 return_when="FIRST_COMPLETED")
+                distributed.wait(
+                    [f for f in futures if not f.done()], timeout=poll_interval, return_when="FIRST_COMPLETED"
+                )
             except (TimeoutError, asyncio.TimeoutError):
                 pass
 

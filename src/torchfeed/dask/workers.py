@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import distributed
 from distributed.comm.addressing import get_address_host
@@ -43,13 +43,15 @@ sys.exit(main(sys.argv[1:]))
 class _Process:
     """One torchfeed worker process; its stderr goes on to this Dask worker's stderr, the tail is kept."""
 
-    def __init__(self, cmd: List[str], env: Dict[str, str]):
-        self.popen = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      env=env, text=True)
+    def __init__(self, cmd: list[str], env: dict[str, str]):
+        self.popen = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True
+        )
         self.pid = self.popen.pid
-        self.tail: Deque[str] = collections.deque(maxlen=40)
-        self._forwarder = threading.Thread(target=self._forward, name=f"torchfeed-worker-{self.pid}-stderr",
-                                           daemon=True)
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self._forwarder = threading.Thread(
+            target=self._forward, name=f"torchfeed-worker-{self.pid}-stderr", daemon=True
+        )
         self._forwarder.start()
 
     def _forward(self) -> None:
@@ -69,8 +71,10 @@ class _Process:
                         return line.strip()
                 if self.popen.poll() is not None:
                     self._forwarder.join(2.0)
-                    raise RuntimeError(f"a torchfeed worker exited with code {self.popen.returncode} before "
-                                       f"printing its address; its stderr ends with:\n{''.join(self.tail)[-2000:]}")
+                    raise RuntimeError(
+                        f"a torchfeed worker exited with code {self.popen.returncode} before "
+                        f"printing its address; its stderr ends with:\n{''.join(self.tail)[-2000:]}"
+                    )
         raise TimeoutError("a torchfeed worker did not print its address in time")
 
     def terminate(self) -> None:
@@ -94,9 +98,9 @@ class _WorkerProcesses(WorkerPlugin):
     idempotent = False
 
     def __init__(self):
-        self.processes: List[_Process] = []
-        self.addresses: List[str] = []
-        self._saved_secret: Optional[Tuple[Optional[str]]] = None  # set when this plugin set the variable
+        self.processes: list[_Process] = []
+        self.addresses: list[str] = []
+        self._saved_secret: tuple[str | None] | None = None  # set when this plugin set the variable
 
     def setup(self, worker) -> None:
         pass
@@ -104,7 +108,7 @@ class _WorkerProcesses(WorkerPlugin):
     async def teardown(self, worker) -> None:
         await asyncio.to_thread(self.stop)
 
-    def start(self, n: int, secret: auth.Secret, host: str, args: Sequence[str], timeout: float) -> List[str]:
+    def start(self, n: int, secret: auth.Secret, host: str, args: Sequence[str], timeout: float) -> list[str]:
         value = secret.value.decode()
         env = dict(os.environ, PYTHONUNBUFFERED="1", **{auth.ENV_SECRET: value})
         cmd = [sys.executable, "-c", _BOOTSTRAP, "worker", "--host", host, "--port", "0", *args]
@@ -137,8 +141,9 @@ class _WorkerProcesses(WorkerPlugin):
                 os.environ[auth.ENV_SECRET] = previous
 
 
-async def _start_on_worker(n: int, secret: auth.Secret, host: Optional[str], args: Sequence[str],
-                           timeout: float, dask_worker=None) -> List[str]:
+async def _start_on_worker(
+    n: int, secret: auth.Secret, host: str | None, args: Sequence[str], timeout: float, dask_worker=None
+) -> list[str]:
     plugin = dask_worker.plugins.get(PLUGIN_NAME)
     if plugin is None:
         raise RuntimeError("the torchfeed worker plugin is not installed on this Dask worker")
@@ -153,18 +158,27 @@ class WorkerAddresses(list):
     """
 
     secret: auth.Secret
-    by_dask_worker: Dict[str, List[str]]
+    by_dask_worker: dict[str, list[str]]
 
     def __reduce__(self):
         return (list, (list(self),))
 
 
-_exported: Dict[str, Optional[str]] = {}  # "previous" and "ours": this process's TORCHFEED_SECRET
+_exported: dict[str, str | None] = {}  # "previous" and "ours": this process's TORCHFEED_SECRET
 
 
-def start_workers(client: "distributed.Client", procs_per_worker: int = 1, *, secret: auth.SecretLike = None,
-                  export_secret: bool = True, host: Optional[str] = None, parallel: int = 1, threads: int = 1,
-                  worker_args: Sequence[str] = (), start_timeout: float = 60.0) -> WorkerAddresses:
+def start_workers(
+    client: distributed.Client,
+    procs_per_worker: int = 1,
+    *,
+    secret: auth.SecretLike = None,
+    export_secret: bool = True,
+    host: str | None = None,
+    parallel: int = 1,
+    threads: int = 1,
+    worker_args: Sequence[str] = (),
+    start_timeout: float = 60.0,
+) -> WorkerAddresses:
     """Start torchfeed worker processes next to every Dask worker; return their addresses.
 
     Each Dask worker starts ``procs_per_worker`` ``torchfeed worker`` processes with
@@ -211,19 +225,26 @@ def start_workers(client: "distributed.Client", procs_per_worker: int = 1, *, se
         try:
             sec.value.decode()
         except UnicodeDecodeError:
-            raise ValueError("the secret must be text (it is handed to the workers in an environment "
-                             "variable): use a str, e.g. secrets.token_hex(32)") from None
+            raise ValueError(
+                "the secret must be text (it is handed to the workers in an environment "
+                "variable): use a str, e.g. secrets.token_hex(32)"
+            ) from None
     args = ["--parallel", str(parallel), "--threads", str(threads), *worker_args]
     client.register_plugin(_WorkerProcesses(), name=PLUGIN_NAME)
-    results = client.run(_start_on_worker, procs_per_worker, sec, host, args, start_timeout, on_error="return")
+    results = client.run(
+        _start_on_worker, procs_per_worker, sec, host, args, start_timeout, on_error="return"
+    )
     failures = {w: r for w, r in results.items() if isinstance(r, BaseException)}
     if failures or not results:
         stop_workers(client)
         if not results:
-            raise ValueError("the Dask cluster has no workers: start some, or wait with client.wait_for_workers(n)")
+            raise ValueError(
+                "the Dask cluster has no workers: start some, or wait with client.wait_for_workers(n)"
+            )
         detail = "".join(f"\n- {w}: {type(e).__name__}: {str(e).rstrip()}" for w, e in failures.items())
-        raise RuntimeError(f"could not start torchfeed workers on {len(failures)} of {len(results)} Dask "
-                           f"workers:{detail}") from next(iter(failures.values()))
+        raise RuntimeError(
+            f"could not start torchfeed workers on {len(failures)} of {len(results)} Dask workers:{detail}"
+        ) from next(iter(failures.values()))
     by_worker = {w: results[w] for w in sorted(results)}
     addresses = WorkerAddresses(a for w in by_worker for a in by_worker[w])
     addresses.secret = sec
@@ -234,15 +255,19 @@ def start_workers(client: "distributed.Client", procs_per_worker: int = 1, *, se
     return addresses
 
 
-def stop_workers(client: "distributed.Client") -> None:
+def stop_workers(client: distributed.Client) -> None:
     """Stop the torchfeed workers started by :func:`start_workers` and undo its ``TORCHFEED_SECRET``."""
     try:
         client.unregister_worker_plugin(PLUGIN_NAME)
     except ValueError:
         pass  # none running
     except Exception as exc:  # noqa: BLE001 - a Dask worker leaving meanwhile; its workers stop with it
-        log.warning("stop_workers could not reach every Dask worker (%s: %s); torchfeed workers of a Dask "
-                    "worker that closes or dies stop on their own", type(exc).__name__, exc)
+        log.warning(
+            "stop_workers could not reach every Dask worker (%s: %s); torchfeed workers of a Dask "
+            "worker that closes or dies stop on their own",
+            type(exc).__name__,
+            exc,
+        )
     if _exported and os.environ.get(auth.ENV_SECRET) == _exported.get("ours"):
         previous = _exported.get("previous")
         if previous is None:

@@ -10,5 +10,15 @@ from .folder import IMG_EXTENSIONS, FileDataset, ImageFolder, decode_rgb
 from .shards import ShardReader, Shards, lines, shard_order
 from .storage import is_transient, retry
 
-__all__ = sorted(["FileDataset", "IMG_EXTENSIONS", "ImageFolder", "ShardReader", "Shards", "decode_rgb", "is_transient",
-                  "lines", "retry", "shard_order"])
+__all__ = [
+    "FileDataset",
+    "IMG_EXTENSIONS",
+    "ImageFolder",
+    "ShardReader",
+    "Shards",
+    "decode_rgb",
+    "is_transient",
+    "lines",
+    "retry",
+    "shard_order",
+]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import io
 import posixpath
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import torch.utils.data
 
@@ -67,25 +68,35 @@ class ImageFolder(FileSystemUser, torch.utils.data.Dataset):
         without any image (unless ``allow_empty``).
     """
 
-    def __init__(self, url: str, transform: Optional[Callable] = None, target_transform: Optional[Callable] = None,
-                 storage_options: Optional[Dict[str, Any]] = None, *, is_valid_file: Optional[Callable[[str], bool]]
-                 = None, allow_empty: bool = False, retries: int = DEFAULT_RETRIES):
+    def __init__(
+        self,
+        url: str,
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        is_valid_file: Callable[[str], bool] | None = None,
+        allow_empty: bool = False,
+        retries: int = DEFAULT_RETRIES,
+    ):
         self._init_fs(url, storage_options, retries)
         self.root = self.url
         self.transform = transform
         self.target_transform = target_transform
         self.extensions = None if is_valid_file is not None else IMG_EXTENSIONS
         files, dirs = self._list_files("ImageFolder")
-        self.classes: List[str] = sorted(d for d in dirs if "/" not in d)
+        self.classes: list[str] = sorted(d for d in dirs if "/" not in d)
         if not self.classes:
-            raise FileNotFoundError(f"Couldn't find any class folder in {self.url}: ImageFolder expects "
-                                    f"{self.url}/<class name>/<image files>")
-        self.class_to_idx: Dict[str, int] = {c: i for i, c in enumerate(self.classes)}
-        self.samples: List[Tuple[str, int]] = self._make_samples(files, is_valid_file, allow_empty)
-        self.targets: List[int] = [t for _, t in self.samples]
+            raise FileNotFoundError(
+                f"Couldn't find any class folder in {self.url}: ImageFolder expects "
+                f"{self.url}/<class name>/<image files>"
+            )
+        self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
+        self.samples: list[tuple[str, int]] = self._make_samples(files, is_valid_file, allow_empty)
+        self.targets: list[int] = [t for _, t in self.samples]
         self.imgs = self.samples
 
-    def _make_samples(self, files: List[str], is_valid_file, allow_empty: bool) -> List[Tuple[str, int]]:
+    def _make_samples(self, files: list[str], is_valid_file, allow_empty: bool) -> list[tuple[str, int]]:
         local = _is_local(self.fs)
         found = []
         for rel in files:
@@ -96,13 +107,17 @@ class ImageFolder(FileSystemUser, torch.utils.data.Dataset):
             ok = is_valid_file(path) if is_valid_file is not None else rel.lower().endswith(IMG_EXTENSIONS)
             if ok:
                 # torchvision walks sorted(os.walk(class_dir)), sorted file names in each directory
-                found.append(((cls, posixpath.dirname(rel), posixpath.basename(rel)), path, self.class_to_idx[cls]))
+                found.append(
+                    ((cls, posixpath.dirname(rel), posixpath.basename(rel)), path, self.class_to_idx[cls])
+                )
         found.sort(key=lambda item: item[0])
         empty = set(self.classes) - {key[0] for key, _, _ in found}
         if empty and not allow_empty:
             supported = ", ".join(self.extensions) if self.extensions else "those accepted by is_valid_file"
-            raise FileNotFoundError(f"Found no valid file for the classes {', '.join(sorted(empty))} under "
-                                    f"{self.url}. Supported extensions are: {supported}")
+            raise FileNotFoundError(
+                f"Found no valid file for the classes {', '.join(sorted(empty))} under "
+                f"{self.url}. Supported extensions are: {supported}"
+            )
         return [(path, target) for _, path, target in found]
 
     def __len__(self) -> int:
@@ -123,8 +138,11 @@ class ImageFolder(FileSystemUser, torch.utils.data.Dataset):
         return sample, target
 
     def __repr__(self) -> str:
-        lines = [f"Dataset {type(self).__name__}", f"    Number of datapoints: {len(self)}",
-                 f"    Root location: {self.url}"]
+        lines = [
+            f"Dataset {type(self).__name__}",
+            f"    Number of datapoints: {len(self)}",
+            f"    Root location: {self.url}",
+        ]
         if self.transform is not None:
             lines.append(f"    Transform: {self.transform!r}")
         return "\n".join(lines)
@@ -158,8 +176,15 @@ class FileDataset(FileSystemUser, torch.utils.data.Dataset):
         Nothing under ``url``, or no file matching ``pattern``.
     """
 
-    def __init__(self, url: str, pattern: str = "**", decode: Optional[Callable[[bytes], Any]] = None, *,
-                 storage_options: Optional[Dict[str, Any]] = None, retries: int = DEFAULT_RETRIES):
+    def __init__(
+        self,
+        url: str,
+        pattern: str = "**",
+        decode: Callable[[bytes], Any] | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        retries: int = DEFAULT_RETRIES,
+    ):
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f"pattern must be a non-empty glob such as '**/*.json', not {pattern!r}")
         self._init_fs(url, storage_options, retries)
@@ -170,12 +195,15 @@ class FileDataset(FileSystemUser, torch.utils.data.Dataset):
         matched = sorted(rel for rel in files if regex.match(rel))
         if not matched:
             examples = ", ".join(sorted(files)[:5]) or "none"
-            raise FileNotFoundError(f"FileDataset: no file under {self.url} matches {pattern!r} ({len(files)} "
-                                    f"files there, e.g. {examples}). Patterns are relative to the URL; use "
-                                    "'**/' to match in subdirectories")
+            raise FileNotFoundError(
+                f"FileDataset: no file under {self.url} matches {pattern!r} ({len(files)} "
+                f"files there, e.g. {examples}). Patterns are relative to the URL; use "
+                "'**/' to match in subdirectories"
+            )
         local = _is_local(self.fs)
-        self.files: List[str] = [self._full(r) if local else self.fs.unstrip_protocol(self._full(r))
-                                 for r in matched]
+        self.files: list[str] = [
+            self._full(r) if local else self.fs.unstrip_protocol(self._full(r)) for r in matched
+        ]
 
     def __len__(self) -> int:
         return len(self.files)

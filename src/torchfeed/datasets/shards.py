@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import itertools
 import random
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Union
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -23,7 +24,7 @@ from ..streams import Inbox, NeedShard
 _ORDER_TAG = 0x5A4D
 
 
-def shard_order(count: int, shuffle: bool, seed: int, epoch: int) -> List[tuple]:
+def shard_order(count: int, shuffle: bool, seed: int, epoch: int) -> list[tuple]:
     """The epoch's shards as ``(index, buffer seed)``, shuffled from (seed, epoch) when asked."""
     order = list(range(count))
     if shuffle:
@@ -31,7 +32,7 @@ def shard_order(count: int, shuffle: bool, seed: int, epoch: int) -> List[tuple]
     return [(i, mix_seed(seed, epoch, i) & INT63) for i in order]
 
 
-def _expand(urls: Union[str, Sequence[str]], storage_options: Optional[dict]) -> List[str]:
+def _expand(urls: str | Sequence[str], storage_options: dict | None) -> list[str]:
     if not isinstance(urls, str):
         return list(urls)
     if not any(ch in urls for ch in "*?["):
@@ -68,9 +69,16 @@ class Shards(IterableDataset):
         For expanding a pattern with fsspec.
     """
 
-    def __init__(self, urls: Union[str, Sequence[str]], open_shard: Callable[[str], Iterable], *,
-                 shuffle: bool = False, seed: Optional[int] = None, shuffle_buffer: int = 0,
-                 storage_options: Optional[dict] = None):
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        open_shard: Callable[[str], Iterable],
+        *,
+        shuffle: bool = False,
+        seed: int | None = None,
+        shuffle_buffer: int = 0,
+        storage_options: dict | None = None,
+    ):
         if shuffle_buffer < 0:
             raise ValueError(f"shuffle_buffer must be >= 0, got {shuffle_buffer}")
         self.urls = _expand(urls, storage_options)
@@ -86,7 +94,7 @@ class Shards(IterableDataset):
         """The epoch (for the shard order) when iterated outside RemoteDataLoader."""
         self.epoch = int(epoch)
 
-    def __iter__(self) -> "ShardReader":
+    def __iter__(self) -> ShardReader:
         """Outside RemoteDataLoader: stream i of K reads every K-th shard of the epoch's order."""
         info = get_worker_info()
         wid, count = (info.id, info.num_workers) if info is not None else (0, 1)
@@ -97,7 +105,7 @@ class Shards(IterableDataset):
     def _torchfeed_plan(self) -> tuple:
         return len(self.urls), self.shuffle, self.seed
 
-    def _torchfeed_dynamic_iter(self, inbox: Inbox) -> "ShardReader":
+    def _torchfeed_dynamic_iter(self, inbox: Inbox) -> ShardReader:
         return ShardReader(self, inbox)
 
 
@@ -112,12 +120,12 @@ class ShardReader:
     def __init__(self, shards: Shards, inbox: Inbox):
         self._shards = shards
         self._inbox = inbox
-        self._granted: List[tuple] = []
+        self._granted: list[tuple] = []
         self._done = 0
         self._emitted = 0
-        self._current: Optional[Any] = None
+        self._current: Any | None = None
 
-    def __iter__(self) -> "ShardReader":
+    def __iter__(self) -> ShardReader:
         return self
 
     def __next__(self) -> Any:
@@ -159,7 +167,7 @@ class ShardReader:
 
 def _buffered(samples, size: int, rng: random.Random):
     """A shuffle buffer: fill ``size`` samples, then yield a random one per sample read."""
-    buffer: List[Any] = []
+    buffer: list[Any] = []
     for sample in samples:
         if len(buffer) < size:
             buffer.append(sample)
@@ -171,7 +179,7 @@ def _buffered(samples, size: int, rng: random.Random):
     yield from buffer
 
 
-def lines(url: str, storage_options: Optional[dict] = None) -> Iterable[str]:
+def lines(url: str, storage_options: dict | None = None) -> Iterable[str]:
     """The lines of a text file at any fsspec URL (without line ends): an ``open_shard`` for text shards."""
     import fsspec
 

@@ -13,7 +13,8 @@ import os
 import random
 import re
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -22,16 +23,34 @@ DEFAULT_BACKOFF = 0.2  # seconds before the first retry; doubled each time
 
 # errno values of failures that may go away when tried again
 _TRANSIENT_ERRNOS = {
-    errno.EAGAIN, errno.EBUSY, errno.EIO, errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED,
-    errno.ETIMEDOUT, errno.EPIPE, errno.ENETDOWN, errno.ENETUNREACH, errno.EHOSTUNREACH,
+    errno.EAGAIN,
+    errno.EBUSY,
+    errno.EIO,
+    errno.ECONNRESET,
+    errno.ECONNABORTED,
+    errno.ECONNREFUSED,
+    errno.ETIMEDOUT,
+    errno.EPIPE,
+    errno.ENETDOWN,
+    errno.ENETUNREACH,
+    errno.EHOSTUNREACH,
     getattr(errno, "EREMOTEIO", errno.EIO),
 }
 # failures that retrying cannot fix
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
 # client libraries whose connection and timeout errors do not derive from the builtin ones
 _CLIENT_MODULES = ("aiohttp", "botocore", "urllib3", "requests", "http.client", "google", "azure", "fsspec")
-_CLIENT_WORDS = ("connection", "timeout", "disconnect", "payload", "incompleteread", "throttl", "slowdown",
-                 "unavailable", "reset")
+_CLIENT_WORDS = (
+    "connection",
+    "timeout",
+    "disconnect",
+    "payload",
+    "incompleteread",
+    "throttl",
+    "slowdown",
+    "unavailable",
+    "reset",
+)
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -53,8 +72,9 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
-def retry(fn: Callable[[], T], what: str, retries: int = DEFAULT_RETRIES,
-          backoff: float = DEFAULT_BACKOFF) -> T:
+def retry(
+    fn: Callable[[], T], what: str, retries: int = DEFAULT_RETRIES, backoff: float = DEFAULT_BACKOFF
+) -> T:
     """Call ``fn()``; on a transient error try again up to ``retries`` times, backing off.
 
     The last error is re-raised with a note naming ``what`` and the attempts made.
@@ -68,18 +88,20 @@ def retry(fn: Callable[[], T], what: str, retries: int = DEFAULT_RETRIES,
                 if attempt and hasattr(exc, "add_note"):  # Python >= 3.11
                     exc.add_note(f"while {what}: gave up after {attempt + 1} attempts")
                 raise
-            delay = backoff * (2 ** attempt) * (0.5 + random.random())
+            delay = backoff * (2**attempt) * (0.5 + random.random())
             attempt += 1
             time.sleep(delay)
 
 
-def open_url(url: str, storage_options: Optional[Dict[str, Any]] = None):
+def open_url(url: str, storage_options: dict[str, Any] | None = None):
     """``(filesystem, path)`` for an fsspec URL or a local path."""
     try:
         import fsspec.core
     except ImportError:  # pragma: no cover - fsspec comes with the extra
-        raise ImportError("torchfeed.datasets needs fsspec: pip install 'torchfeed[dask]' "
-                          "(or fsspec plus the filesystem you use, e.g. s3fs)") from None
+        raise ImportError(
+            "torchfeed.datasets needs fsspec: pip install 'torchfeed[dask]' "
+            "(or fsspec plus the filesystem you use, e.g. s3fs)"
+        ) from None
     fs, path = fsspec.core.url_to_fs(os.fspath(url), **(storage_options or {}))
     return fs, path.rstrip("/") or path
 
@@ -88,12 +110,13 @@ class FileSystemUser:
     """Mixin: a filesystem opened lazily per process from ``self.url``/``self.storage_options``."""
 
     url: str
-    storage_options: Dict[str, Any]
+    storage_options: dict[str, Any]
 
-    def _init_fs(self, url: str, storage_options: Optional[Dict[str, Any]], retries: int) -> None:
+    def _init_fs(self, url: str, storage_options: dict[str, Any] | None, retries: int) -> None:
         if not isinstance(url, (str, os.PathLike)):
-            raise TypeError(f"url must be a string such as 's3://bucket/prefix' or a local path, "
-                            f"not {type(url).__name__}")
+            raise TypeError(
+                f"url must be a string such as 's3://bucket/prefix' or a local path, not {type(url).__name__}"
+            )
         self.url = os.fspath(url)
         self.storage_options = dict(storage_options or {})
         self.retries = int(retries)
@@ -121,7 +144,7 @@ class FileSystemUser:
         """The whole content of ``path`` (one request), retried on transient errors."""
         return retry(lambda: self.fs.cat_file(path), f"reading {path}", self.retries)
 
-    def _list_files(self, what: str) -> Tuple[List[str], List[str]]:
+    def _list_files(self, what: str) -> tuple[list[str], list[str]]:
         """One recursive listing under the root: (relative file paths, relative directory paths)."""
         fs, root = self.fs, self._root
 
@@ -139,12 +162,14 @@ class FileSystemUser:
             path = path.rstrip("/")
             if path == root.rstrip("/"):
                 if info.get("type") == "file":
-                    raise NotADirectoryError(f"{what}: {self.url} is a file; give the URL of the directory "
-                                             "(prefix) that holds the data")
+                    raise NotADirectoryError(
+                        f"{what}: {self.url} is a file; give the URL of the directory "
+                        "(prefix) that holds the data"
+                    )
                 continue
             if not path.startswith(prefix):
                 continue
-            rel = path[len(prefix):]
+            rel = path[len(prefix) :]
             if info.get("type") == "directory":
                 dirs.add(rel)
             else:
@@ -156,14 +181,15 @@ class FileSystemUser:
         if not files and not dirs:
             raise FileNotFoundError(
                 f"{what}: nothing found under {self.url!r}: the path does not exist or is empty. Check the "
-                "bucket and prefix, and storage_options (endpoint_url, credentials) for object stores")
+                "bucket and prefix, and storage_options (endpoint_url, credentials) for object stores"
+            )
         return files, sorted(dirs)
 
     def _full(self, rel: str) -> str:
         return f"{self._root.rstrip('/')}/{rel}"
 
 
-def glob_to_regex(pattern: str) -> "re.Pattern[str]":
+def glob_to_regex(pattern: str) -> re.Pattern[str]:
     """Compile a glob over ``/``-separated relative paths.
 
     ``*`` and ``?`` stay within one path segment, ``**`` matches any number of segments
@@ -185,12 +211,12 @@ def glob_to_regex(pattern: str) -> "re.Pattern[str]":
             out.append("[^/]")
             i += 1
         elif c == "[":
-            j = pattern.find("]", i + 2 if pattern[i + 1:i + 2] in ("!", "]") else i + 1)
+            j = pattern.find("]", i + 2 if pattern[i + 1 : i + 2] in ("!", "]") else i + 1)
             if j < 0:
                 out.append(re.escape(c))
                 i += 1
             else:
-                body = pattern[i + 1:j]
+                body = pattern[i + 1 : j]
                 body = "^" + body[1:] if body.startswith("!") else body
                 out.append(f"[{body.replace(chr(92), chr(92) * 2)}]")
                 i = j + 1
