@@ -29,6 +29,7 @@ _EXPORTS = {
     "RemoteError": "errors",
     "RemoteRef": "client",
     "SerializationError": "errors",
+    "Session": "session",
     "Timeout": "errors",
     "TorchfeedError": "errors",
     "UnsafeAddressFile": "addrfile",
@@ -59,6 +60,7 @@ __all__ = [
     "RemoteError",
     "RemoteRef",
     "SerializationError",
+    "Session",
     "Timeout",
     "TorchfeedError",
     "UnsafeAddressFile",
@@ -108,6 +110,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .local import LocalWorkers
     from .remote_dataset import RemoteDataset
     from .sampling import DistributedSampler, set_random_seeds
+    from .session import Session
     from .worker import WorkerServer, run_worker
 
     RPCDataset = RemoteDataset
