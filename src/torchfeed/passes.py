@@ -9,93 +9,24 @@ the user's thread, at the user's line (:mod:`torchfeed.notices`).
 
 from __future__ import annotations
 
-import atexit
-import itertools
 import logging
 import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from . import client, notices
-from .errors import ConnectionClosed, PoisonSampleError, RemoteError, Timeout, WorkerLost
-from .remote_dataset import wait_all
+from . import notices, passplan
+from .errors import ConnectionClosed, RemoteError, WorkerLost
+from .ledger import Ledger
+from .passplan import PassPlan, live, new_pass_id
 from .scheduler import Scheduler
-from .views import Source, keys_of
 
 log = logging.getLogger("torchfeed.loader")
 
 _POLL = 0.05  # seconds between straggler checks while the consumer waits
 _JOIN_SECONDS = 1.0  # how long close() waits for the dispatch thread to end
 _STALL_DEFAULT = 120.0  # seconds to wait for a worker when none is left and timeout=0
-_pass_ids = itertools.count(1)
-_live: weakref.WeakSet = weakref.WeakSet()  # passes not closed yet
-_exiting = False
-
-
-def _close_all_passes() -> None:
-    """At interpreter exit, before connections close: passes go quiet (no 'lost worker' noise)."""
-    global _exiting
-    _exiting = True
-    for p in list(_live):
-        try:
-            p.close()
-        except Exception:
-            pass
-
-
-atexit.register(_close_all_passes)  # registered after client's close_all: runs before it
-
-
-def new_pass_id() -> int:
-    return next(_pass_ids)
-
-
-class FetcherSet:
-    """One loader's worker-side objects (made by ``make(address)``), one per worker."""
-
-    def __init__(self, make: Callable[[str], Any], timeout: float, secret):
-        self._make = make
-        self._timeout = timeout
-        self._secret = secret
-        self._refs: dict[str, client.RemoteRef] = {}
-        self._lock = threading.Lock()
-
-    def ensure(self, workers: Sequence[str]) -> dict[str, BaseException]:
-        """Create the fetchers not made yet (or lost with their connection); return the failures."""
-        with self._lock:
-            missing = [w for w in workers if w not in self._refs or self._refs[w].closed]
-            if not missing:
-                return {}
-            futs = {w: self._make(w) for w in missing}
-            failed = {}
-            for w, v in wait_all(futs, self._timeout).items():
-                if isinstance(v, RemoteError):
-                    raise v
-                if isinstance(v, BaseException):
-                    failed[w] = v
-                else:
-                    self._refs[w] = v
-            return failed
-
-    def get(self, address: str) -> client.RemoteRef | None:
-        return self._refs.get(address)
-
-
-@dataclass
-class PassPlan:
-    """What the loader hands a pass: where the indices come from and how to load them."""
-
-    source: Source
-    fetchers: FetcherSet
-    sampler_iter: Any
-    progress: Any  # resume.Progress
-    auto_collation: bool
-    sample_seed: int | None  # per-sample seeding's base seed, None when off
-    base_seed: int  # the pass's base seed (worker seeds are base_seed + id, as in torch)
 
 
 # NOTE [threads of a map-style pass]
@@ -112,23 +43,23 @@ class PassPlan:
 #   the next pass's first batches (:mod:`torchfeed.prefetch`). It owns the sampler
 #   iterator once the pass is built.
 # * connection reader threads (one per worker connection, client.py): receive replies
-#   into their buffers and call ``_on_result``, which only records the outcome in the
-#   scheduler and the results, and wakes the consumer and the dispatch thread. No user
-#   code (sampler, collate, callbacks) and no send runs on them.
-# * the keeper thread (client.py: heartbeats, deadlines) and a dataset's membership
-#   thread (remote_dataset.py: ``worker_joined``/``worker_removed``), which only record
-#   and wake the dispatch thread, as reader threads do.
+#   into their buffers and call ``on_result`` (the pass is a ``prefetch.ResultSink``),
+#   which only records the outcome in the scheduler and the ledger (ledger.py), and
+#   wakes the consumer and the dispatch thread. No user code and no send runs on them.
+# * the keeper thread of the connections' Session (session.py: heartbeats, deadlines)
+#   and a dataset's membership thread (remote_dataset.py: the pass is its
+#   ``MembershipListener``), which only record and wake, as reader threads do.
 #
 # Locks, in the order they may be taken (never the reverse):
-#   MapPass._lock (the scheduler, results, request ids, flags; shared by the two
+#   MapPass._lock (the scheduler, the ledger, flags; shared by the two
 #      conditions ``_ready``, where the consumer waits, and ``_work``, where the
 #      dispatch thread waits)
 #   -> prefetch.Head._lock (the prefetched batches of the next pass: taken by the next
 #      pass while it claims them; released before calling into any pass)
-#   -> client.Connection._pending_lock (taken and released inside request/cancel).
+#   -> a connection's _pending_lock (taken and released inside RemoteRef.request/cancel).
 # A connection's _send_lock is only ever taken with none of these held: every send and
 # cancel runs on a dispatch thread (or in close()) after the pass lock is released. A
-# reader thread holds no lock of its connection while it calls ``_on_result``. Samplers
+# reader thread holds no lock of its connection while it calls ``on_result``. Samplers
 # are used by one thread at a time: the consumer until the dispatch thread starts, then
 # that thread; the next pass's prediction works on copies (fresh generators).
 
@@ -152,10 +83,7 @@ class MapPass:
         self._work = threading.Condition(self._lock)  # the dispatch thread waits here
         self._dirty = False  # the dispatch thread has something to do
         self._notices = notices.Pending()
-        self._indices: dict[int, Any] = {}
-        self._results: dict[int, tuple] = {}
-        self._requests: dict[int, dict[str, int]] = {}  # seq -> {address: request id}
-        self._to_cancel: dict[str, list[int]] = {}  # sent by the dispatch thread
+        self._ledger = Ledger(self._auto)  # keys, results, requests and cancels of each batch
         self._errors: dict[str, str] = {}
         self._fatal: BaseException | None = None
         self._closed = False
@@ -176,11 +104,11 @@ class MapPass:
             workers,
             credits=credits,
             window=max(2 * credits * n, n + 2 * credits),
-            pass_length=_pass_length(loader, plan.progress),
-            estimates=getattr(loader, "_estimates", None),
+            pass_length=passplan.pass_length(loader, plan.progress),
+            estimates=plan.estimates,
         )
         self._source.subscribe(self)
-        _live.add(self)
+        live.add(self)
         with self._lock:
             if not workers:
                 self._no_worker_left()
@@ -232,7 +160,7 @@ class MapPass:
         with self._lock:
             for idx in batches:
                 seq = self._sched.add_batch()
-                self._indices[seq] = idx
+                self._ledger.indices[seq] = idx
                 if self._head is not None:
                     self._adopt(seq, idx)
             if exhausted:
@@ -241,28 +169,11 @@ class MapPass:
 
     def _adopt(self, seq: int, idx) -> None:
         """Use the prefetched copy of batch ``seq`` if it loads the same keys (lock held)."""
-        claim = self._head.claim(seq, idx, self)
-        if claim is None:  # used up, or this pass differs from the prediction
-            self._merge_cancels(self._head.take_cancels())
+        got = self._head.adopt(seq, idx, self, self._sched, self._ledger)
+        if got is None:  # used up, or this pass differs from the prediction
             self._head = None
-            return
-        if claim[0] != "miss":
-            self.prefetched += 1
-        if claim[0] == "done":
-            self._sched.preloaded(seq)
-            self._results[seq] = claim[2]
-        elif claim[0] == "running":
-            address, (rid, started) = claim[1], claim[2]
-            if self._sched.adopt(address, started, seq):
-                self._requests.setdefault(seq, {})[address] = rid
-            else:  # its worker does not serve this pass: sent again as usual
-                released = self._head.release(seq)
-                if released is not None:
-                    self._to_cancel.setdefault(released[0], []).append(released[1])
-
-    def _merge_cancels(self, cancels: dict[str, list[int]]) -> None:
-        for address, rids in cancels.items():
-            self._to_cancel.setdefault(address, []).extend(rids)
+        else:
+            self.prefetched += got
 
     # -- the dispatch thread ---------------------------------------------------------------
     def _pump(self) -> None:
@@ -285,13 +196,13 @@ class MapPass:
                 return
             if self._fatal is None:  # a poison batch must not go out again
                 for address, seq in self._hedges():
-                    sends.append((address, seq, self._indices.get(seq)))
+                    sends.append((address, seq, self._ledger.indices.get(seq)))
                 while True:
                     choice = sched.next_dispatch()
                     if choice is None:
                         break
-                    sends.append((*choice, self._indices.get(choice[1])))
-            cancels, self._to_cancel = self._to_cancel, {}
+                    sends.append((*choice, self._ledger.indices.get(choice[1])))
+            cancels = self._ledger.take_cancels()
             more = sched.wants_more() and self._fatal is None
             if (
                 self._next_head is None
@@ -309,7 +220,7 @@ class MapPass:
             self._send(address, seq, idx)
         self._send_cancels(cancels)
         if predict:
-            head = self._loader._prefetch_next(self)
+            head = self._plan.next_head(self) if self._plan.next_head is not None else None
             with self._lock:
                 self._next_head = head or False
                 free = self._free_credits() if head else None
@@ -330,21 +241,10 @@ class MapPass:
             return self._sched.estimates()
 
     def _free_credits(self) -> dict[str, int]:
-        """Credits this pass leaves unused, per worker (for the next pass's prefetch)."""
-        return {
-            w.address: self._sched.credits - len(w.in_flight)
-            for w in self._sched.workers.values()
-            if w.alive and len(w.in_flight) < self._sched.credits
-        }
+        return passplan.free_credits(self._sched)
 
     def _hedges(self) -> list[tuple]:
-        factor = self._loader.straggler_factor
-        if factor is None:
-            return []
-        out = self._sched.hedge(factor, self._loader.straggler_min_seconds)
-        for address, seq in out:
-            log.info("batch %d is overdue; duplicating it on %s", seq, address)
-        return out
+        return passplan.hedges(self._sched, self._loader.straggler_factor, self._loader.straggler_min_seconds)
 
     def _send(self, address: str, seq: int, idx) -> None:
         """Send one request (dispatch thread, no lock held)."""
@@ -353,7 +253,7 @@ class MapPass:
         def on_result(ok, value, _seq=seq, _address=address):
             it = this()
             if it is not None:
-                it._on_result(_address, _seq, ok, value)
+                it.on_result(_address, _seq, ok, value)
 
         try:
             fetcher = self._plan.fetchers.get(address)
@@ -370,21 +270,14 @@ class MapPass:
         except Exception as exc:  # a key the view cannot map: that batch fails, in order
             with self._lock:
                 if seq not in self._sched.done and seq >= self._sched.delivered:
-                    self._results[seq] = (False, exc)
-                    self._add_cancels(self._sched.failed(address, seq), self._requests.pop(seq, {}))
+                    self._ledger.settle(seq, False, exc, self._sched.failed(address, seq))
                     self._ready.notify()
             return
         with self._lock:
             if self._closed:
-                self._to_cancel.setdefault(address, []).append(rid)
+                self._ledger.cancel(address, rid)
             elif address in self._sched.holders(seq):  # else: answered (or given up) already
-                self._requests.setdefault(seq, {})[address] = rid
-
-    def _add_cancels(self, others: list[str], requests: dict[str, int]) -> None:
-        for a in others:
-            rid = requests.get(a)
-            if rid is not None:
-                self._to_cancel.setdefault(a, []).append(rid)
+                self._ledger.sent(seq, address, rid)
 
     def _send_cancels(self, cancels: dict[str, list[int]]) -> None:
         """Tell workers to drop these requests (no lock held)."""
@@ -394,7 +287,7 @@ class MapPass:
                 fetcher.cancel(rids)
 
     def _quiet(self, exc: BaseException) -> bool:
-        return _exiting or sys.is_finalizing() or isinstance(exc, ConnectionClosed)
+        return live.exiting or sys.is_finalizing() or isinstance(exc, ConnectionClosed)
 
     def _lose_worker(self, address: str, exc: BaseException) -> None:
         """A worker is gone (lock held)."""
@@ -405,7 +298,7 @@ class MapPass:
         self._errors[address] = repr(exc)
         self._source.worker_lost(address, exc)
         for seq in requeued:
-            self._requests.get(seq, {}).pop(address, None)
+            self._ledger.requests.get(seq, {}).pop(address, None)
         if self._quiet(exc):
             log.info("connection to worker %s closed by this process", address)
         else:
@@ -414,13 +307,12 @@ class MapPass:
                 "the other workers"
             )
         if blamed is not None and self._sched.losses.get(blamed, 0) > self._loader.max_retries:
-            indices = keys_of(self._indices.get(blamed), self._auto)
-            self._fatal = PoisonSampleError(
-                f"loading samples {_short(indices)} (batch {blamed}) killed {self._sched.losses[blamed]} worker "
-                f"processes in a row (the last: {address}); giving up after max_retries="
-                f"{self._loader.max_retries}. Fix or exclude these samples.",
-                indices,
-                [address],
+            self._fatal = passplan.poison_error(
+                self._ledger.keys(blamed),
+                blamed,
+                self._sched.losses[blamed],
+                address,
+                self._loader.max_retries,
             )
         if not self._sched.serving_workers() and self._stalled_since is None:
             self._no_worker_left(quiet=self._quiet(exc))
@@ -431,11 +323,8 @@ class MapPass:
         self._stalled_since = time.monotonic()
         if quiet or self._sched.finished():
             return
-        lost = ", ".join(self._errors) or ", ".join(self._source.workers)
         self._notices.add(
-            f"torchfeed: no worker is left to load from (lost: {lost}); waiting up to "
-            f"{self._stall_limit():g} s (the loader's timeout) for one to come back or join, "
-            "then WorkerLost is raised"
+            passplan.stall_notice(list(self._errors) or self._source.workers, self._stall_limit())
         )
 
     # -- membership changes (from the datasets' threads) -----------------------------------
@@ -460,7 +349,8 @@ class MapPass:
             self._ready.notify()
 
     # -- reader threads: record and wake, nothing else --------------------------------------
-    def _on_result(self, address: str, seq: int, ok: bool, value: Any) -> None:
+    def on_result(self, address: str, seq: int, ok: bool, value: Any) -> None:
+        """A reply (or failure) for batch ``seq`` from ``address`` (:class:`prefetch.ResultSink`)."""
         with self._lock:
             if self._closed:
                 return
@@ -473,10 +363,9 @@ class MapPass:
                 accepted = seq not in self._sched.done and seq >= self._sched.delivered
                 others = self._sched.failed(address, seq) if accepted else []
                 if accepted and isinstance(value, RemoteError):
-                    value = value.with_indices(keys_of(self._indices.get(seq), self._auto))
+                    value = value.with_indices(self._ledger.keys(seq))
             if accepted:
-                self._results[seq] = (ok, value)
-                self._add_cancels(others, self._requests.pop(seq, {}))
+                self._ledger.settle(seq, ok, value, others)
                 if seq == self._sched.delivered:
                     self._ready.notify()
             self._wake()  # a credit is free
@@ -502,10 +391,11 @@ class MapPass:
                     raise StopIteration
                 sched = self._sched
                 seq = sched.delivered
-                if seq in self._results:
-                    result = self._results.pop(seq)
+                taken = self._ledger.take(seq)
+                if taken is not None:
+                    result, samples = taken
                     self._plan.progress.batches += 1
-                    self._plan.progress.samples += len(keys_of(self._indices.pop(seq, None), self._auto))
+                    self._plan.progress.samples += samples
                     sched.take_delivered()
                     if sched.known >= seq + sched.window:  # the window held the dispatch back
                         self._wake()
@@ -524,17 +414,9 @@ class MapPass:
                     or (deadline is not None and now >= deadline)
                 ):
                     self._close_locked()
-                    raise WorkerLost(
-                        f"no worker is left (waited {now - self._stalled_since:.1f} s for one "
-                        "to come back or join): " + "; ".join(f"{w}: {e}" for w, e in self._errors.items()),
-                        self._errors,
-                    )
+                    raise passplan.stalled_error(now - self._stalled_since, self._errors)
                 if deadline is not None and now >= deadline:
-                    holders = ", ".join(sched.holders(seq)) or "no worker (not dispatched yet)"
-                    raise Timeout(
-                        f"batch {seq} (indices {_short(keys_of(self._indices.get(seq), self._auto))}) did not arrive "
-                        f"within timeout={self._timeout:g} s; it is held by {holders}"
-                    )
+                    raise passplan.late_error(seq, self._ledger.keys(seq), self._timeout, sched.holders(seq))
                 self._lock.release()  # warnings noticed meanwhile are emitted while waiting
                 try:
                     self._notices.emit()
@@ -548,15 +430,12 @@ class MapPass:
         if self._closed:
             return
         self._closed = True
-        _live.discard(self)
-        self._loader._estimates = self._sched.estimates()
-        for requests in self._requests.values():
-            for address, rid in requests.items():
-                self._to_cancel.setdefault(address, []).append(rid)
-        self._requests.clear()
-        self._results.clear()
+        live.discard(self)
+        if self._plan.on_estimates is not None:
+            self._plan.on_estimates(self._sched.estimates())
+        self._ledger.close()
         if self._head is not None:  # batches of the prefetch this pass has not reached
-            self._merge_cancels(self._head.take_cancels())
+            self._ledger.cancel_all(self._head.take_cancels())
             self._head = None
         self._work.notify()  # the dispatch thread sends the cancels and ends
 
@@ -564,7 +443,7 @@ class MapPass:
         """Stop this pass: outstanding requests are cancelled."""
         with self._lock:
             self._close_locked()
-            cancels, self._to_cancel = self._to_cancel, {}
+            cancels = self._ledger.take_cancels()
         self._send_cancels(cancels)
         thread = getattr(self, "_thread", None)
         if thread is not None and thread is not threading.current_thread() and thread.is_alive():
@@ -577,14 +456,6 @@ class MapPass:
             pass
 
 
-def _pass_length(loader, progress) -> int | None:
-    """Batches this pass will load, when the sampler says (fewer after a resume)."""
-    try:
-        return max(len(loader) - progress.batches, 0)
-    except TypeError:
-        return None
-
-
 def _dispatch_loop(ref: weakref.ref[MapPass], work: threading.Condition) -> None:
     """The dispatch thread of a pass (holds the pass only while it works, so an abandoned
     pass is still collected and closed)."""
@@ -594,7 +465,7 @@ def _dispatch_loop(ref: weakref.ref[MapPass], work: threading.Condition) -> None
             return
         with work:
             if it._closed:
-                cancels, it._to_cancel = it._to_cancel, {}
+                cancels = it._ledger.take_cancels()
                 closed = True
             else:
                 closed = False
@@ -618,7 +489,3 @@ def _dispatch_loop(ref: weakref.ref[MapPass], work: threading.Condition) -> None
                 it._fatal = it._fatal or exc
                 it._ready.notify()
         del it
-
-
-def _short(items: list[Any]) -> str:
-    return str(items) if len(items) <= 8 else f"[{', '.join(map(str, items[:8]))}, ...]"

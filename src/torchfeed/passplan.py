@@ -1,0 +1,178 @@
+"""What a loader hands each of its passes: the plan of the pass and the worker-side fetchers.
+
+:class:`PassPlan` is everything a pass (map-style, :mod:`torchfeed.passes`, or
+iterable-style, :mod:`torchfeed.iterable`) starts from, including the hooks through which
+it reports back to its loader. :class:`FetcherSet` keeps one loader's fetchers, one
+remote object per worker, across passes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import PoisonSampleError, RemoteError, Timeout, WorkerLost
+from .refs import RemoteRef
+from .remote_dataset import wait_all
+from .views import Source
+
+log = logging.getLogger("torchfeed.loader")
+_pass_ids = itertools.count(1)
+
+
+class _LivePasses:
+    """The passes not closed yet; at interpreter exit they close first and go quiet."""
+
+    def __init__(self):
+        self.passes: weakref.WeakSet = weakref.WeakSet()
+        self.exiting = False
+
+    def add(self, p) -> None:
+        self.passes.add(p)
+
+    def discard(self, p) -> None:
+        self.passes.discard(p)
+
+    def close_all(self) -> None:
+        """Before the sessions close their connections: no 'lost worker' noise at exit."""
+        self.exiting = True
+        for p in list(self.passes):
+            try:
+                p.close()
+            except Exception:  # noqa: BLE001 - exiting
+                pass
+
+
+live = _LivePasses()
+atexit.register(
+    live.close_all
+)  # registered after the sessions' close (client is imported first): runs before
+
+
+def new_pass_id() -> int:
+    """A number for a new pass, unique in this process (workers key per-pass setup by it)."""
+    return next(_pass_ids)
+
+
+class FetcherSet:
+    """One loader's worker-side objects (made by ``make(address)``), one per worker."""
+
+    def __init__(self, make: Callable[[str], Any], timeout: float, secret):
+        self._make = make
+        self._timeout = timeout
+        self._secret = secret
+        self._refs: dict[str, RemoteRef] = {}
+        self._lock = threading.Lock()
+
+    def ensure(self, workers: Sequence[str]) -> dict[str, BaseException]:
+        """Create the fetchers not made yet (or lost with their connection); return the failures."""
+        with self._lock:
+            missing = [w for w in workers if w not in self._refs or self._refs[w].closed]
+            if not missing:
+                return {}
+            futs = {w: self._make(w) for w in missing}
+            failed = {}
+            for w, v in wait_all(futs, self._timeout).items():
+                if isinstance(v, RemoteError):
+                    raise v
+                if isinstance(v, BaseException):
+                    failed[w] = v
+                else:
+                    self._refs[w] = v
+            return failed
+
+    def get(self, address: str) -> RemoteRef | None:
+        return self._refs.get(address)
+
+
+@dataclass
+class PassPlan:
+    """What the loader hands a pass: where the indices come from and how to load them."""
+
+    source: Source
+    fetchers: FetcherSet
+    sampler_iter: Any
+    progress: Any  # resume.Progress
+    auto_collation: bool
+    sample_seed: int | None  # per-sample seeding's base seed, None when off
+    base_seed: int  # the pass's base seed (worker seeds are base_seed + id, as in torch)
+    # -- what the loader hears from the pass (hooks; called with no pass lock held) --------
+    estimates: dict[str, float] = field(default_factory=dict)  # the previous pass's batch times
+    on_estimates: Callable[[dict[str, float]], None] | None = None  # map-style: when it closes
+    on_snapshot: Callable[[int, dict], None] | None = None  # iterable-style: (pass id, snapshot) at close
+    # map-style, once its last batch is dispatched: start the next pass's prefetch (a Head, or None)
+    next_head: Callable[[Any], Any] | None = None
+
+
+def pass_length(loader, progress) -> int | None:
+    """Batches a pass will load, when the sampler says (fewer after a resume)."""
+    try:
+        return max(len(loader) - progress.batches, 0)
+    except TypeError:
+        return None
+
+
+def short(items: list[Any]) -> str:
+    return str(items) if len(items) <= 8 else f"[{', '.join(map(str, items[:8]))}, ...]"
+
+
+def free_credits(sched) -> dict[str, int]:
+    """Credits a pass's scheduler leaves unused, per worker (for the next pass's prefetch)."""
+    return {
+        w.address: sched.credits - len(w.in_flight)
+        for w in sched.workers.values()
+        if w.alive and len(w.in_flight) < sched.credits
+    }
+
+
+def hedges(sched, factor: float | None, min_seconds: float) -> list[tuple[str, int]]:
+    """Overdue batches to duplicate now, as (address, seq) (none when ``factor`` is None)."""
+    if factor is None:
+        return []
+    out = sched.hedge(factor, min_seconds)
+    for address, seq in out:
+        log.info("batch %d is overdue; duplicating it on %s", seq, address)
+    return out
+
+
+def poison_error(
+    indices: list[Any], seq: int, losses: int, address: str, max_retries: int
+) -> PoisonSampleError:
+    """Batch ``seq`` killed ``losses`` workers in a row: the error that names its samples."""
+    return PoisonSampleError(
+        f"loading samples {short(indices)} (batch {seq}) killed {losses} worker processes in a row "
+        f"(the last: {address}); giving up after max_retries={max_retries}. Fix or exclude these samples.",
+        indices,
+        [address],
+    )
+
+
+def stall_notice(lost: list[str], limit: float) -> str:
+    """What the user hears when the last worker serving a pass is lost."""
+    return (
+        f"torchfeed: no worker is left to load from (lost: {', '.join(lost)}); waiting up to "
+        f"{limit:g} s (the loader's timeout) for one to come back or join, then WorkerLost is raised"
+    )
+
+
+def stalled_error(waited: float, errors: dict[str, str]) -> WorkerLost:
+    """No worker came back or joined in time."""
+    return WorkerLost(
+        f"no worker is left (waited {waited:.1f} s for one to come back or join): "
+        + "; ".join(f"{w}: {e}" for w, e in errors.items()),
+        errors,
+    )
+
+
+def late_error(seq: int, keys: list[Any], timeout: float, holders: list[str]) -> Timeout:
+    """Batch ``seq`` did not arrive within the loader's ``timeout``."""
+    held = ", ".join(holders) or "no worker (not dispatched yet)"
+    return Timeout(
+        f"batch {seq} (indices {short(keys)}) did not arrive within timeout={timeout:g} s; it is held by {held}"
+    )
