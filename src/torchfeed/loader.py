@@ -20,6 +20,7 @@ from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSam
 from torch.utils.data._utils.collate import default_collate, default_convert
 
 from . import building, limits, prefetch, resume, serialize
+from . import loader_checks as checks
 from .fetch import Fetcher
 from .iterable import IterablePass
 from .passes import MapPass
@@ -149,11 +150,11 @@ class RemoteDataLoader(Generic[T_co]):
                 "the 6th positional argument of RemoteDataLoader is num_workers, as in torch's "
                 "DataLoader: pass collate_fn=... by keyword"
             )
-        _check_workers_args(num_workers, timeout, prefetch_factor, persistent_workers)
+        checks.workers_args(num_workers, timeout, prefetch_factor, persistent_workers)
         dataset = _remote_dataset(dataset, workers, args, kwargs)
         source = Source(dataset)
         if source.iterable:
-            _check_iterable_args(shuffle, sampler, batch_sampler)
+            checks.iterable_args(shuffle, sampler, batch_sampler)
         if seed is not None and generator is not None:
             raise ValueError(
                 "give seed= or generator=, not both: with seed the shuffle order and every "
@@ -451,41 +452,6 @@ class RemoteDataLoader(Generic[T_co]):
             rref=True,
             timeout=source.timeout,
             secret=source.secret,
-        )
-
-
-def _check_workers_args(num_workers, timeout, prefetch_factor, persistent_workers) -> None:
-    """torch's checks, in torch's order; an omitted num_workers means: the remote workers."""
-    if num_workers is not None and num_workers < 0:
-        raise ValueError(
-            "num_workers option should be non-negative; use num_workers=0 to disable multiprocessing."
-        )
-    if timeout < 0:
-        raise ValueError("timeout option should be non-negative")
-    if num_workers == 0 and prefetch_factor is not None:
-        raise ValueError(
-            "prefetch_factor option could only be specified in multiprocessing."
-            "let num_workers > 0 to enable multiprocessing, otherwise set prefetch_factor to None."
-        )
-    if prefetch_factor is not None and prefetch_factor < 0:
-        raise ValueError("prefetch_factor option should be non-negative")
-    if persistent_workers and num_workers == 0:
-        raise ValueError("persistent_workers option needs num_workers > 0")
-
-
-def _check_iterable_args(shuffle, sampler, batch_sampler) -> None:
-    if shuffle not in {False, None}:
-        raise ValueError(
-            f"DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle={shuffle}"
-        )
-    if sampler is not None:
-        raise ValueError(
-            f"DataLoader with IterableDataset: expected unspecified sampler option, but got sampler={sampler}"
-        )
-    if batch_sampler is not None:
-        raise ValueError(
-            "DataLoader with IterableDataset: expected unspecified batch_sampler option, but got "
-            f"batch_sampler={batch_sampler}"
         )
 
 

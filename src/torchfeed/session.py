@@ -194,8 +194,8 @@ class Session:
             if self._conns.get(key) is conn:
                 del self._conns[key]
 
-    def _tick(self) -> bool:
-        """One round of the keeper; False once nothing is left to look after."""
+    def _tick(self) -> None:
+        """One round of the keeper."""
         with self._lock:
             conns = list(self._watched)
         now = time.monotonic()
@@ -204,7 +204,6 @@ class Session:
                 conn.tick(now)
             except Exception:
                 log.exception("keeper failed on %s", conn.address)
-        return True
 
     def _after_fork_in_child(self) -> None:
         """In a forked child: the inherited connections are the parent's; drop them."""
