@@ -39,6 +39,25 @@ ALLOWED = {
     ("bench_epochs.py", "it._shutdown_workers"): "torch DataLoader: shut its persistent workers down",
     ("bench_epochs.py", "loader._iterator._workers"): "torch DataLoader: its worker processes' pids",
     ("bench_epochs.py", "loader._iterator"): "torch DataLoader: its worker processes' pids",
+    # the same uses where the `health` branch moves them (tools/ subpackage, seeding.py)
+    ("seeding.py", "getattr(torch.utils.data, '_utils')"): "torch's worker seeding, reproduced exactly",
+    (
+        "seeding.py",
+        "getattr(getattr(getattr(torch.utils.data, '_utils', None), 'worker', None), '_generate_state')",
+    ): "torch's worker seeding, reproduced exactly",
+    ("tools/bench.py", "getattr(tl, '_iterator')"): "torch DataLoader: its worker processes' pids",
+    ("tools/bench.py", "getattr(it, '_workers')"): "torch DataLoader: its worker processes' pids",
+    ("tools/bench_epochs.py", "os._exit"): "the documented way to leave a forked child without cleanup",
+    ("tools/bench_epochs.py", "loader._iterator"): "torch DataLoader: its worker processes' pids",
+    ("tools/bench_epochs.py", "loader._iterator._workers"): "torch DataLoader: its worker processes' pids",
+    (
+        "tools/bench_epochs.py",
+        "getattr(torch_loader, '_iterator')",
+    ): "torch DataLoader: shut its workers down",
+    ("tools/bench_epochs.py", "it._shutdown_workers"): "torch DataLoader: shut its persistent workers down",
+    ("tools/measure.py", "getattr(self.loader, '_iterator')"): "torch DataLoader: shut its workers down",
+    ("tools/measure.py", "self.loader._iterator"): "torch DataLoader: shut its persistent workers down",
+    ("tools/measure.py", "it._shutdown_workers"): "torch DataLoader: shut its persistent workers down",
     # a protocol between the Shards dataset (datasets/shards.py) and the worker's streams:
     # hooks on the user's dataset object, named so they cannot clash with the user's own
     ("streams.py", "getattr(fetcher.setup.dataset, '_torchfeed_plan')"): "Shards hook on a user dataset",
