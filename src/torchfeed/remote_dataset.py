@@ -106,7 +106,8 @@ class RemoteDataset(Dataset[T_co]):
         The shared secret: the session's unless set here.
     """
 
-    timeout: float | None = None  # None: the session's (see Attributes)
+    # None on the class means "the session's": every instance holds a number (see Attributes)
+    timeout: float = None  # type: ignore[assignment]
     secret: SecretLike = None  # None: the session's
 
     def __init__(
