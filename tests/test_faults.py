@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -19,16 +20,33 @@ from helpers import PidDataset, PoisonDataset, RangeDataset, wait_for
 from torchfeed import client
 
 
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def collect(loader, on_batch=None):
-    """All batches of one pass as (index, pid) rows; on_batch(i) runs after batch i."""
+    """All batches of one pass as (index, pid) rows; on_batch(i) runs after batch i. Also the
+    warnings and the torchfeed.workers log lines (membership events) said meanwhile."""
     rows = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for i, b in enumerate(loader):
-            rows.append(b)
-            if on_batch:
-                on_batch(i)
-    return torch.cat(rows), [str(w.message) for w in caught]
+    logger, records = logging.getLogger("torchfeed.workers"), _Records()
+    logger.addHandler(records)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i, b in enumerate(loader):
+                rows.append(b)
+                if on_batch:
+                    on_batch(i)
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    return torch.cat(rows), [str(w.message) for w in caught] + records.messages
 
 
 @pytest.fixture

@@ -370,10 +370,13 @@ def _add_bench_parser(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="torchfeed", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"torchfeed {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{worker,demo,bench,slurm}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{worker,demo,bench,top,slurm}")
     _add_worker_parser(sub)
     _add_demo_parser(sub)
     _add_bench_parser(sub)
+    from . import top  # [stats hook]
+
+    top.add_parser(sub)
     from .cluster import slurm
 
     slurm.add_parser(sub)
@@ -400,6 +403,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import run_bench
 
         return run_bench(args)
+    if args.command == "top":  # [stats hook]
+        from . import top
+
+        return top.run(args)
     if args.command == "slurm":
         from .cluster import slurm
 

@@ -42,7 +42,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from . import auth, errors, sampling, serialize, wire
+from . import auth, errors, sampling, serialize, wire, workerstats
 from .addrfile import announce, read_address_file  # noqa: F401  (read_address_file: old import path)
 from .doorman import Doorman
 from .errors import FrameTooLarge, LimitExceeded, ProtocolError, TorchfeedError
@@ -274,6 +274,8 @@ class ServerConnection:
             elif kind == wire.CANCEL:
                 with self._cond:  # only requests still waiting can be skipped
                     self.cancelled.update(rid for rid in pickle.loads(frame.meta) if rid in self.waiting_ids)
+            elif kind == wire.STATS:  # [stats hook] from counters only; the reply goes through the outbox
+                self.send(wire.REPLY, frame.request_id, workerstats.reply(self.server))
             else:
                 raise ProtocolError(f"a client may not send {wire.KIND_NAMES[kind]} messages")
 
@@ -303,6 +305,7 @@ class ServerConnection:
 
     def _refuse(self, rid: int, exc: BaseException) -> None:
         log.info("refused a request from %s: %s", self.peer, exc)
+        self.server.counters.refused()  # [stats hook]
         self.send(wire.ERROR, rid, _describe_exception(exc))
 
     # -- executor threads ----------------------------------------------------
@@ -342,6 +345,7 @@ class ServerConnection:
 
     def _reply(self, kind: int, rid: int, meta: bytes, buffers, flags: int = 0) -> None:
         self.cancelled.discard(rid)
+        self.server.counters.replied(kind, meta, buffers)  # [stats hook]
         self.send(kind, rid, meta, buffers, flags)
 
     def _answered(self, frame: wire.Frame) -> None:
@@ -380,6 +384,7 @@ class WorkerServer:
         self.parallel = parallel
         self.limits = limits or ConnectionLimits()
         self.registry = Registry()
+        self.counters = workerstats.Counters()  # [stats hook] for `torchfeed top`
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._conns: set = set()
         self._conns_lock = threading.Lock()
