@@ -347,6 +347,13 @@ def _add_demo_parser(sub) -> None:
         metavar="HOST:PORT",
         help="use these running workers instead of starting local ones",
     )
+    d.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        default="torchfeed-demo.png",
+        help="draw per-worker throughput and the trainer's wait during training here (default "
+        "torchfeed-demo.png; needs matplotlib; '' for none)",
+    )
 
 
 def _add_bench_parser(sub) -> None:
@@ -365,6 +372,12 @@ def _add_bench_parser(sub) -> None:
     )
     b.add_argument("--workers", type=int, default=2, help="worker processes per side (default 2)")
     b.add_argument("--seconds", type=float, default=6.0, help="approximate time per measurement (default 6)")
+    b.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw the torchfeed runs: per-worker samples/s and the trainer's wait over time "
+        "(needs matplotlib: pip install 'torchfeed[plot]')",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

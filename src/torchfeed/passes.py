@@ -256,6 +256,8 @@ class MapPass:
         if claim[0] == "done":
             self._sched.preloaded(seq)
             self._results[seq] = claim[2]
+            if claim[2][0] and self._acc is not None:  # [stats hook] loaded by the previous pass
+                self._acc.delivered(claim[1], len(keys_of(idx, self._auto)), 0, None)
         elif claim[0] == "running":
             address, (rid, started) = claim[1], claim[2]
             if self._sched.adopt(address, started, seq):

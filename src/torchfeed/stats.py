@@ -37,6 +37,7 @@ class WorkerStats:
     state: str  # serving | draining | lost | reconnecting
     samples_per_s: float  # over the last 30 s
     batches: int  # delivered since the loader was made
+    samples: int  # the same in samples
     inflight: int  # requests it holds now
     mean_batch_seconds: float | None  # the scheduler's estimate of its time per batch
     requeued: int  # batches it held when it was lost, sent elsewhere
@@ -54,6 +55,7 @@ class LoaderStats:
     samples: int  # delivered in this pass
     bytes_received: int  # reply bytes received for this loader since it was made
     pass_seconds: float  # since the current pass started
+    wait_seconds: float  # waited in __next__ since the loader was made (all passes)
     workers: dict[str, WorkerStats] = field(default_factory=dict)
     advice: str = ""
 
@@ -122,6 +124,7 @@ class Accounting:
         self.created = clock()
         self._pass_start = self.created
         self._pass_wait = 0.0
+        self._total_wait = 0.0
         self._pass_batches = 0
         self._pass_samples = 0
         self._bytes = 0
@@ -170,6 +173,7 @@ class Accounting:
             busy = max(entered - self._last_exit, 0.0) if self._last_exit is not None else 0.0
             self._last_exit = now
             self._pass_wait += wait
+            self._total_wait += wait
             self._pass_batches += 1
             self._pass_samples += samples
             self._ring.append((now, wait, busy, samples))
@@ -262,6 +266,7 @@ class Accounting:
                     state=state,
                     samples_per_s=w.ring_samples / span,
                     batches=w.batches,
+                    samples=w.samples,
                     inflight=inflight.get(address, 0),
                     mean_batch_seconds=w.spb,
                     requeued=w.requeued,
@@ -275,6 +280,7 @@ class Accounting:
                 samples=self._pass_samples,
                 bytes_received=self._bytes,
                 pass_seconds=pass_seconds,
+                wait_seconds=self._total_wait + pending,
                 workers=ws,
             )
             batches_30s = len(self._ring)
