@@ -482,6 +482,7 @@ class WorkerServer:
     def _keeper(self) -> None:
         """Drop authenticated peers that fall silent (half-open); the doorman times out handshakes."""
         while not self._stopping.wait(min(1.0, self.timeout / 4)):
+            self.counters.tick()  # [stats hook] rates of `torchfeed top`
             now = time.monotonic()
             for conn in self.connections():
                 # a connection with replies to send is judged by its writer's progress instead

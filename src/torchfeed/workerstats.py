@@ -18,7 +18,7 @@ from typing import Any
 
 from . import serialize, wire
 
-_RATE_SECONDS = 1.0  # rates are measured over the last 1 to 2 seconds
+_RATE_SECONDS = 0.9  # rates are measured over the last 1 to 2 seconds (the keeper ticks every second)
 
 
 def _cpu_seconds() -> float:
@@ -60,13 +60,18 @@ class Counters:
             self.requests += 1
             self.errors += 1
 
+    def tick(self) -> None:
+        """Take a sample for the rates (the worker's keeper thread, about every second)."""
+        now, cpu = time.monotonic(), _cpu_seconds()
+        with self._lock:
+            if now - self._newer[0] >= _RATE_SECONDS:
+                self._older, self._newer = self._newer, (now, cpu, self.requests, self.bytes_sent)
+
     def snapshot(self, server) -> dict[str, Any]:
-        """Plain data: the process's CPU%, memory, rates and load."""
+        """Plain data: the process's CPU%, memory, rates (over the last 1-2 s) and load."""
         now, cpu = time.monotonic(), _cpu_seconds()
         with self._lock:
             requests, sent, errors = self.requests, self.bytes_sent, self.errors
-            if now - self._newer[0] >= _RATE_SECONDS:
-                self._older, self._newer = self._newer, (now, cpu, requests, sent)
             t0, cpu0, req0, sent0 = self._older
         span = max(now - t0, 1e-6)
         conns = server.connections()
