@@ -8,12 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
+import threading
 
 import pytest
 
 import torchfeed
-from helpers import SleepDataset
+from helpers import SleepDataset, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -65,11 +65,15 @@ def test_live_view_refreshes_until_interrupted(workers2):
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(3.0)
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    assert wait_for(lambda: sum("torchfeed top" in line for line in seen) >= 3, timeout=30), seen
     os.kill(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=20)
-    assert proc.returncode == 0, err
-    assert out.count("\x1b[H\x1b[2J") >= 2 and out.count("torchfeed top") >= 2, out[-500:]
+    assert proc.wait(timeout=20) == 0, proc.stderr.read()
+    reader.join(5)
+    out = "".join(seen)
+    assert out.count("\x1b[H\x1b[2J") >= 3, out[-500:]
     assert all(a in out for a in workers2)
 
 
