@@ -78,16 +78,22 @@ def test_killed_worker_shows_lost_then_serving_after_restart(fresh_workers, capl
 
 
 def test_stats_call_is_cheap(workers2):
-    ds = torchfeed.RemoteDataset(workers2, RangeDataset, 400)
+    """Called every step of a running pass, and between passes: the median is < 50 us."""
+    ds = torchfeed.RemoteDataset(workers2, RangeDataset, 1600)
     loader = torchfeed.RemoteDataLoader(ds, batch_size=4)
+    busy = []
     for _ in loader:
-        pass
-    times = []
+        t0 = time.perf_counter()
+        loader.stats()
+        busy.append(time.perf_counter() - t0)
+        time.sleep(0.001)  # the trainer's step
+    idle = []
     for _ in range(2000):
         t0 = time.perf_counter()
         loader.stats()
-        times.append(time.perf_counter() - t0)
-    assert statistics.median(times) < 50e-6, f"median {statistics.median(times) * 1e6:.1f} us"
+        idle.append(time.perf_counter() - t0)
+    medians = statistics.median(busy), statistics.median(idle)
+    assert max(medians) < 50e-6, [f"{m * 1e6:.1f} us" for m in medians]
 
 
 def test_periodic_summary_and_iterable_stats(workers2, caplog):
