@@ -307,7 +307,7 @@ class ServerConnection:
             elif kind == wire.CANCEL:
                 with self._cond:  # only requests still waiting can be skipped
                     self.cancelled.update(rid for rid in pickle.loads(frame.meta) if rid in self.waiting_ids)
-            elif kind == wire.STATS:  # [stats hook] from counters only; the reply goes through the outbox
+            elif kind == wire.STATS:  # [stats hook] from counters only; send() never blocks
                 self.send(wire.REPLY, frame.request_id, workerstats.reply(self.server))
             else:
                 raise ProtocolError(f"a client may not send {wire.KIND_NAMES[kind]} messages")

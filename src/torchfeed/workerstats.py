@@ -4,8 +4,8 @@ A worker keeps a few counters (:class:`Counters`: requests answered, reply bytes
 updated by its executor threads under a lock held for a few instructions. A STATS message
 (authenticated like every other message) is answered by the connection's reader thread
 from those counters and the process's own numbers (CPU time from ``os.times``, resident
-memory from ``/proc/self/statm``); the reply goes through the connection's outbox like
-any other, so nothing blocks the reader. :func:`query` is the client side.
+memory from ``/proc/self/statm``); the reply is sent like any other (``send`` never
+blocks), so nothing holds the reader up. :func:`query` is the client side.
 """
 
 from __future__ import annotations
