@@ -170,7 +170,11 @@ class MapPass:
             self._source.worker_lost(w, exc)
             events.worker_unreachable(w, exc)
         workers = [w for w in workers if w not in failed]
-        credits = loader.prefetch_factor
+        credits = pipeline_depth(
+            loader.prefetch_factor,
+            getattr(loader, "_estimates", None),
+            plan.stats.mean_batch_bytes() if plan.stats is not None else None,
+        )
         # reorder slack beyond the credits, so one slow worker does not stall the rest
         n = max(len(workers), len(self._source.workers), 1)
         self._sched = Scheduler(
@@ -605,6 +609,30 @@ class MapPass:
             self.close()
         except Exception:
             pass
+
+
+# Small, fast batches: more requests in flight per worker than prefetch_factor (see
+# pipeline_depth). Bounds: at most this many bytes per batch and seconds per batch.
+SMALL_BATCH_BYTES = 256 * 1024
+FAST_BATCH_SECONDS = 0.005
+
+
+def pipeline_depth(prefetch_factor: int, estimates: dict | None, mean_batch_bytes: float | None) -> int:
+    """Requests in flight per worker for the next pass.
+
+    ``prefetch_factor`` (torch's meaning: batches loaded ahead per worker), except for
+    batches the previous passes measured as small (<= SMALL_BATCH_BYTES on average) and
+    fast (the fastest worker takes < FAST_BATCH_SECONDS each): then twice as many. Such
+    batches are bound by the round trip, not by the worker: with only ``prefetch_factor``
+    requests queued, a worker finishes them before the next request reaches it and idles
+    (more so across a real network than on loopback). The memory this holds is at most
+    a few MB (small batches), and the order of the batches does not change.
+    """
+    if not estimates or not mean_batch_bytes:
+        return prefetch_factor
+    if mean_batch_bytes <= SMALL_BATCH_BYTES and min(estimates.values()) < FAST_BATCH_SECONDS:
+        return 2 * prefetch_factor
+    return prefetch_factor
 
 
 def _pass_length(loader, progress) -> int | None:

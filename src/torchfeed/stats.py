@@ -201,6 +201,12 @@ class Accounting:
             self._bytes += nbytes
             _trim_worker(w, now - WINDOW)
 
+    def mean_batch_bytes(self) -> float | None:
+        """Mean reply bytes per batch delivered so far (None before the first)."""
+        with self._lock:
+            batches = sum(w.batches for w in self._workers.values())
+            return self._bytes / batches if batches else None
+
     def requeued(self, address: str, count: int) -> None:
         with self._lock:
             w = self._workers.get(address)
