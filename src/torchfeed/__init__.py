@@ -21,6 +21,7 @@ _EXPORTS = {
     "DistributedSampler": "sampling",
     "FrameTooLarge": "errors",
     "LimitExceeded": "errors",
+    "LoaderStats": "stats",
     "LocalWorkers": "local",
     "PoisonSampleError": "errors",
     "ProtocolError": "errors",
@@ -35,6 +36,7 @@ _EXPORTS = {
     "UnsafeAddressFile": "addrfile",
     "WorkerLost": "errors",
     "WorkerServer": "worker",
+    "WorkerStats": "stats",
     "rpc_async": "client",
     "run_worker": "worker",
     "set_heartbeat": "client",
@@ -50,6 +52,7 @@ __all__ = [
     "DistributedSampler",
     "FrameTooLarge",
     "LimitExceeded",
+    "LoaderStats",
     "LocalWorkers",
     "PoisonSampleError",
     "ProtocolError",
@@ -66,6 +69,7 @@ __all__ = [
     "UnsafeAddressFile",
     "WorkerLost",
     "WorkerServer",
+    "WorkerStats",
     "rpc_async",
     "run_worker",
     "set_heartbeat",
@@ -111,6 +115,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .remote_dataset import RemoteDataset
     from .sampling import DistributedSampler, set_random_seeds
     from .session import Session
+    from .stats import LoaderStats, WorkerStats
     from .worker import WorkerServer, run_worker
 
     RPCDataset = RemoteDataset

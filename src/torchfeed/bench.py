@@ -239,10 +239,13 @@ class Side:
     def epoch(self, batches: int) -> float:
         self.sampler.n = batches * self.batch_size
         count = 0
+        timeline = TIMELINE if hasattr(self.loader, "stats") else None  # [stats hook] --plot
         start = time.perf_counter()
         for batch in self.loader:
             touch(batch)
             count += 1
+            if timeline is not None:
+                timeline.sample(self.loader)
         elapsed = time.perf_counter() - start
         if count != batches:
             raise RuntimeError(f"{self.name} yielded {count} batches, expected {batches}")
@@ -665,8 +668,20 @@ def format_notes(results: Sequence[Result]) -> list[str]:
     return lines
 
 
+TIMELINE = None  # a plots.Timeline while `torchfeed bench --plot F.png` runs [stats hook]
+
+
 def run_bench(args) -> int:
     """Entry point of ``torchfeed bench``."""
+    global TIMELINE
+    plot = getattr(args, "plot", None)
+    if plot:
+        from . import plots
+
+        if not plots.available():
+            print("torchfeed bench: --plot needs matplotlib: pip install 'torchfeed[plot]'", file=sys.stderr)
+            return 2
+        TIMELINE = plots.Timeline()
     info = machine_info()
     for k, v in info.items():
         print(f"{k}: {v}")
@@ -685,6 +700,10 @@ def run_bench(args) -> int:
     for line in format_notes(results):
         print(line)
     print(f"load average at the end: {machine_info()['load average (1/5/15 min)']}")
+    if plot:
+        TIMELINE.plot(plot, title="torchfeed bench: " + ", ".join(r.case for r in results))
+        TIMELINE = None
+        print(f"plot of the torchfeed runs (per-worker samples/s, the trainer's wait): {plot}")
     return 0
 
 

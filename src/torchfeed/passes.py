@@ -16,11 +16,11 @@ import time
 import weakref
 from typing import Any
 
-from . import notices, passplan
+from . import events, notices, passplan
 from .errors import ConnectionClosed, RemoteError, WorkerLost
 from .ledger import Ledger
 from .passplan import PassPlan, live, new_pass_id
-from .scheduler import Scheduler
+from .views import keys_of
 
 log = logging.getLogger("torchfeed.loader")
 
@@ -95,18 +95,13 @@ class MapPass:
         for w, exc in failed.items():
             self._errors[w] = repr(exc)
             self._source.worker_lost(w, exc)
-            self._notices.add(f"torchfeed: worker {w} is unreachable and is skipped for now: {exc}")
+            events.worker_unreachable(w, exc)
         workers = [w for w in workers if w not in failed]
-        credits = loader.prefetch_factor
-        # reorder slack beyond the credits, so one slow worker does not stall the rest
-        n = max(len(workers), len(self._source.workers), 1)
-        self._sched = Scheduler(
-            workers,
-            credits=credits,
-            window=max(2 * credits * n, n + 2 * credits),
-            pass_length=passplan.pass_length(loader, plan.progress),
-            estimates=plan.estimates,
-        )
+        self._sched = passplan.scheduler(loader, plan, workers)
+        self._acc = plan.stats  # [stats hook] O(1) counters per batch, see stats.py
+        self._last_samples = 0
+        if self._acc is not None:
+            self._acc.pass_started(workers, self.inflight)
         self._source.subscribe(self)
         live.add(self)
         with self._lock:
@@ -169,11 +164,13 @@ class MapPass:
 
     def _adopt(self, seq: int, idx) -> None:
         """Use the prefetched copy of batch ``seq`` if it loads the same keys (lock held)."""
-        got = self._head.adopt(seq, idx, self, self._sched, self._ledger)
-        if got is None:  # used up, or this pass differs from the prediction
+        claim = self._head.adopt(seq, idx, self, self._sched, self._ledger)
+        if claim is None:  # used up, or this pass differs from the prediction
             self._head = None
-        else:
-            self.prefetched += got
+            return
+        self.prefetched += claim[0] != "miss"
+        if claim[0] == "done" and claim[2][0] and self._acc is not None:  # [stats hook] loaded before
+            self._acc.delivered(claim[1], len(keys_of(idx, self._auto)), 0, None)
 
     # -- the dispatch thread ---------------------------------------------------------------
     def _pump(self) -> None:
@@ -195,7 +192,11 @@ class MapPass:
             if self._closed:
                 return
             if self._fatal is None:  # a poison batch must not go out again
-                for address, seq in self._hedges():
+                loader = self._loader
+                overdue = passplan.hedges(
+                    sched, loader.straggler_factor, loader.straggler_min_seconds, self._acc
+                )
+                for address, seq in overdue:
                     sends.append((address, seq, self._ledger.indices.get(seq)))
                 while True:
                     choice = sched.next_dispatch()
@@ -204,18 +205,12 @@ class MapPass:
                     sends.append((*choice, self._ledger.indices.get(choice[1])))
             cancels = self._ledger.take_cancels()
             more = sched.wants_more() and self._fatal is None
-            if (
-                self._next_head is None
-                and self._fatal is None
-                and sched.exhausted
-                and not sched.has_pending()
-            ):
+            dispatched_all = sched.exhausted and not sched.has_pending()
+            predict = self._next_head is None and self._fatal is None and dispatched_all
+            if predict:
                 self._next_head = False  # decided once per pass
-                predict = True
-            else:
-                predict = False
             head = self._next_head or None
-            free = self._free_credits() if head is not None else None
+            free = passplan.free_credits(sched) if head is not None else None
         for address, seq, idx in sends:
             self._send(address, seq, idx)
         self._send_cancels(cancels)
@@ -223,7 +218,7 @@ class MapPass:
             head = self._plan.next_head(self) if self._plan.next_head is not None else None
             with self._lock:
                 self._next_head = head or False
-                free = self._free_credits() if head else None
+                free = passplan.free_credits(sched) if head else None
         if head and free:
             head.waker = self._poke
             head.fill(free)
@@ -240,11 +235,9 @@ class MapPass:
         with self._lock:
             return self._sched.estimates()
 
-    def _free_credits(self) -> dict[str, int]:
-        return passplan.free_credits(self._sched)
-
-    def _hedges(self) -> list[tuple]:
-        return passplan.hedges(self._sched, self._loader.straggler_factor, self._loader.straggler_min_seconds)
+    def inflight(self) -> dict[str, int]:
+        """Requests each worker holds now (read without the lock: a snapshot for stats)."""
+        return {a: len(w.in_flight) for a, w in list(self._sched.workers.items())}
 
     def _send(self, address: str, seq: int, idx) -> None:
         """Send one request (dispatch thread, no lock held)."""
@@ -301,11 +294,10 @@ class MapPass:
             self._ledger.requests.get(seq, {}).pop(address, None)
         if self._quiet(exc):
             log.info("connection to worker %s closed by this process", address)
-        else:
-            self._notices.add(
-                f"torchfeed: lost worker {address} ({exc}); its {len(requeued)} batch(es) go to "
-                "the other workers"
-            )
+        else:  # [stats hook] an event (logged), no warning: nothing to change in code
+            events.worker_lost(address, exc, len(requeued))
+        if self._acc is not None:
+            self._acc.requeued(address, len(requeued))
         if blamed is not None and self._sched.losses.get(blamed, 0) > self._loader.max_retries:
             self._fatal = passplan.poison_error(
                 self._ledger.keys(blamed),
@@ -314,6 +306,7 @@ class MapPass:
                 address,
                 self._loader.max_retries,
             )
+            events.poison(str(self._fatal))
         if not self._sched.serving_workers() and self._stalled_since is None:
             self._no_worker_left(quiet=self._quiet(exc))
         self._ready.notify()
@@ -323,9 +316,7 @@ class MapPass:
         self._stalled_since = time.monotonic()
         if quiet or self._sched.finished():
             return
-        self._notices.add(
-            passplan.stall_notice(list(self._errors) or self._source.workers, self._stall_limit())
-        )
+        events.no_worker_left(", ".join(self._errors) or ", ".join(self._source.workers), self._stall_limit())
 
     # -- membership changes (from the datasets' threads) -----------------------------------
     def worker_joined(self, address: str) -> None:
@@ -343,6 +334,8 @@ class MapPass:
             self._ready.notify()
 
     def worker_removed(self, address: str) -> None:
+        if self._acc is not None:
+            self._acc.draining(address)
         with self._lock:
             self._sched.drain_worker(address)
             self._wake()
@@ -359,6 +352,8 @@ class MapPass:
                 return
             if ok:
                 accepted, others = self._sched.completed(address, seq)
+                if accepted and self._acc is not None:  # [stats hook] counters only
+                    passplan.delivered(self._acc, self._sched, address, len(self._ledger.keys(seq)))
             else:
                 accepted = seq not in self._sched.done and seq >= self._sched.delivered
                 others = self._sched.failed(address, seq) if accepted else []
@@ -372,6 +367,9 @@ class MapPass:
 
     # -- consumer ------------------------------------------------------------------
     def __next__(self):
+        acc = self._acc
+        entered = acc.enter() if acc is not None else 0.0  # [stats hook]
+        ok = None
         try:
             ok, value = self._next_result()
         except (StopIteration, KeyboardInterrupt):
@@ -379,6 +377,11 @@ class MapPass:
             raise
         finally:
             self._notices.emit()
+            events.flush()
+            if acc is not None and ok is None:
+                acc.left()
+        if acc is not None:
+            acc.consumed(entered, self._last_samples)
         if not ok:
             raise value
         return value
@@ -393,9 +396,9 @@ class MapPass:
                 seq = sched.delivered
                 taken = self._ledger.take(seq)
                 if taken is not None:
-                    result, samples = taken
+                    result, self._last_samples = taken
                     self._plan.progress.batches += 1
-                    self._plan.progress.samples += samples
+                    self._plan.progress.samples += self._last_samples
                     sched.take_delivered()
                     if sched.known >= seq + sched.window:  # the window held the dispatch back
                         self._wake()
@@ -420,6 +423,7 @@ class MapPass:
                 self._lock.release()  # warnings noticed meanwhile are emitted while waiting
                 try:
                     self._notices.emit()
+                    events.flush()
                 finally:
                     self._lock.acquire()
                 wait = _POLL if deadline is None else min(_POLL, deadline - now)

@@ -17,9 +17,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import client, events
 from .errors import PoisonSampleError, RemoteError, Timeout, WorkerLost
 from .refs import RemoteRef
 from .remote_dataset import wait_all
+from .scheduler import Scheduler
 from .views import Source
 
 log = logging.getLogger("torchfeed.loader")
@@ -108,6 +110,7 @@ class PassPlan:
     on_snapshot: Callable[[int, dict], None] | None = None  # iterable-style: (pass id, snapshot) at close
     # map-style, once its last batch is dispatched: start the next pass's prefetch (a Head, or None)
     next_head: Callable[[Any], Any] | None = None
+    stats: Any = None  # stats.Accounting of the loader [stats hook]
 
 
 def pass_length(loader, progress) -> int | None:
@@ -122,6 +125,33 @@ def short(items: list[Any]) -> str:
     return str(items) if len(items) <= 8 else f"[{', '.join(map(str, items[:8]))}, ...]"
 
 
+def scheduler(loader, plan: PassPlan, workers: list[str]) -> Scheduler:
+    """The scheduler of a map-style pass over ``workers`` (the reachable ones)."""
+    credits = pipeline_depth(
+        loader.prefetch_factor,
+        plan.estimates,
+        plan.stats.mean_batch_bytes() if plan.stats is not None else None,
+    )
+    # reorder slack beyond the credits, so one slow worker does not stall the rest
+    n = max(len(workers), len(plan.source.workers), 1)
+    return Scheduler(
+        workers,
+        credits=credits,
+        window=max(2 * credits * n, n + 2 * credits),
+        pass_length=pass_length(loader, plan.progress),
+        estimates=plan.estimates,
+    )
+
+
+def delivered(acc, sched: Scheduler, address: str, samples: int) -> None:
+    """[stats hook] A reply of ``samples`` samples from ``address`` was accepted (on its reader
+    thread, inside the result callback, where the reply's size is known)."""
+    state = sched.workers.get(address)
+    acc.delivered(
+        address, samples, client.reply_bytes(), state.seconds_per_batch if state is not None else None
+    )
+
+
 def free_credits(sched) -> dict[str, int]:
     """Credits a pass's scheduler leaves unused, per worker (for the next pass's prefetch)."""
     return {
@@ -131,14 +161,42 @@ def free_credits(sched) -> dict[str, int]:
     }
 
 
-def hedges(sched, factor: float | None, min_seconds: float) -> list[tuple[str, int]]:
-    """Overdue batches to duplicate now, as (address, seq) (none when ``factor`` is None)."""
+def hedges(sched, factor: float | None, min_seconds: float, acc=None) -> list[tuple[str, int]]:
+    """Overdue batches to duplicate now, as (address, seq) (none when ``factor`` is None);
+    each is an event, and a count for the slow worker in ``acc`` (stats.Accounting)."""
     if factor is None:
         return []
     out = sched.hedge(factor, min_seconds)
-    for address, seq in out:
-        log.info("batch %d is overdue; duplicating it on %s", seq, address)
+    for address, seq in out:  # [stats hook]
+        slow = next((h for h in sched.holders(seq) if h != address), "?")
+        events.batch_hedged(seq, slow, address)
+        if acc is not None:
+            acc.hedged(slow)
     return out
+
+
+# Small, fast batches: more requests in flight per worker than prefetch_factor (see
+# pipeline_depth). Bounds: at most this many bytes per batch and seconds per batch.
+SMALL_BATCH_BYTES = 256 * 1024
+FAST_BATCH_SECONDS = 0.005
+
+
+def pipeline_depth(prefetch_factor: int, estimates: dict | None, mean_batch_bytes: float | None) -> int:
+    """Requests in flight per worker for the next pass.
+
+    ``prefetch_factor`` (torch's meaning: batches loaded ahead per worker), except for
+    batches the previous passes measured as small (<= SMALL_BATCH_BYTES on average) and
+    fast (the fastest worker takes < FAST_BATCH_SECONDS each): then twice as many. Such
+    batches are bound by the round trip, not by the worker: with only ``prefetch_factor``
+    requests queued, a worker finishes them before the next request reaches it and idles
+    (more so across a real network than on loopback). The memory this holds is at most
+    a few MB (small batches), and the order of the batches does not change.
+    """
+    if not estimates or not mean_batch_bytes:
+        return prefetch_factor
+    if mean_batch_bytes <= SMALL_BATCH_BYTES and min(estimates.values()) < FAST_BATCH_SECONDS:
+        return 2 * prefetch_factor
+    return prefetch_factor
 
 
 def poison_error(
@@ -150,14 +208,6 @@ def poison_error(
         f"(the last: {address}); giving up after max_retries={max_retries}. Fix or exclude these samples.",
         indices,
         [address],
-    )
-
-
-def stall_notice(lost: list[str], limit: float) -> str:
-    """What the user hears when the last worker serving a pass is lost."""
-    return (
-        f"torchfeed: no worker is left to load from (lost: {', '.join(lost)}); waiting up to "
-        f"{limit:g} s (the loader's timeout) for one to come back or join, then WorkerLost is raised"
     )
 
 

@@ -245,10 +245,10 @@ class Head:
                 self._finish(entry, "dropped")  # its sender cancels it once it has an id
             return ("miss",)
 
-    def adopt(self, seq: int, idx: Any, owner: ResultSink, sched, ledger) -> int | None:
+    def adopt(self, seq: int, idx: Any, owner: ResultSink, sched, ledger) -> tuple | None:
         """The pass ``owner`` pulled batch ``seq`` (keys ``idx``): take the prefetched copy into its
-        scheduler ``sched`` and ``ledger`` (its lock held). Returns 1 if a copy was taken, 0 if
-        not, None when this head has nothing more for it (its leftovers are then cancelled)."""
+        scheduler ``sched`` and ``ledger`` (its lock held). Returns the claim (see :meth:`claim`),
+        or None when this head has nothing more for it (its leftovers are then cancelled)."""
         claim = self.claim(seq, idx, owner)
         if claim is None:  # used up, or this pass differs from the prediction
             ledger.cancel_all(self.take_cancels())
@@ -264,7 +264,7 @@ class Head:
                 released = self.release(seq)
                 if released is not None:
                     ledger.cancel(*released)
-        return 0 if claim[0] == "miss" else 1
+        return claim
 
     def release(self, seq: int) -> tuple | None:
         """The claiming pass could not use the running batch ``seq``: (address, rid) to cancel."""

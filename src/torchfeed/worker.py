@@ -45,7 +45,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from . import auth, errors, sampling, serialize, wire
+from . import auth, errors, sampling, serialize, wire, workerstats
 from .addrfile import announce, read_address_file  # noqa: F401  (read_address_file: old import path)
 from .doorman import Doorman
 from .errors import FrameTooLarge, LimitExceeded, ProtocolError, TorchfeedError
@@ -307,6 +307,8 @@ class ServerConnection:
             elif kind == wire.CANCEL:
                 with self._cond:  # only requests still waiting can be skipped
                     self.cancelled.update(rid for rid in pickle.loads(frame.meta) if rid in self.waiting_ids)
+            elif kind == wire.STATS:  # [stats hook] from counters only; send() never blocks
+                self.send(wire.REPLY, frame.request_id, workerstats.reply(self.server))
             else:
                 raise ProtocolError(f"a client may not send {wire.KIND_NAMES[kind]} messages")
 
@@ -336,6 +338,7 @@ class ServerConnection:
 
     def _refuse(self, rid: int, exc: BaseException) -> None:
         log.info("refused a request from %s: %s", self.peer, exc)
+        self.server.counters.refused()  # [stats hook]
         self.send(wire.ERROR, rid, _describe_exception(exc))
 
     # -- executor threads ----------------------------------------------------
@@ -375,6 +378,7 @@ class ServerConnection:
 
     def _reply(self, kind: int, rid: int, meta: bytes, buffers, flags: int = 0) -> None:
         self.cancelled.discard(rid)
+        self.server.counters.replied(kind, meta, buffers)  # [stats hook]
         self.send(kind, rid, meta, buffers, flags)
 
     def _answered(self, frame: wire.Frame) -> None:
@@ -413,6 +417,7 @@ class WorkerServer:
         self.parallel = parallel
         self.limits = limits or ConnectionLimits()
         self.registry = Registry()
+        self.counters = workerstats.Counters()  # [stats hook] for `torchfeed top`
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._conns: set = set()
         self._conns_lock = threading.Lock()
@@ -510,6 +515,7 @@ class WorkerServer:
     def _keeper(self) -> None:
         """Drop authenticated peers that fall silent (half-open); the doorman times out handshakes."""
         while not self._stopping.wait(min(1.0, self.timeout / 4)):
+            self.counters.tick()  # [stats hook] rates of `torchfeed top`
             now = time.monotonic()
             for conn in self.connections():
                 # a connection with replies to send is judged by its writer's progress instead
