@@ -32,7 +32,7 @@ from typing import Any
 from . import client, errors, events, notices
 from .datasets.shards import shard_order
 from .errors import RemoteError, Timeout, WorkerLost
-from .passplan import new_pass_id
+from .passplan import new_pass_id, quiet
 from .refs import RemoteRef
 from .remote_dataset import wait_all
 from .sampling import INT63
@@ -110,8 +110,7 @@ class IterablePass:
                 slot.grants = list(saved["grants"])
         self._acc = plan.stats  # [stats hook] per-worker counts, the trainer's wait
         self._samples = loader.batch_size or 1
-        if self._acc is not None:
-            self._acc.pass_started(workers, self.inflight)
+        self._acc_pass = self._acc.pass_started(workers, self.inflight) if self._acc is not None else 0
         with self._cond:
             for slot in self._slots:
                 if not slot.ended:
@@ -264,7 +263,10 @@ class IterablePass:
             self._lost[worker] = exc
             self._source.worker_lost(worker, exc)
             moved = sum(1 for s in self._slots if s.worker == worker and not s.ended)
-            events.worker_lost(worker, exc, moved)  # [stats hook]
+            if quiet(exc):  # closed on purpose by this process (close_connections, exit)
+                events.closed(worker)
+            else:
+                events.worker_lost(worker, exc, moved)  # [stats hook]
             if self._acc is not None:
                 self._acc.requeued(worker, moved)
         for slot in self._slots:
@@ -348,16 +350,18 @@ class IterablePass:
     def __next__(self):
         acc = self._acc
         entered = acc.enter() if acc is not None else 0.0  # [stats hook]
+        done = False
         try:
             batch = self._next()
+            done = True
         except (StopIteration, KeyboardInterrupt):
             self.close()
             raise
         finally:
             self._notices.emit()
             events.flush()
-            if acc is not None:
-                acc.left()
+            if acc is not None and not done:
+                acc.left()  # the wait counts as waited (a caught Timeout, the end)
         if acc is not None:
             acc.consumed(entered, self._samples)
         return batch
@@ -442,6 +446,8 @@ class IterablePass:
         if self._closed:
             return
         self._closed = True
+        if getattr(self, "_acc", None) is not None:  # [stats hook] pass_seconds stops here
+            self._acc.pass_ended(self._acc_pass)
         # a pass left early (break, del) can still be resumed: the loader keeps where it stood
         if self._plan.on_snapshot is not None:
             self._plan.on_snapshot(self._pass_id, self._snapshot_locked())

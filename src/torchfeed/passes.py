@@ -10,14 +10,13 @@ the user's thread, at the user's line (:mod:`torchfeed.notices`).
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 import weakref
 from typing import Any
 
 from . import events, notices, passplan
-from .errors import ConnectionClosed, RemoteError, WorkerLost
+from .errors import RemoteError, WorkerLost
 from .ledger import Ledger
 from .passplan import PassPlan, live, new_pass_id
 from .views import keys_of
@@ -100,8 +99,7 @@ class MapPass:
         self._sched = passplan.scheduler(loader, plan, workers)
         self._acc = plan.stats  # [stats hook] O(1) counters per batch, see stats.py
         self._last_samples = 0
-        if self._acc is not None:
-            self._acc.pass_started(workers, self.inflight)
+        self._acc_pass = self._acc.pass_started(workers, self.inflight) if self._acc is not None else 0
         self._source.subscribe(self)
         live.add(self)
         with self._lock:
@@ -170,7 +168,7 @@ class MapPass:
             return
         self.prefetched += claim[0] != "miss"
         if claim[0] == "done" and claim[2][0] and self._acc is not None:  # [stats hook] loaded before
-            self._acc.delivered(claim[1], len(keys_of(idx, self._auto)), 0, None)
+            self._acc.delivered(claim[1], len(keys_of(idx, self._auto)), claim[3], None)
 
     # -- the dispatch thread ---------------------------------------------------------------
     def _pump(self) -> None:
@@ -280,7 +278,7 @@ class MapPass:
                 fetcher.cancel(rids)
 
     def _quiet(self, exc: BaseException) -> bool:
-        return live.exiting or sys.is_finalizing() or isinstance(exc, ConnectionClosed)
+        return passplan.quiet(exc)
 
     def _lose_worker(self, address: str, exc: BaseException) -> None:
         """A worker is gone (lock held)."""
@@ -293,7 +291,7 @@ class MapPass:
         for seq in requeued:
             self._ledger.requests.get(seq, {}).pop(address, None)
         if self._quiet(exc):
-            log.info("connection to worker %s closed by this process", address)
+            events.closed(address)  # [stats hook] queued: a reader thread, the pass lock held
         else:  # [stats hook] an event (logged), no warning: nothing to change in code
             events.worker_lost(address, exc, len(requeued))
         if self._acc is not None:
@@ -325,6 +323,8 @@ class MapPass:
         failed = self._plan.fetchers.ensure([address])
         if failed:
             return
+        if self._acc is not None:  # [stats hook] no longer draining, if it was removed this pass
+            self._acc.joined(address)
         with self._lock:
             if self._closed:
                 return
@@ -435,6 +435,8 @@ class MapPass:
             return
         self._closed = True
         live.discard(self)
+        if getattr(self, "_acc", None) is not None:  # [stats hook] pass_seconds stops here
+            self._acc.pass_ended(self._acc_pass)
         if self._plan.on_estimates is not None:
             self._plan.on_estimates(self._sched.estimates())
         self._ledger.close()

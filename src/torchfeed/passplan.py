@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import client, events
-from .errors import PoisonSampleError, RemoteError, Timeout, WorkerLost
+from .errors import ConnectionClosed, PoisonSampleError, RemoteError, Timeout, WorkerLost
 from .refs import RemoteRef
 from .remote_dataset import wait_all
 from .scheduler import Scheduler
@@ -55,6 +56,12 @@ live = _LivePasses()
 atexit.register(
     live.close_all
 )  # registered after the sessions' close (client is imported first): runs before
+
+
+def quiet(exc: BaseException) -> bool:
+    """Whether losing a connection with ``exc`` is this process's own doing (closed on purpose
+    by ``close_connections`` or at interpreter exit): not a lost worker."""
+    return live.exiting or sys.is_finalizing() or isinstance(exc, ConnectionClosed)
 
 
 def new_pass_id() -> int:

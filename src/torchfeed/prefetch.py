@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
+from . import client
 from .errors import WorkerLost
 from .resume import shuffle_seed
 
@@ -74,7 +75,7 @@ def predict(loader, epoch: int, count: int, shuffle_generator: torch.Generator |
 
 
 class _Entry:
-    __slots__ = ("state", "address", "rid", "started", "result", "owner")
+    __slots__ = ("state", "address", "rid", "started", "result", "nbytes", "owner")
 
     def __init__(self):
         self.state = "unsent"  # unsent | sending | running | done | lost | dropped
@@ -82,6 +83,7 @@ class _Entry:
         self.rid: int | None = None
         self.started = 0.0
         self.result: tuple | None = None
+        self.nbytes = 0  # the reply's size, for the loader's statistics
         self.owner: weakref.ref[ResultSink] | None = None  # the pass that claimed it
 
 
@@ -204,6 +206,7 @@ class Head:
                     self._finish(entry, "lost" if lost else "done")
                     if not lost:
                         entry.result = (ok, value)
+                        entry.nbytes = client.reply_bytes()
                 waker = self.waker if not self._dead and self._unsent else None
             else:
                 self._finish(entry, "claimed")
@@ -218,7 +221,7 @@ class Head:
 
         ``None``: no more prefetched batches for it (the head is used up, or this batch
         differs: the rest is dropped, its cancels via :meth:`take_cancels`).
-        ``("miss",)``: this batch was not prefetched; ``("done", address, (ok, value))``;
+        ``("miss",)``: this batch was not prefetched; ``("done", address, (ok, value), reply bytes)``;
         ``("running", address, (request id, started))``.
         """
         with self._lock:
@@ -237,7 +240,7 @@ class Head:
             if state == "done":
                 entry.state = "claimed"
                 result, entry.result = entry.result, None
-                return ("done", entry.address, result)
+                return ("done", entry.address, result, entry.nbytes)
             if state == "running":
                 entry.owner = weakref.ref(owner)
                 return ("running", entry.address, (entry.rid, entry.started))

@@ -2,12 +2,14 @@
 
 Every :class:`RemoteDataLoader` owns one :class:`Accounting`: the consumer's thread
 records how long each ``__next__`` waited for its batch, reader threads record each
-batch a worker delivered. Both are O(1) per batch (a few counters and a ring of
-``(time, value)`` entries for the last :data:`WINDOW` seconds) under a lock held for
-microseconds. :meth:`RemoteDataLoader.stats` turns them into a :class:`LoaderStats`.
+batch a worker delivered. Both are O(1) per batch (a few counters and one-second buckets
+covering the last :data:`WINDOW` seconds: fixed memory at any batch rate) under a lock
+held for microseconds. :meth:`RemoteDataLoader.stats` turns them into a :class:`LoaderStats`.
 
-Counters persist across passes: ``wait_fraction`` is measured since the current pass
-started, ``wait_fraction_30s`` and the rates over the last 30 s (passes included).
+Counters persist across passes: ``wait_fraction`` is measured over the current (or last)
+pass, ``wait_fraction_30s`` and the rates over the last 30 s, counting only the time the
+trainer spent in a pass: idle time before the first ``iter()`` or between passes
+(validation) does not dilute them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import math
 import threading
 import time
 import weakref
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ from . import events
 log = logging.getLogger("torchfeed.stats")
 
 WINDOW = 30.0  # seconds of the sliding window
+_SLOTS = int(WINDOW)  # one-second buckets: the window is the last 29 to 30 seconds
 _STATES = ("serving", "draining", "lost", "reconnecting")
 
 
@@ -54,7 +56,7 @@ class LoaderStats:
     batches: int  # delivered in this pass
     samples: int  # delivered in this pass
     bytes_received: int  # reply bytes received for this loader since it was made
-    pass_seconds: float  # since the current pass started
+    pass_seconds: float  # the current pass's length so far (the last pass's, once it ended)
     wait_seconds: float  # waited in __next__ since the loader was made (all passes)
     workers: dict[str, WorkerStats] = field(default_factory=dict)
     advice: str = ""
@@ -102,36 +104,92 @@ class LoaderStats:
 
 
 class _Worker:
-    __slots__ = ("batches", "samples", "ring", "ring_samples", "spb", "requeued", "hedged", "draining")
+    __slots__ = ("batches", "samples", "sec", "slots", "recent", "spb", "requeued", "hedged", "draining")
 
     def __init__(self):
         self.batches = 0
         self.samples = 0
-        self.ring: deque = deque()  # (time, samples)
-        self.ring_samples = 0
+        self.sec = -1  # the newest second with a slot in use
+        self.slots = [0] * _SLOTS  # samples delivered per second, for the last _SLOTS seconds
+        self.recent = 0  # their sum
         self.spb: float | None = None
         self.requeued = 0
         self.hedged = 0
         self.draining = False
 
+    def advance(self, sec: int) -> None:
+        """Forget the seconds that left the window (O(1) amortized: each slot is cleared once)."""
+        last = self.sec
+        if sec <= last:
+            return
+        if sec - last >= _SLOTS:
+            self.slots = [0] * _SLOTS
+            self.recent = 0
+        else:
+            slots = self.slots
+            for s in range(last + 1, sec + 1):
+                i = s % _SLOTS
+                self.recent -= slots[i]
+                slots[i] = 0
+        self.sec = sec
+
+
+class _Buckets:
+    """The trainer's side per second of the window: wait, busy, samples and batches (fixed memory)."""
+
+    __slots__ = ("sec", "slots", "totals")
+
+    def __init__(self):
+        self.sec = -1
+        self.slots = [[0.0, 0.0, 0, 0] for _ in range(_SLOTS)]
+        self.totals = [0.0, 0.0, 0, 0]
+
+    def advance(self, sec: int) -> None:
+        last = self.sec
+        if sec <= last:
+            return
+        if sec - last >= _SLOTS:
+            self.slots = [[0.0, 0.0, 0, 0] for _ in range(_SLOTS)]
+            self.totals = [0.0, 0.0, 0, 0]
+        else:
+            totals = self.totals
+            for s in range(last + 1, sec + 1):
+                slot = self.slots[s % _SLOTS]
+                for k in range(4):
+                    totals[k] -= slot[k]
+                slot[:] = [0.0, 0.0, 0, 0]
+        self.sec = sec
+
+    def add(self, sec: int, wait: float, busy: float, samples: int, batches: int) -> None:
+        self.advance(sec)
+        slot, totals = self.slots[sec % _SLOTS], self.totals
+        slot[0] += wait
+        slot[1] += busy
+        slot[2] += samples
+        slot[3] += batches
+        totals[0] += wait
+        totals[1] += busy
+        totals[2] += samples
+        totals[3] += batches
+
 
 class Accounting:
-    """One loader's counters (see the module docstring); thread-safe, O(1) per batch."""
+    """One loader's counters (see the module docstring); thread-safe, O(1) time and memory per batch."""
 
     def __init__(self, clock=time.monotonic):
         self._clock = clock
         self._lock = threading.Lock()
         self.created = clock()
-        self._pass_start = self.created
+        self._pass = 0  # the current pass's number (pass_ended of an older one is ignored)
+        self._running = False  # between pass_started and pass_ended
+        self._pass_start = self._pass_end = self.created
         self._pass_wait = 0.0
         self._total_wait = 0.0
         self._pass_batches = 0
         self._pass_samples = 0
         self._bytes = 0
-        self._ring: deque = deque()  # (end time, wait, busy, samples) per delivered batch
-        self._w_wait = 0.0
-        self._w_busy = 0.0
-        self._w_samples = 0
+        self._sized = 0  # batches whose reply size is known (the mean of those is mean_batch_bytes)
+        self._window = _Buckets()
         self._last_exit: float | None = None  # when the consumer last left __next__
         self._entered: float | None = None  # when the consumer entered __next__, while inside
         self._workers: dict[str, _Worker] = {}
@@ -140,20 +198,40 @@ class Accounting:
         self._next_summary = math.inf
 
     # -- recording (consumer and reader threads) -------------------------------------------
-    def pass_started(self, workers, inflight=None) -> None:
+    def pass_started(self, workers, inflight=None) -> int:
+        """A pass starts with ``workers``; returns its number, for :meth:`pass_ended`."""
         now = self._clock()
         with self._lock:
+            self._pass += 1
+            self._running = True
             self._pass_start = now
+            self._pass_end = None
             self._pass_wait = 0.0
             self._pass_batches = 0
             self._pass_samples = 0
             self._last_exit = now
+            self._entered = None
             # weakly: an abandoned pass must still be collected (and closed)
             self._inflight = weakref.WeakMethod(inflight) if inflight is not None else None
-            for w in workers:
-                if w not in self._workers:
-                    self._workers[w] = _Worker()
-                self._workers[w].draining = False
+            workers = set(workers)
+            for address in [a for a, w in self._workers.items() if w.draining and a not in workers]:
+                del self._workers[address]  # removed before this pass: drained by now
+            for address in workers:
+                w = self._workers.get(address)
+                if w is None:
+                    w = self._workers[address] = _Worker()
+                w.draining = False
+            return self._pass
+
+    def pass_ended(self, number: int | None = None) -> None:
+        """The pass ``number`` (the current one when None) ended: ``pass_seconds`` stops there and
+        the time until the next pass is not counted as the trainer's."""
+        now = self._clock()
+        with self._lock:
+            if not self._running or (number is not None and number != self._pass):
+                return
+            self._running = False
+            self._pass_end = now
 
     def enter(self) -> float:
         """The consumer enters ``__next__`` (returns the time, for :meth:`consumed`)."""
@@ -161,51 +239,71 @@ class Accounting:
         return now
 
     def left(self) -> None:
-        """The consumer left ``__next__`` without a batch (end of pass, error)."""
-        self._entered = None
+        """The consumer left ``__next__`` without a batch (end of pass, error, timeout): the time
+        it waited is waited time, and the trainer's own time starts again now."""
+        now = self._clock()
+        with self._lock:
+            entered, self._entered = self._entered, None
+            if entered is None:
+                return
+            wait = max(now - entered, 0.0)
+            busy = self._busy(entered)
+            self._last_exit = now
+            self._pass_wait += wait
+            self._total_wait += wait
+            self._window.add(self._sec(now), min(wait, WINDOW), busy, 0, 0)
 
     def consumed(self, entered: float, samples: int) -> None:
         """The consumer left ``__next__`` with a batch; it entered at ``entered``."""
         now = self._clock()
-        wait = now - entered
+        wait = max(now - entered, 0.0)
         with self._lock:
             self._entered = None
-            busy = max(entered - self._last_exit, 0.0) if self._last_exit is not None else 0.0
+            busy = self._busy(entered)
             self._last_exit = now
             self._pass_wait += wait
             self._total_wait += wait
             self._pass_batches += 1
             self._pass_samples += samples
-            self._ring.append((now, wait, busy, samples))
-            self._w_wait += wait
-            self._w_busy += busy
-            self._w_samples += samples
-            self._trim(now)
+            self._window.add(self._sec(now), min(wait, WINDOW), busy, samples, 1)
             due = now >= self._next_summary
         if due:
             self._summary(now)
 
-    def delivered(self, address: str, samples: int, nbytes: int, seconds_per_batch: float | None) -> None:
-        """A worker's batch was accepted (reader thread)."""
+    def _busy(self, entered: float) -> float:
+        """The trainer's own time before it entered ``__next__`` at ``entered`` (lock held)."""
+        last = self._last_exit
+        return min(max(entered - last, 0.0), WINDOW) if last is not None else 0.0
+
+    def _sec(self, now: float) -> int:
+        """The window's second for ``now`` (a late writer lands in the newest second)."""
+        return max(int(now), self._window.sec - _SLOTS + 1)
+
+    def delivered(
+        self, address: str, samples: int, nbytes: int | None, seconds_per_batch: float | None
+    ) -> None:
+        """A worker's batch was accepted (reader thread); ``nbytes`` None: its size is unknown."""
         now = self._clock()
         with self._lock:
             w = self._workers.get(address)
             if w is None:
                 w = self._workers[address] = _Worker()
+            sec = max(int(now), w.sec - _SLOTS + 1)
+            w.advance(sec)
+            w.slots[sec % _SLOTS] += samples
+            w.recent += samples
             w.batches += 1
             w.samples += samples
-            w.ring.append((now, samples))
-            w.ring_samples += samples
             if seconds_per_batch:
                 w.spb = seconds_per_batch
-            self._bytes += nbytes
-            _trim_worker(w, now - WINDOW)
+            if nbytes is not None:
+                self._bytes += nbytes
+                self._sized += 1
 
     def mean_batch_bytes(self) -> float | None:
-        """Mean reply bytes per batch delivered so far (None before the first)."""
+        """Mean reply bytes per batch of known size delivered so far (None before the first)."""
         with self._lock:
-            batches = sum(w.batches for w in self._workers.values())
-            return self._bytes / batches if batches else None
+            return self._bytes / self._sized if self._sized else None
 
     def requeued(self, address: str, count: int) -> None:
         with self._lock:
@@ -228,60 +326,74 @@ class Accounting:
 
     def joined(self, address: str) -> None:
         with self._lock:
-            w = self._workers.setdefault(address, _Worker())
+            w = self._workers.get(address)
+            if w is None:
+                w = self._workers[address] = _Worker()
             w.draining = False
-
-    def _trim(self, now: float) -> None:
-        old = now - WINDOW
-        ring = self._ring
-        while ring and ring[0][0] < old:
-            _, wait, busy, samples = ring.popleft()
-            self._w_wait -= wait
-            self._w_busy -= busy
-            self._w_samples -= samples
 
     # -- reading ---------------------------------------------------------------------------
     def snapshot(self, workers=None) -> LoaderStats:
+        """The statistics now; ``workers``: the loader's current workers (a removed worker
+        still shows, as draining, until nothing of it is in flight)."""
         now = self._clock()
-        inflight = {}
+        inflight: dict = {}
+        known = True  # whether inflight is complete
         method = self._inflight() if self._inflight is not None else None
         if method is not None:
             try:
                 inflight = method()
             except RuntimeError:  # a worker was added meanwhile: counts are shown as 0 once
-                inflight = {}
+                known = False
         with self._lock:
-            self._trim(now)
-            span = max(min(WINDOW, now - self.created), 1e-9)
-            pass_seconds = max(now - self._pass_start, 1e-9)
+            sec = self._sec(now)
+            window = self._window
+            window.advance(sec)
+            wait_30, busy_30, samples_30, batches_30 = (max(v, 0) for v in window.totals)
+            end = self._pass_end if self._pass_end is not None else now
+            pass_seconds = max(end - self._pass_start, 0.0)
             # a wait in progress counts too: a trainer stuck in __next__ is input-bound
             entered = self._entered
-            pending = max(now - entered, 0.0) if entered is not None else 0.0
+            pending = min(max(now - entered, 0.0), WINDOW) if entered is not None else 0.0
+            own = 0.0  # the trainer's time since it last left __next__, in a running pass
+            if entered is None and self._running and self._last_exit is not None:
+                own = min(max(now - self._last_exit, 0.0), WINDOW)
+            # the rates are over the time the trainer was in a pass: not idle time before the
+            # first pass or between passes (validation), which would dilute them
+            span = max(wait_30 + busy_30 + pending + own, 1e-9)
             ws = {}
-            names = (
-                list(self._workers) if workers is None else list(dict.fromkeys([*workers, *self._workers]))
-            )
+            table = self._workers
+            names = table if workers is None else dict.fromkeys([*workers, *table])
+            current = () if workers is None else set(workers)
+            state_of = events.states().get
+            held = inflight.get
             for address in names:
-                w = self._workers.get(address) or _Worker()
-                _trim_worker(w, now - WINDOW)
-                state = events.state_of(address)
-                if state == "serving" and w.draining:
-                    state = "draining"
+                w = table.get(address, _EMPTY)
+                if w.draining:
+                    if address not in current and workers is not None and known and not held(address):
+                        del table[address]  # removed and drained: forgotten
+                        continue
+                    state = state_of(address, "serving")
+                    if state == "serving":
+                        state = "draining"
+                else:
+                    state = state_of(address, "serving")
+                if w.sec < sec:
+                    w.advance(sec)
                 ws[address] = WorkerStats(
-                    address=address,
-                    state=state,
-                    samples_per_s=w.ring_samples / span,
-                    batches=w.batches,
-                    samples=w.samples,
-                    inflight=inflight.get(address, 0),
-                    mean_batch_seconds=w.spb,
-                    requeued=w.requeued,
-                    hedged=w.hedged,
+                    address,
+                    state,
+                    w.recent / span,
+                    w.batches,
+                    w.samples,
+                    held(address, 0),
+                    w.spb,
+                    w.requeued,
+                    w.hedged,
                 )
             out = LoaderStats(
-                wait_fraction=min((self._pass_wait + pending) / pass_seconds, 1.0),
-                wait_fraction_30s=min((self._w_wait + min(pending, WINDOW)) / span, 1.0),
-                samples_per_s=self._w_samples / span,
+                wait_fraction=min((self._pass_wait + pending) / max(pass_seconds, 1e-9), 1.0),
+                wait_fraction_30s=min((wait_30 + pending) / span, 1.0),
+                samples_per_s=samples_30 / span,
                 batches=self._pass_batches,
                 samples=self._pass_samples,
                 bytes_received=self._bytes,
@@ -289,9 +401,7 @@ class Accounting:
                 wait_seconds=self._total_wait + pending,
                 workers=ws,
             )
-            batches_30s = len(self._ring)
-            busy_30s = self._w_busy
-        out.advice = advise(out, batches_30s, busy_30s)
+        out.advice = advise(out, batches_30, busy_30)
         return out
 
     # -- periodic summary ------------------------------------------------------------------
@@ -313,10 +423,7 @@ class Accounting:
         )
 
 
-def _trim_worker(w: _Worker, old: float) -> None:
-    ring = w.ring
-    while ring and ring[0][0] < old:
-        w.ring_samples -= ring.popleft()[1]
+_EMPTY = _Worker()  # what a worker that delivered nothing shows (its counts stay 0)
 
 
 INPUT_BOUND = 0.3  # wait fractions above this are called input-bound
