@@ -6,11 +6,14 @@ import json
 import logging
 import statistics
 import time
+import tracemalloc
 
 import pytest
 
 import torchfeed
 from helpers import RangeDataset, SleepDataset, wait_for
+from torchfeed import events
+from torchfeed.stats import Accounting
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,6 +43,9 @@ def test_compute_bound_run_is_not_input_bound(workers2):
     s = loader.stats()
     assert s.wait_fraction < 0.2, s
     assert s.advice.startswith("not input-bound"), s.advice
+    time.sleep(0.2)  # after the pass: its length and wait fraction stay
+    later = loader.stats()
+    assert later.pass_seconds == s.pass_seconds and later.wait_fraction == s.wait_fraction, (s, later)
 
 
 def test_worker_rates_sum_to_the_loaders(workers2):
@@ -71,7 +77,7 @@ def test_killed_worker_shows_lost_then_serving_after_restart(fresh_workers, capl
                 break
     assert seen == ["lost", "serving"], seen
     s = loader.stats()
-    assert s.workers[victim].requeued >= 0 and s.workers[w.addresses[1]].state == "serving"
+    assert s.workers[victim].requeued > 0 and s.workers[w.addresses[1]].state == "serving"
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("torchfeed")]
     assert any("lost worker " + victim in m for m in messages), messages
     assert any("is back" in m for m in messages), messages
@@ -108,3 +114,205 @@ def test_periodic_summary_and_iterable_stats(workers2, caplog):
     s = loader.stats()
     assert s.batches == 20 and sum(w.batches for w in s.workers.values()) == 20, s
     assert wait_for(lambda: all(w.inflight == 0 for w in loader.stats().workers.values()))
+
+
+# -- the accounting alone, on a fake clock -------------------------------------------------
+class Clock:
+    def __init__(self, t: float = 0.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakePass:
+    """What Accounting asks a running pass: the requests each worker holds."""
+
+    def __init__(self, held: dict):
+        self.held = held
+
+    def inflight(self) -> dict:
+        return dict(self.held)
+
+
+def steps(acc, clock, n, own, wait, workers, samples=10):
+    """``n`` batches: the trainer computes ``own`` s, then waits ``wait`` s in __next__."""
+    for i in range(n):
+        clock.t += own
+        entered = acc.enter()
+        clock.t += wait
+        acc.delivered(workers[i % len(workers)], samples, 1000, own + wait)
+        acc.consumed(entered, samples)
+
+
+def test_rates_count_the_time_in_passes_not_idle_time():
+    clock = Clock()
+    acc = Accounting(clock=clock)  # the loader is made at t=0
+    clock.t = 60.0  # model setup: the first iter() a minute later
+    first = acc.pass_started(["a", "b"])
+    steps(acc, clock, 100, 0.025, 0.075, ["a", "b"])  # 10 s waiting 75 %, 100 samples/s
+    s = acc.snapshot()
+    assert s.samples_per_s == pytest.approx(100, rel=0.02), s
+    assert s.wait_fraction_30s == pytest.approx(0.75, abs=0.01), s
+    assert s.workers["a"].samples_per_s == pytest.approx(50, rel=0.02), s
+    assert s.advice.startswith("input-bound"), s.advice
+    acc.pass_ended(first)
+    clock.t += 20.0  # validation between the passes
+    acc.pass_started(["a", "b"])
+    steps(acc, clock, 50, 0.025, 0.075, ["a", "b"])
+    s = acc.snapshot()
+    assert s.samples_per_s == pytest.approx(100, rel=0.02), s
+    assert s.wait_fraction_30s == pytest.approx(0.75, abs=0.01), s
+    assert s.pass_seconds == pytest.approx(5.0) and s.advice.startswith("input-bound"), s
+
+
+def test_a_caught_timeout_is_waited_time_and_pass_seconds_stop_at_the_end():
+    clock = Clock(100.0)
+    acc = Accounting(clock=clock)
+    number = acc.pass_started(["a"])
+    clock.t += 1.0
+    acc.enter()
+    clock.t += 5.0  # __next__ raises Timeout, which the trainer catches
+    acc.left()
+    steps(acc, clock, 1, 0.1, 0.1, ["a"])
+    s = acc.snapshot()
+    assert s.wait_seconds == pytest.approx(5.1), s
+    assert s.wait_fraction_30s == pytest.approx(5.1 / 6.2), s
+    acc.pass_ended(number)
+    clock.t += 100.0
+    s = acc.snapshot()
+    assert s.pass_seconds == pytest.approx(6.2) and s.wait_fraction == pytest.approx(5.1 / 6.2), s
+
+
+def test_memory_is_fixed_at_any_batch_rate():
+    clock = Clock()
+    acc = Accounting(clock=clock)
+    acc.pass_started(["a", "b"])
+    steps(acc, clock, 100, 1e-4, 1e-4, ["a", "b"], samples=1)
+    tracemalloc.start()
+    try:
+        steps(acc, clock, 40_000, 4e-4, 1e-4, ["a", "b"], samples=1)  # 2000 batches/s for 20 s
+        acc.snapshot()
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held < 50_000, held
+
+
+def test_stats_cost_grows_little_with_workers():
+    """The per-worker part is cheap: 64 workers stay under 50 us (median; about 20 us measured)."""
+    for n in (2, 16, 64):
+        acc = Accounting()
+        names = [f"10.0.0.{i}:5000" for i in range(n)]
+        running = FakePass(dict.fromkeys(names, 2))
+        acc.pass_started(names, running.inflight)
+        for i in range(5000):
+            entered = acc.enter()
+            acc.delivered(names[i % n], 4, 1000, 0.001)
+            acc.consumed(entered, 4)
+        costs = []
+        for _ in range(1000):
+            t0 = time.perf_counter()
+            acc.snapshot(names)
+            costs.append(time.perf_counter() - t0)
+        assert statistics.median(costs) < 50e-6, (n, f"{statistics.median(costs) * 1e6:.1f} us")
+
+
+def test_removed_worker_drains_and_is_forgotten():
+    clock = Clock()
+    acc = Accounting(clock=clock)
+    running = FakePass({"a": 2, "b": 2})
+    acc.pass_started(["a", "b"], running.inflight)
+    acc.draining("a")  # remove_workers(["a"]): its 2 requests finish
+    assert acc.snapshot(["b"]).workers["a"].state == "draining"
+    acc.joined("a")  # added again in the same pass
+    assert acc.snapshot(["a", "b"]).workers["a"].state == "serving"
+    acc.draining("a")
+    running.held["a"] = 0
+    assert set(acc.snapshot(["b"]).workers) == {"b"}  # drained: not shown any more
+
+
+def test_left_out_event_lines_are_counted_when_the_period_ends(monkeypatch, caplog):
+    monkeypatch.setattr(events, "PERIOD", 0.2)
+    with caplog.at_level(logging.INFO, logger="torchfeed"):
+        for i in range(20):
+            events.record("test-burst", f"burst {i}")
+        assert wait_for(lambda: events.flush() or not events.pending())
+        assert len([r for r in caplog.records if "burst" in r.getMessage()]) == events.BURST
+        time.sleep(0.3)  # nothing else of that kind happens
+        assert wait_for(lambda: events.flush() or "15 more 'test-burst'" in caplog.text), caplog.text
+        for i in range(events.MAX_QUEUED + 500):  # nobody flushes meanwhile
+            events.record("test-flood", f"flood {i}")
+        assert events.pending() <= events.MAX_QUEUED
+        time.sleep(0.3)
+        events.flush()  # the period ended meanwhile: the first lines, and the rest counted later
+        time.sleep(0.3)
+        expected = f"{events.MAX_QUEUED + 500 - events.BURST} more 'test-flood'"
+        assert wait_for(lambda: events.flush() or expected in caplog.text), caplog.text
+
+
+# -- on real workers ---------------------------------------------------------------------
+def test_worker_removed_and_added_again_in_a_pass(workers2):
+    ds = torchfeed.RemoteDataset(workers2, SleepDataset, 120, 0.02)  # 80 ms per batch
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4)
+    gone = workers2[0]
+    it = iter(loader)
+    next(it)
+    ds.remove_workers([gone])
+    assert loader.stats().workers[gone].state == "draining"  # its batches in flight finish
+    ds.add_workers([gone])
+    assert wait_for(lambda: loader.stats().workers[gone].state == "serving"), loader.stats()
+    ds.remove_workers([gone])
+    for _ in it:
+        pass
+    assert wait_for(lambda: gone not in loader.stats().workers), loader.stats()  # drained: forgotten
+    ds.add_workers([gone])
+
+
+def test_stalled_worker_is_hedged(fresh_workers):
+    w = fresh_workers(2)
+    slow = w.processes[0].pid
+    ds = torchfeed.RemoteDataset(w.addresses, SleepDataset, 30, 0.003, {slow: 100})  # 0.3 s per item there
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=1, straggler_factor=3)
+    assert len(list(loader)) == 30
+    s = loader.stats()
+    assert s.workers[w.addresses[0]].hedged > 0 and s.workers[w.addresses[1]].hedged == 0, s
+
+
+@pytest.mark.parametrize("kind", ["map", "iterable"])
+def test_connection_closed_on_purpose_is_no_lost_worker(fresh_workers, caplog, kind):
+    from stream_datasets import Counting
+
+    w = fresh_workers(2)
+    if kind == "map":
+        ds = torchfeed.RemoteDataset(w.addresses, SleepDataset, 80, 0.002)
+        loader = torchfeed.RemoteDataLoader(ds, batch_size=2, timeout=30)
+    else:
+        ds = torchfeed.RemoteDataset(w.addresses, Counting, 80, 0.002)
+        loader = torchfeed.RemoteDataLoader(ds, batch_size=2, num_workers=2, timeout=30)
+    with caplog.at_level(logging.INFO, logger="torchfeed"):
+        for i, _ in enumerate(loader):
+            if i == 3:
+                torchfeed.client.close_connections([w.addresses[0]])
+    mine = [r for r in caplog.records if r.name.startswith("torchfeed")]
+    assert not [r for r in mine if "lost worker" in r.getMessage()], [r.getMessage() for r in mine]
+    closed = [r for r in mine if "closed by this process" in r.getMessage()]
+    assert closed and all(r.name == "torchfeed.workers" for r in closed), [
+        (r.name, r.getMessage()) for r in mine
+    ]
+
+
+def test_prefetched_batches_count_their_bytes(workers2):
+    ds = torchfeed.RemoteDataset(workers2, RangeDataset, 64, 4096)  # every batch the same size
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4, seed=1, per_sample_seeding=True)  # predictable
+    prefetched = 0
+    means = []
+    for _ in range(3):
+        it = iter(loader)
+        for _ in it:
+            time.sleep(0.005)  # the next pass's first batches arrive meanwhile
+        prefetched += it.prefetched
+        s = loader.stats()
+        means.append(s.bytes_received / sum(w.batches for w in s.workers.values()))
+    assert prefetched > 0
+    assert max(means) - min(means) <= 0.005 * means[0], means

@@ -56,6 +56,11 @@ def record(kind: str, message: str, address: str | None = None, state: str | Non
     _queue.append((kind, message))
 
 
+def pending() -> int:
+    """Events queued for the next :func:`flush` (at most :data:`MAX_QUEUED`)."""
+    return len(_queue)
+
+
 def set_state(address: str, state: str) -> None:
     _states[address] = state
 
@@ -184,4 +189,4 @@ def poison(message: str) -> None:
     record("poison", message)
 
 
-__all__ = ["record", "flush", "state_of", "states", "set_state"]
+__all__ = ["record", "flush", "pending", "state_of", "states", "set_state"]

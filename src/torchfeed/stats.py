@@ -31,7 +31,7 @@ _SLOTS = int(WINDOW)  # one-second buckets: the window is the last 29 to 30 seco
 _STATES = ("serving", "draining", "lost", "reconnecting")
 
 
-@dataclass
+@dataclass(slots=True)  # made for every worker at every stats() call: slots make that cheaper
 class WorkerStats:
     """What one worker did for this loader."""
 
@@ -360,23 +360,15 @@ class Accounting:
             # the rates are over the time the trainer was in a pass: not idle time before the
             # first pass or between passes (validation), which would dilute them
             span = max(wait_30 + busy_30 + pending + own, 1e-9)
-            ws = {}
+            ws: dict[str, WorkerStats] = {}
             table = self._workers
-            names = table if workers is None else dict.fromkeys([*workers, *table])
-            current = () if workers is None else set(workers)
             state_of = events.states().get
             held = inflight.get
-            for address in names:
+            for address in table if workers is None else workers:  # the hot loop: one row each
                 w = table.get(address, _EMPTY)
-                if w.draining:
-                    if address not in current and workers is not None and known and not held(address):
-                        del table[address]  # removed and drained: forgotten
-                        continue
-                    state = state_of(address, "serving")
-                    if state == "serving":
-                        state = "draining"
-                else:
-                    state = state_of(address, "serving")
+                state = state_of(address, "serving")
+                if w.draining and state == "serving":
+                    state = "draining"
                 if w.sec < sec:
                     w.advance(sec)
                 ws[address] = WorkerStats(
@@ -390,6 +382,25 @@ class Accounting:
                     w.requeued,
                     w.hedged,
                 )
+            if len(ws) < len(table):  # workers removed from the loader: shown until drained
+                for address in [a for a in table if a not in ws]:
+                    w = table[address]
+                    if w.draining and known and not held(address):
+                        del table[address]  # removed and drained: forgotten
+                        continue
+                    w.advance(sec)
+                    state = state_of(address, "serving")
+                    ws[address] = WorkerStats(
+                        address,
+                        "draining" if w.draining and state == "serving" else state,
+                        w.recent / span,
+                        w.batches,
+                        w.samples,
+                        held(address, 0),
+                        w.spb,
+                        w.requeued,
+                        w.hedged,
+                    )
             out = LoaderStats(
                 wait_fraction=min((self._pass_wait + pending) / max(pass_seconds, 1e-9), 1.0),
                 wait_fraction_30s=min((wait_30 + pending) / span, 1.0),
