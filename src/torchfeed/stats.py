@@ -213,7 +213,7 @@ class Accounting:
             self._entered = None
             # weakly: an abandoned pass must still be collected (and closed)
             self._inflight = weakref.WeakMethod(inflight) if inflight is not None else None
-            workers = set(workers)
+            workers = dict.fromkeys(workers)  # in order, for the table's rows
             for address in [a for a, w in self._workers.items() if w.draining and a not in workers]:
                 del self._workers[address]  # removed before this pass: drained by now
             for address in workers:
