@@ -413,7 +413,7 @@ def test_version_and_help_for_every_option(capsys):
 
 
 def test_bench_cases_listed_by_the_command_are_the_benchmarks():
-    from torchfeed import bench
+    from torchfeed.tools import bench
 
     assert {k: v[1] for k, v in bench.CASES.items()} == cli.BENCH_CASES
 

@@ -15,7 +15,7 @@ import torchfeed
 
 pytest.importorskip("sklearn")
 
-from torchfeed.demo import AugmentedDigits, load_digits_split, normalize, random_affine  # noqa: E402
+from torchfeed.tools.demo import AugmentedDigits, load_digits_split, normalize, random_affine  # noqa: E402
 
 
 def _rate(pattern: str, text: str) -> float:

@@ -16,7 +16,7 @@ import time
 from . import __version__
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-# `torchfeed bench` cases (the table itself, in bench.py, imports torch)
+# `torchfeed bench` cases (the table itself, in tools/bench.py, imports torch)
 BENCH_CASES = {
     "cpu": "Pillow JPEG decode + random crop, batch 32: samples/s",
     "transfer": "ready 3x224x224 float32 tensors, batch 64 (38.5 MB): MB/s",
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "worker":
         return _run_workers(args)
     if args.command == "demo":
-        from .demo import run_demo
+        from .tools.demo import run_demo
 
         return run_demo(args)
     if args.command == "bench":
@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        from .bench import run_bench
+        from .tools.bench import run_bench
 
         return run_bench(args)
     if args.command == "slurm":

@@ -27,9 +27,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from .client import parse_address
-from .loader import RemoteDataLoader, RemoteDataset
-from .local import LocalWorkers
+from ..client import parse_address
+from ..loader import RemoteDataLoader, RemoteDataset
+from ..local import LocalWorkers
 
 N_TEST = 300
 PIXEL_MEAN = 0.305  # of the digits scaled to [0, 1]
