@@ -13,6 +13,7 @@ import torch
 
 import torchfeed
 from helpers import SleepDataset, wait_for
+from torchfeed.util import pid_alive
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -135,12 +136,6 @@ def test_workers_stop_with_a_killed_trainer(tmp_path):
         proc.kill()
         proc.wait()
 
-    def gone(pid):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] == "Z"
-
-    assert wait_for(lambda: all(gone(p) for p in pids), 30), "worker processes outlived their trainer"
+    assert wait_for(lambda: not any(pid_alive(p) for p in pids), 30), (
+        "worker processes outlived their trainer"
+    )

@@ -11,6 +11,7 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, Subset
 
 import torchfeed
 from helpers import DictDataset, FailingDataset, RangeDataset, SleepDataset, deep_equal
+from torchfeed.util import free_port
 
 N = 53
 
@@ -157,12 +158,7 @@ def test_dataset_constructor_error_is_remote_error(workers2):
 
 
 def test_unreachable_worker_is_retried_until_timeout(monkeypatch):
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # nothing listens there now
+    port = free_port()  # nothing listens there now
     monkeypatch.setattr(torchfeed.RemoteDataset, "timeout", 1.0)
     with pytest.raises(
         torchfeed.WorkerLost,

@@ -12,6 +12,7 @@ import pytest
 import torchfeed
 from compat_datasets import Batched, CorruptSample, Failing, Plain, StopsAt, Typed
 from helpers import RangeDataset, SleepDataset
+from torchfeed.util import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -178,12 +179,7 @@ def test_module_not_found_on_a_worker_says_how_to_fix_it(fresh_workers, tmp_path
 def test_late_worker_is_waited_for(fresh_workers, tmp_path):
     """A worker that starts after the trainer (the Slurm / torchrun case): refused connections
     are retried until it answers."""
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()  # nothing listens there now
     started = []
     thread = threading.Thread(target=_start_worker_on, args=(port, started), daemon=True)
     thread.start()

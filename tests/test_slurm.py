@@ -24,6 +24,7 @@ from slurm_cluster import LocalSlurm, missing_binaries
 from torchfeed import cli
 from torchfeed.cluster import SlurmJob, sbatch_script
 from torchfeed.cluster.slurm import parse_signal
+from torchfeed.util import saved_env
 
 TESTS = Path(__file__).resolve().parent
 TRAIN = [sys.executable, str(TESTS / "cluster_train.py")]
@@ -211,16 +212,12 @@ def slurm(tmp_path_factory):
     root = tempfile.mkdtemp(prefix="torchfeed-slurm-")  # not under pytest's 0700 tree: munged must reach it
     os.chmod(root, 0o755)
     cluster = LocalSlurm(root)
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(cluster.conf)
     try:
-        with cluster:
-            yield cluster
+        with saved_env(["SLURM_CONF"]):
+            os.environ["SLURM_CONF"] = str(cluster.conf)
+            with cluster:
+                yield cluster
     finally:
-        if old is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = old
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from . import client, serialize
 from .auth import SecretLike
 from .errors import AuthenticationError, SerializationError, WorkerLost
+from .util import double_delay
 
 log = logging.getLogger("torchfeed.dataset")
 
@@ -152,7 +153,7 @@ def connect(address: str, secret: SecretLike, timeout: float) -> BaseException |
                     timeout,
                 )
             time.sleep(min(delay, left))
-            delay = min(delay * 2, _RETRY_MAX)
+            delay = double_delay(delay, _RETRY_FIRST, _RETRY_MAX)
 
 
 def connect_all(workers: Sequence[str], secret: SecretLike, timeout: float) -> dict[str, BaseException]:

@@ -50,7 +50,9 @@ def _positive(value: str) -> int:
 
 def _procs(value: str) -> int:
     if value == "auto":
-        return len(os.sched_getaffinity(0))
+        from .util import cpu_count
+
+        return cpu_count()
     try:
         return _positive(value)
     except argparse.ArgumentTypeError:

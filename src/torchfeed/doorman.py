@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 from . import auth, wire
 from .errors import ProtocolError
+from .util import double_delay
 
 log = logging.getLogger("torchfeed.worker")
 
@@ -209,7 +210,7 @@ class Doorman:
     def _pause_accepting(self, exc: OSError) -> None:
         if self._pending:  # free a descriptor for the next real client
             self._evict_oldest()
-        self._backoff = min(max(self._backoff * 2, 0.01), 1.0)
+        self._backoff = double_delay(self._backoff, 0.01, 1.0)
         self._accept_paused_until = time.monotonic() + self._backoff
         self._sel.unregister(self.listener)
         self.say(

@@ -24,6 +24,7 @@ from . import building, client
 from .addrfile import read_address_file
 from .auth import SecretLike
 from .errors import AuthenticationError, RemoteError, SerializationError, Timeout, WorkerLost
+from .util import double_delay
 
 log = logging.getLogger("torchfeed.dataset")
 
@@ -306,7 +307,7 @@ class RemoteDataset(Dataset[T_co]):
                     continue  # removed meanwhile
                 if w in failed:
                     entry["error"] = repr(failed[w])
-                    entry["delay"] = min(entry["delay"] * 2, _BACKOFF_MAX)
+                    entry["delay"] = double_delay(entry["delay"], _BACKOFF_FIRST, _BACKOFF_MAX)
                     entry["next_try"] = time.monotonic() + entry["delay"]
                     continue
                 del self._lost[w]

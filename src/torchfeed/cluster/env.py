@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from ..errors import TorchfeedError
+from ..util import free_port
 
 PORT_MIN = 15000
 PORT_SPAN = 15000  # derived ports lie in [15000, 30000): below Linux's ephemeral range
@@ -117,9 +118,7 @@ def choose_port(
         return _int_var(environ, "MASTER_PORT")
     job_id = job_id or _job_id(environ)
     if not job_id:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return s.getsockname()[1]
+        return free_port(host)
     for attempt in range(attempts):
         port = derive_port(job_id, attempt)
         if port_is_free(port, host):

@@ -19,6 +19,7 @@ from distributed.comm.addressing import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from .. import auth
+from ..util import restore_env
 
 log = logging.getLogger(__name__)
 
@@ -135,10 +136,7 @@ class _WorkerProcesses(WorkerPlugin):
             p.wait(max(0.0, deadline - time.monotonic()))
         if self._saved_secret is not None:
             (previous,), self._saved_secret = self._saved_secret, None
-            if previous is None:
-                os.environ.pop(auth.ENV_SECRET, None)
-            else:
-                os.environ[auth.ENV_SECRET] = previous
+            restore_env({auth.ENV_SECRET: previous})
 
 
 async def _start_on_worker(
@@ -269,9 +267,5 @@ def stop_workers(client: distributed.Client) -> None:
             exc,
         )
     if _exported and os.environ.get(auth.ENV_SECRET) == _exported.get("ours"):
-        previous = _exported.get("previous")
-        if previous is None:
-            os.environ.pop(auth.ENV_SECRET, None)
-        else:
-            os.environ[auth.ENV_SECRET] = previous
+        restore_env({auth.ENV_SECRET: _exported.get("previous")})
     _exported.clear()

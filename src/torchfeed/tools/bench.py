@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
+from ..util import cpu_count
 from .measure import (
     BIG,
     PREFETCH,
@@ -264,10 +265,7 @@ def machine_info() -> dict[str, str]:
             model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
     except OSError:
         pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
+    usable = cpu_count()
     load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
     return {
         "cpu": f"{model or platform.processor() or '?'}, {os.cpu_count()} cores ({usable} usable)",

@@ -16,7 +16,6 @@ is downloaded.
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import sys
 import time
@@ -30,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..client import parse_address
 from ..loader import RemoteDataLoader, RemoteDataset
 from ..local import LocalWorkers
+from ..util import cpu_count
 
 N_TEST = 300
 PIXEL_MEAN = 0.305  # of the digits scaled to [0, 1]
@@ -287,13 +287,6 @@ def _compare_loading(
     return remote_rate, torch_rate
 
 
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def _is_this_machine(address: str) -> bool:
     host, _ = parse_address(address)
     return host in ("localhost", "::1", "0.0.0.0", socket.gethostname()) or host.startswith("127.")
@@ -337,7 +330,7 @@ def run_demo(args) -> int:
                 # Workers here use cores too: more trainer threads than cores left makes every
                 # small step wait on oversubscribed threads (about 10x slower on 2 cores).
                 threads_before = torch.get_num_threads()
-                torch.set_num_threads(max(1, _cpu_count() - on_this_machine))
+                torch.set_num_threads(max(1, cpu_count() - on_this_machine))
                 stack.callback(torch.set_num_threads, threads_before)
             remote = RemoteDataset(addresses, AugmentedDigits, train_x, train_y)
             _say(
