@@ -11,6 +11,7 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, Subset
 
 import torchfeed
 from helpers import DictDataset, FailingDataset, RangeDataset, SleepDataset, deep_equal
+from torchfeed import buffers
 from torchfeed.util import free_port
 
 N = 53
@@ -208,9 +209,8 @@ def test_pin_memory_receives_into_pinned_memory(rds):
 def test_pin_memory_without_cuda_warns_and_works(rds):
     if torch.cuda.is_available():
         pytest.skip("CUDA is available: nothing to warn about")
-    from torchfeed import serialize
 
-    serialize._warned_pin = False
+    buffers._warned_pin = False
     with pytest.warns(UserWarning, match="CUDA is not available"):
         got = list(torchfeed.RemoteDataLoader(rds, batch_size=8, pin_memory=True))
     assert deep_equal(got, list(DataLoader(RangeDataset(N), batch_size=8)))

@@ -29,7 +29,7 @@ import torch
 
 import torchfeed
 from helpers import named_workers, wait_for
-from torchfeed import client, serialize
+from torchfeed import buffers, client, serialize
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -727,7 +727,7 @@ def test_timeout(addr):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA fallback")
 def test_pin_memory_without_cuda_warns_once(addr, monkeypatch):
-    monkeypatch.setattr(serialize, "_warned_pin", False)
+    monkeypatch.setattr(buffers, "_warned_pin", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         results = [

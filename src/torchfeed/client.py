@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from . import auth, errors, limits, serialize, wire
+from .buffers import allocate, check_pinnable
 from .errors import (
     ConnectionClosed,
     FrameTooLarge,
@@ -224,9 +225,7 @@ class Connection:
                     continue
                 try:
                     channel.read_meta(frame)
-                    buffers = (
-                        serialize.allocate(frame.buffer_lengths, pending.pin) if frame.buffer_lengths else []
-                    )
+                    buffers = allocate(frame.buffer_lengths, pending.pin) if frame.buffer_lengths else []
                     channel.read_buffers(buffers)  # each record received counts as life
                 except BaseException as exc:
                     with self._pending_lock:  # the request being received fails with the connection
@@ -497,7 +496,7 @@ def call(
     callback: Callback,
 ) -> None:
     """Low-level asynchronous call: ``callback(ok, value)`` receives the outcome."""
-    serialize.check_pinnable(pin_memory)
+    check_pinnable(pin_memory)
     try:
         meta, buffers = serialize.dumps((func, tuple(args or ()), dict(kwargs or {})), by_value=True)
     except Exception as exc:

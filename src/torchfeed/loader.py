@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 
-from . import building, client, limits, prefetch, resume, serialize
+from . import buffers, building, client, limits, prefetch, resume
 from .fetch import Fetcher
 from .iterable import IterablePass
 from .passes import FetcherSet, MapPass, PassPlan, new_pass_id
@@ -354,7 +354,7 @@ class RemoteDataLoader(Generic[T_co]):
         return len(self._index_sampler)
 
     def __iter__(self) -> MapPass | IterablePass:
-        serialize.check_pinnable(self.pin_memory)
+        buffers.check_pinnable(self.pin_memory)
         resume_from, self._resume_from = self._resume_from, None
         # torch's persistent workers draw their base seed once, at the first pass
         kept = self._persistent_seed if self.persistent_workers else None

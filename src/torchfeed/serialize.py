@@ -25,10 +25,6 @@ import cloudpickle
 import numpy as np
 import torch
 
-from . import buffers, notices
-
-ALIGN = 64  # every buffer starts on a 64-byte boundary of the receive block
-
 _state = threading.local()
 
 
@@ -172,45 +168,7 @@ def dumps_reply(obj: Any) -> tuple[bytes, list[memoryview]]:
     return meta, buffers
 
 
-# -- receiving ---------------------------------------------------------------
-
-_warned_pin = False
-
-
-def _cuda_pinnable() -> bool:
-    global _warned_pin
-    if torch.cuda.is_available():
-        return True
-    if not _warned_pin:
-        _warned_pin = True
-        notices.warn(
-            "pin_memory=True but CUDA is not available: batches are received into ordinary memory instead"
-        )
-    return False
-
-
-def check_pinnable(pin: bool) -> None:
-    """Warn (once, at the user's line) when ``pin`` is asked for and cannot be had."""
-    if pin:
-        _cuda_pinnable()
-
-
-def allocate(lengths: Sequence[int], pin: bool = False) -> list[memoryview]:
-    """One block holding every buffer of a message, each 64-byte aligned.
-
-    With ``pin=True`` and CUDA available the block is page-locked host memory, so the
-    tensors rebuilt from it can be copied to the GPU asynchronously.
-    """
-    offsets = []
-    total = 0
-    for n in lengths:
-        offsets.append(total)
-        total += (n + ALIGN - 1) // ALIGN * ALIGN
-    if pin and _cuda_pinnable():
-        arr = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True).numpy()  # torch caches these
-    else:
-        arr = buffers.empty_array(max(total, 1))
-    return [memoryview(arr[o : o + n]) for o, n in zip(offsets, lengths)]
+# -- receiving (the receive block itself comes from buffers.allocate) ---------------
 
 
 class _Unpickler(pickle.Unpickler):

@@ -42,8 +42,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from . import auth, errors, sampling, serialize, wire
+from . import auth, errors, seeding, serialize, wire
 from .addrfile import announce, read_address_file  # noqa: F401  (read_address_file: old import path)
+from .buffers import allocate
 from .doorman import Doorman
 from .errors import FrameTooLarge, LimitExceeded, ProtocolError, TorchfeedError
 from .limits import check_reply
@@ -256,7 +257,7 @@ class ServerConnection:
                     self._refuse(frame.request_id, refusal)
                     continue
                 channel.read_meta(frame)
-                buffers = serialize.allocate(frame.buffer_lengths) if frame.buffer_lengths else []
+                buffers = allocate(frame.buffer_lengths) if frame.buffer_lengths else []
                 channel.read_buffers(buffers)
                 with self._cond:
                     self.queued += 1
@@ -325,7 +326,7 @@ class ServerConnection:
                 ref_id, args, kwargs = payload
                 func = self.server.registry.get(ref_id, self.server.address)
             if not getattr(func, "manages_rng", False):
-                sampling.restore_outside()  # seeded loading may have left its seeds behind
+                seeding.restore_outside()  # seeded loading may have left its seeds behind
             result = func(*(args or ()), **(kwargs or {}))
             flags = frame.flags & wire.FLAG_RREF
             if flags:
