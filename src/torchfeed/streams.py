@@ -122,10 +122,6 @@ class Stream:
         if state is None and self._number:
             self._replay(self._number)
 
-    @property
-    def is_stateful(self) -> bool:
-        return self._holder is not None
-
     def _replay(self, batches: int) -> None:
         """Draw and drop the items of ``batches`` batches (a restarted stream without state)."""
         per_batch = 1 if self._batch_size is None else self._batch_size
