@@ -212,6 +212,7 @@ def test_flipped_bit_in_a_reply_is_detected(workers2, relays):
     assert "authentication" in str(info.value) or "lost" in str(info.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attack", ["tamper-reply", "replay-request", "inject-call", "inject-reply"])
 def test_loader_finishes_the_epoch_exactly_once_under_attack(fresh_workers, relays, attack, tmp_path):
     """One of two workers is reached through the attacker: the epoch still yields every
@@ -400,6 +401,7 @@ def test_idle_and_half_open_floods_under_a_low_fd_limit(spawn, many_fds, tmp_pat
     )
 
 
+@pytest.mark.slow
 def test_accept_survives_running_out_of_file_descriptors(spawn, many_fds, tmp_path):
     """With more handshakes allowed than descriptors, accept() hits EMFILE: the worker
     logs it, sheds the oldest handshake, backs off and keeps serving."""
@@ -476,6 +478,7 @@ def test_a_worker_that_cannot_start_threads_keeps_accepting(monkeypatch, which):
         server.stop()
 
 
+@pytest.mark.slow
 def test_slow_upload_longer_than_the_timeout_is_not_cut(spawn, relays):
     """The worker's keeper judges liveness by records arriving, not by whole calls."""
     w = spawn("--timeout", "2")

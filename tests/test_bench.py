@@ -9,6 +9,7 @@ import sys
 import pytest
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(30)
 def test_bench_overhead_prints_a_table_row():
     proc = subprocess.run(

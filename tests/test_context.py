@@ -119,6 +119,7 @@ def test_context_is_per_thread_on_a_parallel_worker(workers2, fresh_workers):
     assert {(r[1], r[2]) for r in results["second"].tolist() if r[6] == shared_pid} == {(1, 2)}
 
 
+@pytest.mark.slow
 def test_iterable_pass_losing_a_worker_moves_its_stream_and_the_next_pass_keeps_two_streams(fresh_workers):
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset(w.addresses, SlowShards, 40, 0.05)

@@ -24,6 +24,8 @@ from torchfeed.dask.ranks import _order_workers
 from torchfeed.datasets import ImageFolder
 from torchfeed.util import pid_alive
 
+pytestmark = pytest.mark.dask
+
 # conftest's secret; not imported from conftest, whose import (in Dask workers unpickling this
 # module's functions) would set TORCHFEED_SECRET there again
 SECRET = os.environ.get("TORCHFEED_SECRET")
@@ -255,6 +257,7 @@ def test_results_with_a_failed_rank(client, tmp_path, caplog):
     handler.close()
 
 
+@pytest.mark.slow
 def test_results_to_s3(client):
     s3 = S3Server.shared()
     prefix = f"s3://{s3.new_prefix()}/run1"
@@ -271,6 +274,7 @@ def test_results_to_s3(client):
 # ---------------------------------------------------------------- Dask-hosted torchfeed workers
 
 
+@pytest.mark.slow
 def test_dask_hosted_workers_feed_remote_loaders(client, tmp_path):
     assert os.environ["TORCHFEED_SECRET"] == SECRET
     s3 = S3Server.shared()
@@ -336,6 +340,7 @@ def test_start_workers_errors(client):
     tfd.stop_workers(client)  # nothing running: no error
 
 
+@pytest.mark.slow
 def test_torchfeed_workers_end_with_their_dask_worker(client):
     """Last in this module: it kills one Dask worker and retires the other."""
     addresses = tfd.start_workers(

@@ -24,6 +24,7 @@ def _rate(pattern: str, text: str) -> float:
     return float(match.group(1).replace(",", ""))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_demo_trains_and_compares_loaders():
     env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -39,6 +39,7 @@ def fast_heartbeat():
     torchfeed.set_heartbeat(*old)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kills", [1, 2])
 def test_killed_workers_lose_nothing(fresh_workers, kills):
     w = fresh_workers(4)
@@ -59,6 +60,7 @@ def test_killed_workers_lose_nothing(fresh_workers, kills):
     assert not dead & set(rows[60:, 1].tolist())
 
 
+@pytest.mark.slow
 def test_stopped_worker_detected_by_heartbeat(fresh_workers, fast_heartbeat):
     w = fresh_workers(3)
     ds = torchfeed.RemoteDataset(w.addresses, PidDataset, 120, 0.005)
@@ -80,6 +82,7 @@ def test_stopped_worker_detected_by_heartbeat(fresh_workers, fast_heartbeat):
     assert time.monotonic() - t0 < 10
 
 
+@pytest.mark.slow
 def test_long_getitem_is_not_a_hang(fresh_workers, fast_heartbeat):
     w = fresh_workers(1)
     ds = torchfeed.RemoteDataset(w.addresses, PidDataset, 2, 2.5)  # 2.5 s per item > 1.5 s timeout
@@ -151,6 +154,7 @@ def netns_worker():
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+@pytest.mark.slow
 def test_network_cut_detected(fresh_workers, netns_worker, fast_heartbeat):
     address, cut = netns_worker
     w = fresh_workers(2)
@@ -163,6 +167,7 @@ def test_network_cut_detected(fresh_workers, netns_worker, fast_heartbeat):
     assert time.monotonic() - t0 < 15
 
 
+@pytest.mark.slow
 def test_restarted_worker_is_used_again(fresh_workers):
     w = fresh_workers(2)
     n = 1000  # the epoch outlasts the restart (a few seconds) plus the reconnect backoff

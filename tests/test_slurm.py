@@ -26,6 +26,8 @@ from torchfeed.cluster import SlurmJob, sbatch_script
 from torchfeed.cluster.slurm import parse_signal
 from torchfeed.util import saved_env
 
+pytestmark = pytest.mark.slurm
+
 TESTS = Path(__file__).resolve().parent
 TRAIN = [sys.executable, str(TESTS / "cluster_train.py")]
 SAMPLES, BATCH, EPOCHS = 64, 4, 2
@@ -280,6 +282,7 @@ def _seen_once_per_epoch(job_dir: Path, world: int) -> None:
     assert max(counts.values()) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_preemption_checkpoints_requeues_and_resumes(slurm, jobs):
     """(c) Signal the running job: it checkpoints, requeues itself, resumes, ends as an uninterrupted run."""
@@ -312,6 +315,7 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm, jobs):
     assert resumed["params"] == uninterrupted["params"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_hetjob_trains_every_sample_once(slurm, jobs):
     """(a) Two gloo DDP trainer tasks (srun) fed by two workers on the CPU partition."""
@@ -328,6 +332,7 @@ def test_hetjob_trains_every_sample_once(slurm, jobs):
     assert slurm.job(job_id)["ExitCode"] == "0:0"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_hetjob_with_torchrun(slurm, jobs):
     """(b) The same training launched by srun + torchrun (c10d rendezvous)."""
@@ -337,6 +342,7 @@ def test_hetjob_with_torchrun(slurm, jobs):
     assert result["params"] == _finished(slurm, *jobs["srun"])["params"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_job_exit_code_is_the_trainers(slurm, jobs):
     job_id, job_dir = jobs["fails"]
