@@ -62,7 +62,7 @@ class BlockPool:
         # numpy points a slice's .base straight at the array that owns the memory (the
         # block), skipping `lease`: slices would not keep the lease alive. An array over
         # a memoryview of the lease stops that collapse, so everything cut from it holds it.
-        return np.frombuffer(memoryview(lease), dtype=np.uint8)
+        return np.frombuffer(_view(lease), dtype=np.uint8)
 
     @property
     def cached_bytes(self) -> int:
@@ -146,4 +146,9 @@ def allocate(lengths: Sequence[int], pin: bool = False) -> list[memoryview]:
         arr = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True).numpy()  # torch caches these
     else:
         arr = empty_array(max(total, 1))
-    return [memoryview(arr[o : o + n]) for o, n in zip(offsets, lengths)]
+    return [_view(arr[o : o + n]) for o, n in zip(offsets, lengths)]
+
+
+def _view(arr: np.ndarray) -> memoryview:
+    # numpy declares the buffer protocol to type checkers only for Python >= 3.12
+    return memoryview(arr)  # type: ignore[arg-type,unused-ignore]

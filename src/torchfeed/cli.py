@@ -261,7 +261,9 @@ def _run_many(args) -> int:
     """--procs N: all processes ready, their lines printed and filed, or none left running."""
     from .pumps import Pump, to_stderr, to_stdout
 
-    children, outs, errs = [], [], []
+    children: list[subprocess.Popen] = []
+    outs: list[Pump] = []
+    errs: list[Pump] = []
     stopping = threading.Event()
 
     def stop_all(signum=None, _frame=None):

@@ -88,7 +88,7 @@ def own_copy(dataset: Any) -> Any:
     (which may drop what only pickling should drop); an object that cannot be copied
     this way is used as it is.
     """
-    cls = type(dataset)
+    cls: Any = type(dataset)
     try:
         copy = cls.__new__(cls)
         if hasattr(dataset, "__dict__"):

@@ -281,6 +281,7 @@ class Doorman:
             self._close(hs)
             return
         self._forget(hs)
+        assert keys is not None  # verdict "ok" comes with the session keys
         try:
             hs.sock.setblocking(True)
             self.on_authenticated(hs.sock, hs.peer, keys, leftover)

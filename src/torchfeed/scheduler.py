@@ -171,7 +171,7 @@ class Scheduler:
         state.in_flight.clear()
         state.late = 0.0
         self.index.refresh(state)
-        blamed = min(running, key=running.get) if running else None
+        blamed = min(running, key=running.__getitem__) if running else None
         if blamed is not None:
             self.losses[blamed] = self.losses.get(blamed, 0) + 1
         requeued = [s for s in running if s not in self._holders]  # not held elsewhere
@@ -240,11 +240,15 @@ class Scheduler:
         if self.index.late and self.index.late[0][0] < now:
             self.index.raise_late(now)
             best = self.index.best(self.index.free_measured, self.index.free_unmeasured)
+            if best is None:  # raising estimates frees no credit; kept for the type checker
+                return None
         mine, worker = best
         index = 0
         typical = self.typical_batch_seconds()
         if typical is not None and self.index.alive > 1:
-            soonest = self.index.best(self.index.all_measured, self.index.all_unmeasured)[0]
+            any_worker = self.index.best(self.index.all_measured, self.index.all_unmeasured)
+            assert any_worker is not None  # more than one alive
+            soonest = any_worker[0]
             total_rate = self.index.total_rate(typical)
             if mine > soonest and self._keep_for_others(worker, mine, soonest, total_rate, typical, now):
                 return None

@@ -18,7 +18,7 @@ import io
 import pickle
 import threading
 from collections import ChainMap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import cloudpickle
@@ -66,7 +66,7 @@ def _reduce_tensor(t: torch.Tensor):
             t = t.contiguous()
     raw = t.reshape(-1).view(torch.uint8).numpy()
     dtype_name = str(t.dtype).split(".", 1)[1]
-    return _rebuild_tensor, (pickle.PickleBuffer(raw), dtype_name, tuple(t.shape), requires_grad)
+    return _rebuild_tensor, (_buffer(raw), dtype_name, tuple(t.shape), requires_grad)
 
 
 def _rebuild_ndarray(buf, dtype, shape):
@@ -79,15 +79,23 @@ def _reduce_ndarray(a: np.ndarray):
     if not a.flags.c_contiguous:
         a = np.ascontiguousarray(a)
     raw = a.reshape(-1).view(np.uint8)
-    return _rebuild_ndarray, (pickle.PickleBuffer(raw), a.dtype, a.shape)
+    return _rebuild_ndarray, (_buffer(raw), a.dtype, a.shape)
 
 
-_REDUCERS = {torch.Tensor: _reduce_tensor, np.ndarray: _reduce_ndarray}
+def _buffer(raw: np.ndarray) -> pickle.PickleBuffer:
+    """An out-of-band buffer over a contiguous array, without a copy."""
+    # numpy declares the buffer protocol to type checkers only for Python >= 3.12
+    return pickle.PickleBuffer(raw)  # type: ignore[arg-type,unused-ignore]
+
+
+_REDUCERS: dict[type, Callable[[Any], Any]] = {torch.Tensor: _reduce_tensor, np.ndarray: _reduce_ndarray}
 
 
 # The C pickler reads ``dispatch_table`` once, in __init__: it must be a class attribute.
 class _Pickler(pickle.Pickler):
-    dispatch_table = ChainMap(_REDUCERS, copyreg.dispatch_table)
+    # copyreg's table is typed with narrower reducers than Callable[[Any], Any]; same at run time
+    dispatch_table = ChainMap(_REDUCERS, copyreg.dispatch_table)  # type: ignore[arg-type]
+    buffers: list[memoryview]  # set by dumps() (the bytes-apart picklers append to it)
 
 
 class _CloudPickler(cloudpickle.Pickler):

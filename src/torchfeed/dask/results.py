@@ -94,7 +94,7 @@ class ResultsHandler:
         return {"key": self.key, "inline_limit": self.inline_limit}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["key"], inline_limit=state["inline_limit"])
+        ResultsHandler.__init__(self, state["key"], inline_limit=state["inline_limit"])
 
     def _queue(self, kind: str) -> distributed.Queue:
         queue = self._queues.get(kind)
@@ -218,7 +218,11 @@ class ResultsHandler:
                 if f.key in reported or f.status not in ("error", "cancelled"):
                     continue
                 reported.add(f.key)
-                exc = f.exception() if f.status == "error" else distributed.client.FutureCancelledError(f.key)
+                exc = (
+                    f.exception()
+                    if f.status == "error"
+                    else distributed.client.FutureCancelledError(f.key, reason=None)
+                )
                 if raise_errors:
                     raise exc
                 log.error("%s failed: %s", f.key, exc)

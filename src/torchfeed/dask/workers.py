@@ -56,13 +56,16 @@ class _Process:
         self._forwarder.start()
 
     def _forward(self) -> None:
-        for line in self.popen.stderr:
+        stderr = self.popen.stderr
+        assert stderr is not None  # stderr=PIPE
+        for line in stderr:
             self.tail.append(line)
             sys.stderr.write(line)
-        self.popen.stderr.close()
+        stderr.close()
 
     def read_address(self, deadline: float) -> str:
         stdout = self.popen.stdout
+        assert stdout is not None  # stdout=PIPE
         with selectors.DefaultSelector() as sel:
             sel.register(stdout, selectors.EVENT_READ)
             while time.monotonic() < deadline:
@@ -89,7 +92,8 @@ class _Process:
             self.popen.kill()
             self.popen.wait()
         for stream in (self.popen.stdin, self.popen.stdout):
-            stream.close()
+            if stream is not None:
+                stream.close()
         self._forwarder.join(1.0)
 
 

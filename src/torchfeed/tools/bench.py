@@ -21,6 +21,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -59,8 +60,10 @@ def make_pair(
         persistent_workers=True,
         prefetch_factor=PREFETCH,
     )
-    rds = RemoteDataset(ctx.workers.addresses[:n_workers], factory, *fargs, **fkwargs)
-    rl = RemoteDataLoader(rds, batch_size=batch_size, sampler=rs, prefetch_factor=PREFETCH)
+    rds: RemoteDataset[Any] = RemoteDataset(ctx.workers.addresses[:n_workers], factory, *fargs, **fkwargs)
+    rl: RemoteDataLoader[Any] = RemoteDataLoader(
+        rds, batch_size=batch_size, sampler=rs, prefetch_factor=PREFETCH
+    )
     ours = [p.pid for p in ctx.workers.processes[:n_workers]]
 
     def torch_pids():

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 from torch.utils.data import DataLoader
 from torch.utils.data._utils.collate import default_collate
@@ -83,12 +84,14 @@ def case_epochs(ctx: Context) -> Result:
         persistent_workers=True,
         prefetch_factor=PREFETCH,
     )
-    rds = RemoteDataset(
+    rds: RemoteDataset[Any] = RemoteDataset(
         ctx.workers.addresses[:nw], SleepyDataset, length, STRAGGLER_SLEEP, slow_pids={slow_pid: slow}
     )
-    ours = RemoteDataLoader(rds, batch_size=STRAGGLER_BATCH, prefetch_factor=PREFETCH, seed=0)
+    ours: RemoteDataLoader[Any] = RemoteDataLoader(
+        rds, batch_size=STRAGGLER_BATCH, prefetch_factor=PREFETCH, seed=0
+    )
     ours_pids = [p.pid for p in ctx.workers.processes[:nw]]
-    sides = {"torch": torch_loader, "torchfeed": ours}
+    sides: dict[str, Any] = {"torch": torch_loader, "torchfeed": ours}
     fractions: dict[str, list[float]] = {k: [] for k in sides}
     cpu: dict[str, list[float]] = {k: [] for k in sides}
     workers_cpu: dict[str, list[float]] = {k: [] for k in sides}
@@ -252,6 +255,7 @@ def shared_trainer(kind: str, addresses: list[str], start_at: float, seconds: fl
     import warnings
 
     warnings.filterwarnings("ignore", message="This DataLoader will create")  # the point of the case
+    loader: Any  # either kind of loader
     if kind == "torch":
         loader = DataLoader(
             SleepyDataset(BIG, SHARED_SLEEP),
@@ -263,7 +267,7 @@ def shared_trainer(kind: str, addresses: list[str], start_at: float, seconds: fl
     else:
         from ..loader import RemoteDataLoader, RemoteDataset
 
-        rds = RemoteDataset(addresses, SleepyDataset, BIG, SHARED_SLEEP)
+        rds: RemoteDataset[Any] = RemoteDataset(addresses, SleepyDataset, BIG, SHARED_SLEEP)
         loader = RemoteDataLoader(
             rds, batch_size=SHARED_BATCH, sampler=CountSampler(10**7), prefetch_factor=PREFETCH
         )

@@ -19,7 +19,7 @@ import contextlib
 import socket
 import sys
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 import numpy as np
 import torch
@@ -267,7 +267,7 @@ def _compare_loading(
         f"\nloading throughput of the augmented training set (loading only, no model, batch {args.batch_size}, "
         f"~{seconds:g} s each):"
     )
-    remote_loader = RemoteDataLoader(remote, batch_size=args.batch_size, shuffle=True)
+    remote_loader: RemoteDataLoader[Any] = RemoteDataLoader(remote, batch_size=args.batch_size, shuffle=True)
     remote_rate, _ = measure_loading(remote_loader, seconds)
     remote_label = f"torchfeed.RemoteDataLoader  ({n_remote} remote worker{'s' if n_remote != 1 else ''})"
     torch_label = f"torch DataLoader(num_workers={args.workers})"
@@ -332,14 +332,16 @@ def run_demo(args) -> int:
                 threads_before = torch.get_num_threads()
                 torch.set_num_threads(max(1, cpu_count() - on_this_machine))
                 stack.callback(torch.set_num_threads, threads_before)
-            remote = RemoteDataset(addresses, AugmentedDigits, train_x, train_y)
+            remote: RemoteDataset[Any] = RemoteDataset(addresses, AugmentedDigits, train_x, train_y)
             _say(
                 "each worker holds the training set and augments it (shift <= 1 px, rotation <= 12 deg, "
                 "scale 0.9-1.1, noise)\n"
             )
 
             model = SmallCNN()
-            loader = RemoteDataLoader(remote, batch_size=args.batch_size, shuffle=True, seed=seed)
+            loader: RemoteDataLoader[Any] = RemoteDataLoader(
+                remote, batch_size=args.batch_size, shuffle=True, seed=seed
+            )
             t0 = time.perf_counter()
             test_acc = _train(model, loader, epochs, test_images, test_labels)
             train_seconds = time.perf_counter() - t0

@@ -53,7 +53,7 @@ class JpegDecodeDataset(Dataset):
         self.jpegs: list[bytes] = []
         for _ in range(images):
             coarse = Image.fromarray(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8))
-            smooth = np.asarray(coarse.resize((size, size), Image.BICUBIC), dtype=np.int16)
+            smooth = np.asarray(coarse.resize((size, size), Image.Resampling.BICUBIC), dtype=np.int16)
             noisy = smooth + rng.integers(-6, 7, smooth.shape, dtype=np.int16)
             buf = io.BytesIO()
             Image.fromarray(noisy.clip(0, 255).astype(np.uint8)).save(buf, "JPEG", quality=quality)
