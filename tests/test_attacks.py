@@ -557,6 +557,44 @@ def test_a_client_that_stops_reading_does_not_stall_others(spawn):
         stalled.close()
 
 
+def numbered_reply(i: int, nbytes: int):
+    return torch.full((nbytes,), i % 251, dtype=torch.uint8)
+
+
+def test_small_replies_to_a_paused_reader_arrive_whole(spawn):
+    """Small replies are written by the executor without blocking; what the socket does
+    not take goes to the writer. A client that pauses reading fills the socket, so many
+    replies are cut mid-record: after it reads again, every reply is intact and in order."""
+    w = spawn("--parallel", "2")
+    host, port = w.address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    # a small receive buffer (not tiny: a window far below the MSS makes loopback TCP crawl)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 18)
+    chan = auth.client_handshake(sock, auth.load_secret(), w.address)
+    count, size = 1000, 20_000  # 20 MB of replies, far more than the socket buffers hold
+    try:
+        for i in range(count):
+            meta, buffers = serialize.dumps((numbered_reply, (i, size), {}), by_value=True)
+            chan.send(wire.CALL, i + 1, meta, buffers)
+        time.sleep(1.0)  # replies pile up: direct writes are cut, the rest is queued
+        assert fresh_call(w.address, timeout=10) > 0  # other clients are served meanwhile
+        sock.settimeout(30)
+        seen = set()
+        for _ in range(count):  # two executors race for the socket: any order, each whole
+            frame = chan.read_frame(wire.Limits())
+            assert frame.kind == wire.REPLY, wire.KIND_NAMES.get(frame.kind)
+            bufs = [memoryview(bytearray(n)) for n in frame.buffer_lengths]
+            chan.read_buffers(bufs)
+            value = serialize.loads(frame.meta, bufs)
+            i = frame.request_id - 1
+            assert value.shape == (size,) and bool((value == i % 251).all())
+            seen.add(i)
+        assert seen == set(range(count))
+        assert w.alive()
+    finally:
+        sock.close()
+
+
 def test_per_connection_bounds_answer_with_clear_errors(spawn):
     w = spawn(
         "--parallel", "1", "--max-call-bytes", "1000000", "--max-refs", "3", "--max-queued-requests", "4"

@@ -125,6 +125,36 @@ class Channel:
         if parts:
             self._write(parts)
 
+    def seal(
+        self, kind: int, request_id: int = 0, meta: bytes = b"", buffers: Sequence = (), flags: int = 0
+    ) -> bytes:
+        """Seal a whole small message (meta and each buffer at most CHUNK bytes) into one
+        bytes object, the same records :meth:`send` writes. The records take their counter
+        values now: the caller must write the result before anything else is sealed."""
+        views = [memoryview(b).cast("B") for b in buffers]
+        if len(meta) > CHUNK or 8 * len(views) > CHUNK or any(len(v) > CHUNK for v in views):
+            raise ValueError("seal() takes small messages only; use send()")
+        records = self._seal_small(wire.pack_fixed(kind, request_id, len(meta), len(views), flags))
+        if views:
+            records += self._seal_small(struct.pack(f"<{len(views)}Q", *(len(v) for v in views)))
+        for payload in ([meta] if meta else []) + [v for v in views if len(v)]:
+            records += self._seal_small(payload)
+        return b"".join(records)
+
+    def write_nowait(self, data: bytes) -> memoryview:
+        """Write what the socket takes now of ``data`` without blocking; return the rest
+        (to be written with :meth:`write` before anything sealed later)."""
+        try:
+            n = self.sock.send(data, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        self.bytes_sent += n
+        return memoryview(data)[n:]
+
+    def write(self, data) -> None:
+        """Write already sealed bytes (the rest :meth:`write_nowait` left), blocking."""
+        self._write([data])
+
     def send_record(self, plaintext: bytes) -> None:
         """Seal and send one record of arbitrary content (for tests and protocol tools)."""
         self._write(self._seal_small(plaintext))

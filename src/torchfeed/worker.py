@@ -8,9 +8,12 @@ One process serves many clients with these threads:
   peers get no thread of their own;
 * per authenticated connection, a **reader** (parses sealed frames, answers heartbeats
   at once whatever user code is doing, puts calls on the shared task queue) and a
-  **writer** (sends the connection's replies from its outbox, in order). Executors only
-  append to an outbox, so a client that stops reading stalls its own writer and nobody
-  else; a writer that makes no progress for ``timeout`` seconds closes its connection;
+  **writer** (sends the connection's replies from its outbox, in order). Executors never
+  block on a socket: a small reply with nothing queued before it is written at once with
+  a non-blocking send (what the socket does not take goes to the front of the outbox),
+  anything else is appended to the outbox. So a client that stops reading stalls its own
+  writer and nobody else; a writer that makes no progress for ``timeout`` seconds closes
+  its connection;
 * ``parallel`` **executors**, shared by all connections, run user code;
 * the **keeper** drops connections silent for ``timeout`` seconds (half-open peers).
 
@@ -52,6 +55,10 @@ from .limits import check_reply
 log = logging.getLogger("torchfeed.worker")
 
 HANDSHAKE_TIMEOUT = 10.0
+# replies up to this size are sealed and written by the thread that made them when nothing
+# is queued before them (see ServerConnection.send); larger ones always go to the writer
+_DIRECT_BYTES = 64 * 1024
+_SEALED = -1  # outbox entry: already sealed bytes (the rest of a direct write)
 
 
 @dataclass(frozen=True)
@@ -184,26 +191,52 @@ class ServerConnection:
 
     # -- writer thread -------------------------------------------------------
     def send(self, kind: int, request_id: int = 0, meta: bytes = b"", buffers=(), flags: int = 0) -> None:
-        """Queue a message for the writer; never blocks."""
+        """Send a message, or queue it for the writer; never blocks.
+
+        A small message with nothing queued before it is sealed and written here, without
+        blocking (no hop to the writer thread: the usual case for small replies); what the
+        socket does not take at once goes to the front of the outbox for the writer.
+        """
         size = len(meta) + sum(memoryview(b).nbytes for b in buffers)
         with self._cond:
             if self.closed:
                 return
-            self._outbox.append((kind, request_id, meta, buffers, flags, size))
-            self.unsent_bytes += size
-            self._cond.notify_all()
+            if self._outbox or self.sending or size > _DIRECT_BYTES:
+                self._outbox.append((kind, request_id, meta, buffers, flags, size))
+                self.unsent_bytes += size
+                self._cond.notify_all()
+                return
+            self.sending = True  # the writer keeps out until the rest, if any, is queued
+        rest: memoryview | None = None
+        try:
+            rest = self.channel.write_nowait(self.channel.seal(kind, request_id, meta, buffers, flags))
+        except OSError as exc:
+            if not self.closed:
+                log.info("could not write to client %s: %s", self.peer, exc)
+            self.close()
+        finally:
+            with self._cond:
+                self.sending = False
+                if rest is not None and len(rest) and not self.closed:
+                    self._outbox.appendleft((_SEALED, 0, rest, (), 0, len(rest)))
+                    self.unsent_bytes += len(rest)
+                if self._outbox:  # queued meanwhile: the writer waited for us
+                    self._cond.notify_all()
 
     def _write_loop(self) -> None:
         try:
             while True:
                 with self._cond:
-                    while not self._outbox and not self.closed:
+                    while (not self._outbox or self.sending) and not self.closed:
                         self._cond.wait()
                     if self.closed:
                         return
                     kind, rid, meta, buffers, flags, size = self._outbox.popleft()
                     self.sending = True
-                self.channel.send(kind, rid, meta, buffers, flags)
+                if kind == _SEALED:  # the rest of a message send() began to write
+                    self.channel.write(meta)
+                else:
+                    self.channel.send(kind, rid, meta, buffers, flags)
                 del meta, buffers
                 with self._cond:
                     self.sending = False
