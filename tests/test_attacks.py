@@ -440,7 +440,7 @@ def test_wrong_secrets_are_rate_limited_per_source(spawn, tmp_path):
 
 
 class _ThreadsRunOut:
-    """Stands in for the threading module in worker.py: the first ``n`` connection threads
+    """Stands in for the threading module in serverconn.py: the first ``n`` connection threads
     cannot be started, as when the process has hit its thread limit."""
 
     def __init__(self, n: int, prefix: str):
@@ -463,10 +463,11 @@ class _ThreadsRunOut:
 @pytest.mark.parametrize("which", ["torchfeed-tx", "torchfeed-rx"], ids=["writer", "reader"])
 def test_a_worker_that_cannot_start_threads_keeps_accepting(monkeypatch, which):
     """A connection whose threads cannot start is closed and forgotten; the worker goes on."""
+    from torchfeed import serverconn
     from torchfeed import worker as worker_mod
 
     server = worker_mod.WorkerServer().start()
-    monkeypatch.setattr(worker_mod, "threading", _ThreadsRunOut(3, which))
+    monkeypatch.setattr(serverconn, "threading", _ThreadsRunOut(3, which))
     try:
         address = f"127.0.0.1:{server.port}"
         for _ in range(3):

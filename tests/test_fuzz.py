@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchfeed import auth, doorman, wire, worker
+from torchfeed import auth, doorman, serverconn, wire, worker
 from torchfeed.errors import ProtocolError
 
 # Hypothesis draws an input and a seed; each example then runs that input and VARIANTS-1
@@ -161,17 +161,17 @@ def test_handshake_rejects_junk_without_unpickling(server, data, seed, monkeypat
 def monkeypatch_unpickle():
     """Record any unpickling done by the worker's modules while the fuzzer runs."""
     calls = []
-    real_loads, real_loads_call = pickle.loads, worker.serialize.loads_call
+    real_loads, real_loads_call = pickle.loads, serverconn.serialize.loads_call
 
     def spy(*a, **k):
         calls.append(a)
         return real_loads(*a, **k)
 
-    worker.pickle.loads = spy
-    worker.serialize.loads_call = lambda *a, **k: calls.append(a) or real_loads_call(*a, **k)
+    serverconn.pickle.loads = spy
+    serverconn.serialize.loads_call = lambda *a, **k: calls.append(a) or real_loads_call(*a, **k)
     yield calls
-    worker.pickle.loads = real_loads
-    worker.serialize.loads_call = real_loads_call
+    serverconn.pickle.loads = real_loads
+    serverconn.serialize.loads_call = real_loads_call
 
 
 def test_server_still_serves_after_fuzzing(server):
