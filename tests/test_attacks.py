@@ -275,6 +275,7 @@ def capture_run(address: str, relays) -> bytes:
     return r.captured()
 
 
+@pytest.mark.slow
 def test_capture_holds_no_dataset_argument_and_no_batch_bytes(spawn, relays):
     w = spawn()
     wire_bytes = capture_run(w.address, relays)
@@ -284,6 +285,7 @@ def test_capture_holds_no_dataset_argument_and_no_batch_bytes(spawn, relays):
     assert b"MarkedDataset" not in wire_bytes
 
 
+@pytest.mark.slow
 def test_integrity_only_opt_out_is_readable_but_still_authenticated(spawn, relays, monkeypatch):
     """Control for the capture test (the markers are visible when encryption is off), and
     the opt-out keeps integrity: a flipped bit is still caught."""
@@ -308,6 +310,7 @@ def test_opt_out_needs_both_sides(spawn, relays, monkeypatch):
     not os.path.exists("/usr/bin/tcpdump") and not os.path.exists("/usr/sbin/tcpdump"),
     reason="tcpdump is not installed",
 )
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="capturing on loopback needs root")
 def test_tcpdump_of_loopback_holds_nothing_in_clear(spawn, tmp_path):
     w = spawn()
@@ -379,6 +382,7 @@ def many_fds():
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+@pytest.mark.slow
 def test_idle_and_half_open_floods_under_a_low_fd_limit(spawn, many_fds, tmp_path):
     w = spawn("--handshake-timeout", "30", nofile=512, log=tmp_path / "worker.log")
     held = _connect_many(w.address, 300)
@@ -537,6 +541,7 @@ def big_reply(nbytes: int):
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
+@pytest.mark.slow
 def test_a_client_that_stops_reading_does_not_stall_others(spawn):
     w = spawn("--parallel", "1")
     host, port = w.address.rsplit(":", 1)
@@ -596,6 +601,7 @@ def test_small_replies_to_a_paused_reader_arrive_whole(spawn):
         sock.close()
 
 
+@pytest.mark.slow
 def test_per_connection_bounds_answer_with_clear_errors(spawn):
     w = spawn(
         "--parallel", "1", "--max-call-bytes", "1000000", "--max-refs", "3", "--max-queued-requests", "4"

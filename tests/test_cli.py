@@ -211,6 +211,7 @@ def test_worker_stops_whichever_thread_receives_the_signal(run):
 # -- several processes ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_procs_three_and_sigterm(run):
     cmd = run(WORKER + ["--procs", "3"])
     lines = cmd.read_lines(3)
@@ -246,6 +247,7 @@ def test_remote_data_loader_fed_by_procs_2_then_sigint(run):
     assert cmd.rest_of_stdout() == ""
 
 
+@pytest.mark.slow
 def test_procs_auto_starts_one_process_per_usable_cpu(run):
     n = cpu_count()
     if n > 8:
@@ -259,6 +261,7 @@ def test_procs_auto_starts_one_process_per_usable_cpu(run):
     assert cmd.rest_of_stdout() == ""
 
 
+@pytest.mark.slow
 def test_procs_exit_code_reports_a_killed_worker(run):
     cmd = run(WORKER + ["--procs", "2"])
     cmd.read_lines(2)
@@ -333,6 +336,7 @@ def test_port_in_use_is_one_line(run):
         assert cmd.rest_of_stdout() == ""
 
 
+@pytest.mark.slow
 def test_procs_start_all_or_none(run, tmp_path):
     """One process of three cannot bind its port: none keeps running, nothing is announced."""
     holder, port = _taken_port()
@@ -369,6 +373,7 @@ def test_procs_start_all_or_none(run, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_procs_output_of_the_processes_is_prefixed(run, tmp_path):
     cmd = run(WORKER + ["--procs", "2", "--address-file", str(tmp_path / "w")])
     addresses = cmd.read_lines(2)

@@ -344,6 +344,7 @@ def test_address_file_timeout_and_errors(clean_env, tmp_path):
         workers(rank=0, world_size=1)
 
 
+@pytest.mark.slow
 def test_address_file_from_real_workers(clean_env, tmp_path):
     path = tmp_path / "workers"
     with LocalWorkers(2, extra_args=["--address-file", str(path)]) as w:

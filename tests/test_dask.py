@@ -127,6 +127,7 @@ def rank_env():
     return {k: os.environ.get(k) for k in RANK_ENV}
 
 
+@pytest.mark.slow
 def test_allreduce_across_two_ranks(client):
     before = client.run(rank_env)
     futures = tfd.run(
@@ -148,6 +149,7 @@ def test_allreduce_across_two_ranks(client):
     assert [r["backend"] for r in client.gather(tfd.run(client, allreduce, 1.0))] == ["gloo", "gloo"]
 
 
+@pytest.mark.slow
 def test_training_step_matches_single_process(client):
     torch.manual_seed(1)
     x, y = torch.randn(8, 3), torch.randn(8, 1)

@@ -189,6 +189,7 @@ def test_restarted_worker_is_used_again(fresh_workers):
     assert old_pid in pids and new_pid["pid"] in pids  # the new process got work in the same epoch
 
 
+@pytest.mark.slow
 def test_add_workers_mid_epoch(fresh_workers):
     first, later = fresh_workers(1), fresh_workers(2)
     ds = torchfeed.RemoteDataset(first.addresses, PidDataset, 200, 0.004)
@@ -200,6 +201,7 @@ def test_add_workers_mid_epoch(fresh_workers):
     assert {p.pid for p in later.processes} <= set(rows[:, 1].tolist())
 
 
+@pytest.mark.slow
 def test_workers_file_is_watched(fresh_workers, tmp_path):
     first, later = fresh_workers(1), fresh_workers(1)
     path = tmp_path / "workers"
@@ -218,6 +220,7 @@ def test_workers_file_is_watched(fresh_workers, tmp_path):
     ds.close()
 
 
+@pytest.mark.slow
 def test_remove_worker_drains_it(fresh_workers):
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset(w.addresses, PidDataset, 160, 0.004)
@@ -229,6 +232,7 @@ def test_remove_worker_drains_it(fresh_workers):
     assert w.processes[0].pid not in rows[40:, 1].tolist()
 
 
+@pytest.mark.slow
 def test_all_workers_gone_raises_after_timeout(fresh_workers):
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset(w.addresses, PidDataset, 400, 0.005)
@@ -245,6 +249,7 @@ def test_all_workers_gone_raises_after_timeout(fresh_workers):
         assert a in str(info.value) and a in info.value.errors
 
 
+@pytest.mark.slow
 def test_poison_sample_gives_up_and_names_it(fresh_workers):
     w = fresh_workers(4)
     ds = torchfeed.RemoteDataset(w.addresses, PoisonDataset, 60, 21, 0.002)
@@ -260,6 +265,7 @@ def test_poison_sample_gives_up_and_names_it(fresh_workers):
     assert sum(p.poll() is not None for p in w.processes) == 3
 
 
+@pytest.mark.slow
 def test_python_exception_is_not_retried(fresh_workers):
     from helpers import FailingDataset
 
@@ -270,6 +276,7 @@ def test_python_exception_is_not_retried(fresh_workers):
     assert all(p.poll() is None for p in w.processes)
 
 
+@pytest.mark.slow
 def test_straggler_is_duplicated_and_delivered_once(fresh_workers):
     w = fresh_workers(3)
     slow = w.processes[0].pid
@@ -281,6 +288,7 @@ def test_straggler_is_duplicated_and_delivered_once(fresh_workers):
     assert elapsed < 6, elapsed  # without duplication: each slow item holds everything up 1.2 s
 
 
+@pytest.mark.slow
 def test_worker_survives_bad_client_and_serves_others(fresh_workers):
     import socket
 
@@ -334,6 +342,7 @@ def _rss_kb(pid) -> int:
     raise AssertionError("no VmRSS")
 
 
+@pytest.mark.slow
 def test_soak_ten_thousand_batches_memory_flat(fresh_workers):
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset(w.addresses, RangeDataset, 10**6, 64)

@@ -30,6 +30,7 @@ class Chatty(torch.utils.data.Dataset):
         return i
 
 
+@pytest.mark.slow
 def test_a_dataset_that_prints_a_lot_completes_and_its_output_arrives_prefixed(capsys):
     with torchfeed.LocalWorkers(1) as workers:
         ds = torchfeed.RemoteDataset(workers.addresses, Chatty)
@@ -50,6 +51,7 @@ def _user_line(fn_name: str) -> int:
     return start + next(i for i, line in enumerate(source) if "# <- the user's line" in line)
 
 
+@pytest.mark.slow
 def test_lost_worker_warning_points_at_the_users_loop(fresh_workers):
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset(w.addresses, SleepDataset, 40, 0.02)
@@ -67,6 +69,7 @@ def test_lost_worker_warning_points_at_the_users_loop(fresh_workers):
     ), [(c.filename, c.lineno) for c in lost]
 
 
+@pytest.mark.slow
 def test_no_worker_left_is_said_at_once_with_the_wait(fresh_workers):
     w = fresh_workers(1)
     ds = torchfeed.RemoteDataset(w.addresses, SleepDataset, 40, 0.02)
@@ -104,6 +107,7 @@ print("done", flush=True)   # at exit: the pass is open, requests are in flight
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("interrupt", [False, True])
 def test_no_lost_worker_warnings_at_exit_or_after_ctrl_c(tmp_path, interrupt):
     script = tmp_path / "train.py"
@@ -122,6 +126,7 @@ def test_no_lost_worker_warnings_at_exit_or_after_ctrl_c(tmp_path, interrupt):
         assert proc.returncode == 0 and proc.stdout == "done\n", proc.stderr
 
 
+@pytest.mark.slow
 def test_workers_stop_with_a_killed_trainer(tmp_path):
     script = tmp_path / "trainer.py"
     script.write_text(

@@ -95,6 +95,7 @@ header = st.builds(
 inputs = st.one_of(st.binary(max_size=300), header)
 
 
+@pytest.mark.slow
 @settings(max_examples=PARSER_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(data=inputs, seed=st.integers(0, 2**32))
 def test_frame_parser_never_crashes_or_overallocates(data, seed):
@@ -145,6 +146,7 @@ def _handshake_like():
 @settings(
     max_examples=HANDSHAKE_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck)
 )
+@pytest.mark.slow
 @given(data=_handshake_like(), seed=st.integers(0, 2**32))
 def test_handshake_rejects_junk_without_unpickling(server, data, seed, monkeypatch_unpickle):
     hello = auth.hello_meta(False)

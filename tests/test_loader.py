@@ -169,6 +169,7 @@ def test_unreachable_worker_is_retried_until_timeout(monkeypatch):
         torchfeed.RemoteDataset([f"127.0.0.1:{port}"], RangeDataset, 5)
 
 
+@pytest.mark.slow
 def test_least_loaded_not_round_robin(fresh_workers):
     w = fresh_workers(3)
     slow_pid = w.processes[0].pid
@@ -181,6 +182,7 @@ def test_least_loaded_not_round_robin(fresh_workers):
     assert set(pids) == {p.pid for p in w.processes}
 
 
+@pytest.mark.slow
 def test_several_trainer_processes_share_workers(workers2, tmp_path):
     script = tmp_path / "trainer.py"
     script.write_text(

@@ -195,6 +195,7 @@ def test_subset_random_split_and_concat(workers2, plain):
             assert len(torchfeed.RemoteDataLoader(ours, **kw)) == len(DataLoader(theirs, **kw))
 
 
+@pytest.mark.slow
 def test_concat_needs_shared_workers(workers2, fresh_workers):
     elsewhere = torchfeed.RemoteDataset(fresh_workers(1).addresses, Plain, 4)
     here = torchfeed.RemoteDataset(workers2, Plain, 4)

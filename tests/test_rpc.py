@@ -587,6 +587,7 @@ os._exit(0)  # vanish: no release is sent, only the connection closes
 """
 
 
+@pytest.mark.slow
 def test_remote_refs_are_freed_when_the_client_disconnects(addr):
     proc = subprocess.Popen(
         [sys.executable, "-c", CLIENT_SCRIPT, addr, "orphan"],
