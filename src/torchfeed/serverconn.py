@@ -176,6 +176,8 @@ class ServerConnection:
             try:
                 frame = channel.read_header(frame_limits)
             except FrameTooLarge as exc:  # authentic but too big: answer it, keep the connection
+                if exc.frame is None:  # not read far enough to be skipped
+                    raise
                 channel.skip(exc.frame)
                 self._refuse(exc.frame.request_id, exc)
                 continue
@@ -259,6 +261,7 @@ class ServerConnection:
                 seeding.restore_outside()  # seeded loading may have left its seeds behind
             result = func(*(args or ()), **(kwargs or {}))
             flags = frame.flags & wire.FLAG_RREF
+            out: list[memoryview]
             if flags:
                 ref = self.server.registry.put(result, self.id, self.limits.max_refs)
                 meta, out = pickle.dumps(ref), []
