@@ -234,18 +234,20 @@ PartitionName=cpu Nodes=c[1-2] MaxTime=INFINITE State=UP
             f"({info.get('Reason')}); see {self.root / 'slurmctld.log'}"
         )
 
-    def _completing(self) -> bool:
+    def _settling(self) -> bool:
+        """Whether any node is not idle yet (still completing or holding the previous run)."""
         out = self._run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False).stdout.split()
-        return any(state.startswith("comp") for state in out[1::2])
+        return not out or any(not state.startswith("idle") for state in out[1::2])
 
     def release(self, job_id: str, settle: float = 30.0) -> None:
         """Start a requeued job now: Slurm otherwise holds it about two minutes (Reason=BeginTime).
 
-        Waits (up to ``settle`` seconds) for nodes still completing the previous run's steps:
-        a launch onto a node in that state can fail the restarted job outright.
+        Waits (up to ``settle`` seconds) until every node is idle again: a launch onto a
+        node still completing (or still holding) the previous run's steps can fail the
+        restarted job outright.
         """
         deadline = time.monotonic() + settle
-        while self._completing() and time.monotonic() < deadline:
+        while self._settling() and time.monotonic() < deadline:
             time.sleep(0.2)
         self._run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -11,9 +12,11 @@ import pytest
 
 @pytest.mark.slow
 @pytest.mark.timeout(30)
-def test_bench_overhead_prints_a_table_row():
+def test_bench_overhead_prints_a_table_row(tmp_path):
+    png = tmp_path / "bench.png"
+    plot = ["--plot", str(png)] if importlib.util.find_spec("matplotlib") else []
     proc = subprocess.run(
-        [sys.executable, "-m", "torchfeed", "bench", "overhead", "--seconds", "0.3"],
+        [sys.executable, "-m", "torchfeed", "bench", "overhead", "--seconds", "0.3", *plot],
         capture_output=True,
         text=True,
         timeout=28,
@@ -30,6 +33,8 @@ def test_bench_overhead_prints_a_table_row():
         re.M,
     )
     assert row, proc.stdout
+    if plot:  # issue 13: the torchfeed runs drawn
+        assert png.read_bytes()[:4] == b"\x89PNG" and "plot of the torchfeed runs" in proc.stdout
 
 
 def test_bench_rejects_unknown_case():

@@ -389,7 +389,7 @@ def test_version_and_help_for_every_option(capsys):
     assert info.value.code == 0 and capsys.readouterr().out.strip() == f"torchfeed {torchfeed.__version__}"
     parser = cli.build_parser()
     subcommands = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices
-    assert set(subcommands) == {"worker", "demo", "bench", "slurm"}
+    assert set(subcommands) == {"worker", "demo", "bench", "top", "slurm"}
     for name, sub in subcommands.items():
         for action in sub._actions:
             if action.dest != "help":
@@ -413,7 +413,7 @@ def test_help_does_not_import_torch():
         "atexit.register(lambda: print('torch imported' if 'torch' in sys.modules else 'no torch'))\n"
         "from torchfeed.cli import main\nmain(['{}', '--help'])\n"
     )
-    for sub in ["worker", "demo", "bench", "slurm"]:
+    for sub in ["worker", "demo", "bench", "top", "slurm"]:
         proc = subprocess.run(
             [sys.executable, "-c", code.format(sub)], capture_output=True, text=True, timeout=60
         )

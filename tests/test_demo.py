@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import torchfeed
+import torchfeed.plots
 
 pytest.importorskip("sklearn")
 
@@ -26,10 +27,11 @@ def _rate(pattern: str, text: str) -> float:
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_demo_trains_and_compares_loaders():
+def test_demo_trains_and_compares_loaders(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    png = tmp_path / "demo.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "torchfeed", "demo", "--epochs", "2"],
+        [sys.executable, "-m", "torchfeed", "demo", "--epochs", "2", "--plot", str(png)],
         env=env,
         capture_output=True,
         text=True,
@@ -45,6 +47,11 @@ def test_demo_trains_and_compares_loaders():
     assert _rate(r"torchfeed\.RemoteDataLoader", out) > 0
     assert _rate(r"torch DataLoader\(num_workers=2\)", out) > 0
     assert re.search(r"ratio torchfeed / torch\s+[\d.]+x", out), out
+    # the stats table and the advice end the training (issue 13)
+    assert re.search(r"^worker\s+state\s+samples/s", out, re.MULTILINE), out
+    assert re.search(r"^(input-bound|not input-bound)", out, re.MULTILINE), out
+    if torchfeed.plots.available():
+        assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_augmentation_follows_the_loader_seed(workers2):

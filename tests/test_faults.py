@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -19,16 +20,33 @@ from helpers import PidDataset, PoisonDataset, RangeDataset, wait_for
 from torchfeed import client
 
 
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def collect(loader, on_batch=None):
-    """All batches of one pass as (index, pid) rows; on_batch(i) runs after batch i."""
+    """All batches of one pass as (index, pid) rows; on_batch(i) runs after batch i. Also the
+    warnings and the torchfeed.workers log lines (membership events) said meanwhile."""
     rows = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for i, b in enumerate(loader):
-            rows.append(b)
-            if on_batch:
-                on_batch(i)
-    return torch.cat(rows), [str(w.message) for w in caught]
+    logger, records = logging.getLogger("torchfeed.workers"), _Records()
+    logger.addHandler(records)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i, b in enumerate(loader):
+                rows.append(b)
+                if on_batch:
+                    on_batch(i)
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    return torch.cat(rows), [str(w.message) for w in caught] + records.messages
 
 
 @pytest.fixture
@@ -250,15 +268,18 @@ def test_all_workers_gone_raises_after_timeout(fresh_workers):
 
 
 @pytest.mark.slow
-def test_poison_sample_gives_up_and_names_it(fresh_workers):
+def test_poison_sample_gives_up_and_names_it(fresh_workers, caplog):
     w = fresh_workers(4)
     ds = torchfeed.RemoteDataset(w.addresses, PoisonDataset, 60, 21, 0.002)
     loader = torchfeed.RemoteDataLoader(ds, batch_size=4, max_retries=2)
-    with pytest.raises(torchfeed.PoisonSampleError) as info, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with pytest.raises(torchfeed.PoisonSampleError) as info, caplog.at_level(logging.INFO, "torchfeed"):
         list(loader)
     assert 21 in info.value.indices
     assert "max_retries=2" in str(info.value)
+    # issue 13: one log line for the poison batch and one per worker it killed; counted in stats
+    assert [r.levelno for r in caplog.records if r.name == "torchfeed.poison"] == [logging.ERROR]
+    assert len([r for r in caplog.records if "lost worker" in r.getMessage()]) == 3
+    assert sum(s.state == "lost" for s in loader.stats().workers.values()) >= 1
     # tried on 3 workers, not more (a process closes its sockets a moment before it is reaped)
     assert wait_for(lambda: sum(p.poll() is not None for p in w.processes) == 3)
     time.sleep(0.3)

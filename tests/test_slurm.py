@@ -303,7 +303,14 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm, jobs):
                 slurm.release(job_id)  # skip the ~2 minute delay; the job restarts at once
         elif info.get("Restarts") == "1" and info.get("JobState") in ("RUNNING", "COMPLETED"):
             break
-        assert info.get("JobState") not in ("FAILED", "CANCELLED"), f"job was not requeued: {info}"
+        if info.get("JobState") in ("FAILED", "CANCELLED"):
+            output = Path(str(job_dir) + ".out")
+            tail = output.read_text()[-3000:] if output.exists() else "(no output)"
+            ctld = slurm.root / "slurmctld.log"
+            ctld_tail = "\n".join(ctld.read_text().splitlines()[-40:]) if ctld.exists() else ""
+            raise AssertionError(
+                f"job was not requeued: {info}\n--- job output:\n{tail}\n--- slurmctld:\n{ctld_tail}"
+            )
         assert time.monotonic() < deadline, f"job not requeued and restarted within 120 s: {info}"
         time.sleep(0.5)
     resumed = _finished(slurm, job_id, job_dir)

@@ -189,3 +189,38 @@ def test_sampler_error_reaches_the_consumer(rds):
     with pytest.raises(ValueError, match="sampler broke"):
         for _ in loader:
             pass
+
+
+# -- pipeline depth: small fast batches get more requests in flight ---------------------------
+
+
+def test_pipeline_depth_rule():
+    from torchfeed.passes import FAST_BATCH_SECONDS, SMALL_BATCH_BYTES, pipeline_depth
+
+    fast, slow = {"a": FAST_BATCH_SECONDS / 10, "b": 1.0}, {"a": 1.0}
+    assert pipeline_depth(2, None, None) == 2  # first pass: nothing measured yet
+    assert pipeline_depth(2, fast, None) == 2
+    assert pipeline_depth(2, fast, 100.0) == 4  # small and fast: deeper
+    assert pipeline_depth(3, fast, SMALL_BATCH_BYTES) == 6
+    assert pipeline_depth(2, fast, SMALL_BATCH_BYTES + 1) == 2  # large batches keep torch's depth
+    assert pipeline_depth(2, slow, 100.0) == 2  # slow batches: the worker, not the round trip, bounds
+
+
+def test_deeper_pipeline_keeps_every_batch_in_order(workers2):
+    """From the second pass on, tiny batches run with twice the depth: torch's batches still."""
+    from torch.utils.data import DataLoader
+
+    n = 300
+    rds = torchfeed.RemoteDataset(workers2, RangeDataset, n)
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=1, prefetch_factor=1, seed=5)
+    expected = list(DataLoader(RangeDataset(n), batch_size=1))
+    assert deep_equal(list(loader), expected)  # the first pass measures
+    inflight = []
+    got = []
+    for batch in loader:
+        got.append(batch)
+        inflight.append(sum(w.inflight for w in loader.stats().workers.values()))
+    assert deep_equal(got, expected)
+    assert deep_equal(list(loader), expected)
+    # more than prefetch_factor=1 request per worker in flight at some point
+    assert max(inflight) > len(workers2), inflight

@@ -21,6 +21,7 @@ _EXPORTS = {
     "DistributedSampler": "sampling",
     "FrameTooLarge": "errors",
     "LimitExceeded": "errors",
+    "LoaderStats": "stats",
     "LocalWorkers": "local",
     "PoisonSampleError": "errors",
     "ProtocolError": "errors",
@@ -34,6 +35,7 @@ _EXPORTS = {
     "UnsafeAddressFile": "addrfile",
     "WorkerLost": "errors",
     "WorkerServer": "worker",
+    "WorkerStats": "stats",
     "rpc_async": "client",
     "run_worker": "worker",
     "set_heartbeat": "client",
@@ -49,6 +51,7 @@ __all__ = [
     "DistributedSampler",
     "FrameTooLarge",
     "LimitExceeded",
+    "LoaderStats",
     "LocalWorkers",
     "PoisonSampleError",
     "ProtocolError",
@@ -64,6 +67,7 @@ __all__ = [
     "UnsafeAddressFile",
     "WorkerLost",
     "WorkerServer",
+    "WorkerStats",
     "rpc_async",
     "run_worker",
     "set_heartbeat",
@@ -108,6 +112,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .local import LocalWorkers
     from .remote_dataset import RemoteDataset
     from .sampling import DistributedSampler, set_random_seeds
+    from .stats import LoaderStats, WorkerStats
     from .worker import WorkerServer, run_worker
 
     RPCDataset = RemoteDataset

@@ -351,6 +351,13 @@ def _add_demo_parser(sub) -> None:
         metavar="HOST:PORT",
         help="use these running workers instead of starting local ones",
     )
+    d.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        default="torchfeed-demo.png",
+        help="draw per-worker throughput and the trainer's wait during training here (default "
+        "torchfeed-demo.png; needs matplotlib; '' for none)",
+    )
 
 
 def _add_bench_parser(sub) -> None:
@@ -369,15 +376,24 @@ def _add_bench_parser(sub) -> None:
     )
     b.add_argument("--workers", type=int, default=2, help="worker processes per side (default 2)")
     b.add_argument("--seconds", type=float, default=6.0, help="approximate time per measurement (default 6)")
+    b.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw the torchfeed runs: per-worker samples/s and the trainer's wait over time "
+        "(needs matplotlib: pip install 'torchfeed[plot]')",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="torchfeed", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"torchfeed {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{worker,demo,bench,slurm}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{worker,demo,bench,top,slurm}")
     _add_worker_parser(sub)
     _add_demo_parser(sub)
     _add_bench_parser(sub)
+    from . import top  # [stats hook]
+
+    top.add_parser(sub)
     from .cluster import slurm
 
     slurm.add_parser(sub)
@@ -404,6 +420,10 @@ def main(argv: list[str] | None = None) -> int:
         from .tools.bench import run_bench
 
         return run_bench(args)
+    if args.command == "top":  # [stats hook]
+        from . import top
+
+        return top.run(args)
     if args.command == "slurm":
         from .cluster import slurm
 

@@ -83,6 +83,14 @@ def format_address(address: Address) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+_delivering = threading.local()
+
+
+def reply_bytes() -> int:
+    """Inside a result callback: the size of the reply being delivered (header excluded)."""
+    return getattr(_delivering, "nbytes", 0)
+
+
 class _Pending:
     __slots__ = ("callback", "pin", "deadline")
 
@@ -266,6 +274,7 @@ class Connection:
                 ),
             )
             value.__cause__ = exc
+        _delivering.nbytes = frame.size  # [stats hook] read by the callback: reply_bytes()
         try:
             pending.callback(ok, value)
         except Exception:

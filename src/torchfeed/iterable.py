@@ -29,7 +29,7 @@ import weakref
 from collections import deque
 from typing import Any
 
-from . import client, errors, notices
+from . import client, errors, events, notices
 from .datasets.shards import shard_order
 from .errors import RemoteError, Timeout, WorkerLost
 from .remote_dataset import wait_all
@@ -108,6 +108,10 @@ class IterablePass:
                 slot.state, slot.rng, slot.taken = saved["state"], saved["rng"], saved["taken"]
                 slot.latest_taken = slot.taken
                 slot.grants = list(saved["grants"])
+        self._acc = plan.stats  # [stats hook] per-worker counts, the trainer's wait
+        self._samples = loader.batch_size or 1
+        if self._acc is not None:
+            self._acc.pass_started(workers, self.inflight)
         with self._cond:
             for slot in self._slots:
                 if not slot.ended:
@@ -120,6 +124,14 @@ class IterablePass:
         return len(self._loader)
 
     # -- workers --------------------------------------------------------------------
+    def inflight(self) -> dict[str, int]:
+        """Requests each worker holds now (read without the lock: a snapshot for stats)."""
+        out: dict[str, int] = {}
+        for slot in self._slots:
+            if slot.worker is not None:
+                out[slot.worker] = out.get(slot.worker, 0) + slot.inflight
+        return out
+
     def _reachable(self) -> list[str]:
         source = self._source
         alive = set(source.alive_workers())
@@ -251,6 +263,10 @@ class IterablePass:
         if worker not in self._lost:
             self._lost[worker] = exc
             self._source.worker_lost(worker, exc)
+            moved = sum(1 for s in self._slots if s.worker == worker and not s.ended)
+            events.worker_lost(worker, exc, moved)  # [stats hook]
+            if self._acc is not None:
+                self._acc.requeued(worker, moved)
         for slot in self._slots:
             if slot.worker == worker and not slot.ended:
                 # keep what arrived in order; drop what came after a gap (it is made again)
@@ -319,6 +335,8 @@ class IterablePass:
                     if kind == ERROR:
                         payload = errors.rebuild_remote_error(slot.worker, payload)
                     slot.results[number] = (kind, payload, state, rng, taken)
+                    if kind == BATCH and self._acc is not None:  # [stats hook]
+                        self._acc.delivered(slot.worker, self._samples, client.reply_bytes(), None)
                     self._top_up(slot)
             elif isinstance(value, (RemoteError, errors.SerializationError)):
                 self._fatal = self._fatal or value
@@ -328,13 +346,21 @@ class IterablePass:
 
     # -- consumer ------------------------------------------------------------------------
     def __next__(self):
+        acc = self._acc
+        entered = acc.enter() if acc is not None else 0.0  # [stats hook]
         try:
-            return self._next()
+            batch = self._next()
         except (StopIteration, KeyboardInterrupt):
             self.close()
             raise
         finally:
             self._notices.emit()
+            events.flush()
+            if acc is not None:
+                acc.left()
+        if acc is not None:
+            acc.consumed(entered, self._samples)
+        return batch
 
     def _ready(self, slot: _Slot) -> bool:
         return slot.delivered in slot.results

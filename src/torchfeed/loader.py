@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 
-from . import buffers, building, client, limits, prefetch, resume
+from . import buffers, building, client, limits, prefetch, resume, stats
 from .fetch import Fetcher
 from .iterable import IterablePass
 from .passes import FetcherSet, MapPass, PassPlan, new_pass_id
@@ -204,6 +204,7 @@ class RemoteDataLoader(Generic[T_co]):
         self._estimates: dict = {}  # seconds per batch of each worker, from the latest pass
         self._head = None  # the next pass's first batches, prefetched (prefetch.Head)
         self._prefetch = True  # load the next pass's first batches ahead when it is predictable
+        self._accounting = stats.Accounting()  # [stats hook] see stats.py
         self._initialized = True
 
     # -- construction ---------------------------------------------------------------
@@ -372,6 +373,7 @@ class RemoteDataLoader(Generic[T_co]):
             auto_collation=self._auto_collation,
             base_seed=base_seed,
             sample_seed=base_seed if self.per_sample_seeding else None,
+            stats=self._accounting,
         )
         if self._source.iterable:
             streams = resume_from.get("streams") if resume_from is not None else None
@@ -380,6 +382,20 @@ class RemoteDataLoader(Generic[T_co]):
             return running
         head, self._head = self._head, None
         return MapPass(self, plan, head)
+
+    # -- statistics [stats hook] -------------------------------------------------
+    def stats(self) -> stats.LoaderStats:
+        """Is the trainer waiting for data? A :class:`torchfeed.LoaderStats` snapshot, cheap
+        enough to call every step: the share of time ``__next__`` waited (this pass and the
+        last 30 s), rates, per-worker statistics and one sentence of advice."""
+        return self._accounting.snapshot(self._source.workers)
+
+    def log_stats(self, every: float | None = 30.0) -> None:
+        """Log a one-line summary at INFO (logger ``torchfeed.stats``) every ``every`` seconds
+        while batches are taken; ``None`` stops it."""
+        if every is not None and every <= 0:
+            raise ValueError(f"every must be a positive number of seconds or None, got {every}")
+        self._accounting.log_every(every)
 
     def _prefetch_next(self, ending: MapPass):
         """Called by a pass whose last batch is dispatched: start loading the next pass's

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import client, notices
+from . import client, events, notices
 from .errors import ConnectionClosed, PoisonSampleError, RemoteError, Timeout, WorkerLost
 from .remote_dataset import wait_all
 from .scheduler import Scheduler
@@ -96,6 +96,7 @@ class PassPlan:
     auto_collation: bool
     sample_seed: int | None  # per-sample seeding's base seed, None when off
     base_seed: int  # the pass's base seed (worker seeds are base_seed + id, as in torch)
+    stats: Any = None  # stats.Accounting of the loader [stats hook]
 
 
 # NOTE [threads of a map-style pass]
@@ -167,9 +168,13 @@ class MapPass:
         for w, exc in failed.items():
             self._errors[w] = repr(exc)
             self._source.worker_lost(w, exc)
-            self._notices.add(f"torchfeed: worker {w} is unreachable and is skipped for now: {exc}")
+            events.worker_unreachable(w, exc)
         workers = [w for w in workers if w not in failed]
-        credits = loader.prefetch_factor
+        credits = pipeline_depth(
+            loader.prefetch_factor,
+            getattr(loader, "_estimates", None),
+            plan.stats.mean_batch_bytes() if plan.stats is not None else None,
+        )
         # reorder slack beyond the credits, so one slow worker does not stall the rest
         n = max(len(workers), len(self._source.workers), 1)
         self._sched = Scheduler(
@@ -179,6 +184,10 @@ class MapPass:
             pass_length=_pass_length(loader, plan.progress),
             estimates=getattr(loader, "_estimates", None),
         )
+        self._acc = plan.stats  # [stats hook] O(1) counters per batch, see stats.py
+        self._last_samples = 0
+        if self._acc is not None:
+            self._acc.pass_started(workers, self.inflight)
         self._source.subscribe(self)
         _live.add(self)
         with self._lock:
@@ -251,6 +260,8 @@ class MapPass:
         if claim[0] == "done":
             self._sched.preloaded(seq)
             self._results[seq] = claim[2]
+            if claim[2][0] and self._acc is not None:  # [stats hook] loaded by the previous pass
+                self._acc.delivered(claim[1], len(keys_of(idx, self._auto)), 0, None)
         elif claim[0] == "running":
             address, (rid, started) = claim[1], claim[2]
             if self._sched.adopt(address, started, seq):
@@ -329,6 +340,10 @@ class MapPass:
         with self._lock:
             return self._sched.estimates()
 
+    def inflight(self) -> dict[str, int]:
+        """Requests each worker holds now (read without the lock: a snapshot for stats)."""
+        return {a: len(w.in_flight) for a, w in list(self._sched.workers.items())}
+
     def _free_credits(self) -> dict[str, int]:
         """Credits this pass leaves unused, per worker (for the next pass's prefetch)."""
         return {
@@ -342,8 +357,11 @@ class MapPass:
         if factor is None:
             return []
         out = self._sched.hedge(factor, self._loader.straggler_min_seconds)
-        for address, seq in out:
-            log.info("batch %d is overdue; duplicating it on %s", seq, address)
+        for address, seq in out:  # [stats hook] an event and a count for the slow worker
+            slow = next((h for h in self._sched.holders(seq) if h != address), "?")
+            events.batch_hedged(seq, slow, address)
+            if self._acc is not None:
+                self._acc.hedged(slow)
         return out
 
     def _send(self, address: str, seq: int, idx) -> None:
@@ -408,11 +426,10 @@ class MapPass:
             self._requests.get(seq, {}).pop(address, None)
         if self._quiet(exc):
             log.info("connection to worker %s closed by this process", address)
-        else:
-            self._notices.add(
-                f"torchfeed: lost worker {address} ({exc}); its {len(requeued)} batch(es) go to "
-                "the other workers"
-            )
+        else:  # [stats hook] an event (logged), no warning: nothing to change in code
+            events.worker_lost(address, exc, len(requeued))
+        if self._acc is not None:
+            self._acc.requeued(address, len(requeued))
         if blamed is not None and self._sched.losses.get(blamed, 0) > self._loader.max_retries:
             indices = keys_of(self._indices.get(blamed), self._auto)
             self._fatal = PoisonSampleError(
@@ -422,6 +439,7 @@ class MapPass:
                 indices,
                 [address],
             )
+            events.poison(str(self._fatal))
         if not self._sched.serving_workers() and self._stalled_since is None:
             self._no_worker_left(quiet=self._quiet(exc))
         self._ready.notify()
@@ -432,11 +450,7 @@ class MapPass:
         if quiet or self._sched.finished():
             return
         lost = ", ".join(self._errors) or ", ".join(self._source.workers)
-        self._notices.add(
-            f"torchfeed: no worker is left to load from (lost: {lost}); waiting up to "
-            f"{self._stall_limit():g} s (the loader's timeout) for one to come back or join, "
-            "then WorkerLost is raised"
-        )
+        events.no_worker_left(lost, self._stall_limit())
 
     # -- membership changes (from the datasets' threads) -----------------------------------
     def worker_joined(self, address: str) -> None:
@@ -454,6 +468,8 @@ class MapPass:
             self._ready.notify()
 
     def worker_removed(self, address: str) -> None:
+        if self._acc is not None:
+            self._acc.draining(address)
         with self._lock:
             self._sched.drain_worker(address)
             self._wake()
@@ -469,6 +485,14 @@ class MapPass:
                 return
             if ok:
                 accepted, others = self._sched.completed(address, seq)
+                if accepted and self._acc is not None:  # [stats hook] counters only
+                    state = self._sched.workers.get(address)
+                    self._acc.delivered(
+                        address,
+                        len(keys_of(self._indices.get(seq), self._auto)),
+                        client.reply_bytes(),
+                        state.seconds_per_batch if state is not None else None,
+                    )
             else:
                 accepted = seq not in self._sched.done and seq >= self._sched.delivered
                 others = self._sched.failed(address, seq) if accepted else []
@@ -483,6 +507,9 @@ class MapPass:
 
     # -- consumer ------------------------------------------------------------------
     def __next__(self):
+        acc = self._acc
+        entered = acc.enter() if acc is not None else 0.0  # [stats hook]
+        ok = None
         try:
             ok, value = self._next_result()
         except (StopIteration, KeyboardInterrupt):
@@ -490,6 +517,11 @@ class MapPass:
             raise
         finally:
             self._notices.emit()
+            events.flush()
+            if acc is not None and ok is None:
+                acc.left()
+        if acc is not None:
+            acc.consumed(entered, self._last_samples)
         if not ok:
             raise value
         return value
@@ -505,7 +537,8 @@ class MapPass:
                 if seq in self._results:
                     result = self._results.pop(seq)
                     self._plan.progress.batches += 1
-                    self._plan.progress.samples += len(keys_of(self._indices.pop(seq, None), self._auto))
+                    self._last_samples = len(keys_of(self._indices.pop(seq, None), self._auto))
+                    self._plan.progress.samples += self._last_samples
                     sched.take_delivered()
                     if sched.known >= seq + sched.window:  # the window held the dispatch back
                         self._wake()
@@ -538,6 +571,7 @@ class MapPass:
                 self._lock.release()  # warnings noticed meanwhile are emitted while waiting
                 try:
                     self._notices.emit()
+                    events.flush()
                 finally:
                     self._lock.acquire()
                 wait = _POLL if deadline is None else min(_POLL, deadline - now)
@@ -575,6 +609,30 @@ class MapPass:
             self.close()
         except Exception:
             pass
+
+
+# Small, fast batches: more requests in flight per worker than prefetch_factor (see
+# pipeline_depth). Bounds: at most this many bytes per batch and seconds per batch.
+SMALL_BATCH_BYTES = 256 * 1024
+FAST_BATCH_SECONDS = 0.005
+
+
+def pipeline_depth(prefetch_factor: int, estimates: dict | None, mean_batch_bytes: float | None) -> int:
+    """Requests in flight per worker for the next pass.
+
+    ``prefetch_factor`` (torch's meaning: batches loaded ahead per worker), except for
+    batches the previous passes measured as small (<= SMALL_BATCH_BYTES on average) and
+    fast (the fastest worker takes < FAST_BATCH_SECONDS each): then twice as many. Such
+    batches are bound by the round trip, not by the worker: with only ``prefetch_factor``
+    requests queued, a worker finishes them before the next request reaches it and idles
+    (more so across a real network than on loopback). The memory this holds is at most
+    a few MB (small batches), and the order of the batches does not change.
+    """
+    if not estimates or not mean_batch_bytes:
+        return prefetch_factor
+    if mean_batch_bytes <= SMALL_BATCH_BYTES and min(estimates.values()) < FAST_BATCH_SECONDS:
+        return 2 * prefetch_factor
+    return prefetch_factor
 
 
 def _pass_length(loader, progress) -> int | None:

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data import Dataset
 
-from . import building, client
+from . import building, client, events
 from .addrfile import read_address_file
 from .auth import SecretLike
 from .errors import AuthenticationError, RemoteError, SerializationError, Timeout, WorkerLost
@@ -186,7 +186,9 @@ class RemoteDataset(Dataset[T_co]):
             self._mark_lost(w, exc)
         joined = [w for w in new if w not in failed]
         for w in joined:
+            events.worker_joined(w)  # [stats hook]
             self._notify("worker_joined", w)
+        events.flush()
         return joined
 
     def remove_workers(self, workers: Sequence[str]) -> None:
@@ -198,7 +200,9 @@ class RemoteDataset(Dataset[T_co]):
                 self._lost.pop(w, None)
                 self._refs.pop(w, None)
         for w in gone:
+            events.worker_drained(w)  # [stats hook]
             self._notify("worker_removed", w)
+        events.flush()
 
     def worker_lost(self, address: str, error: BaseException) -> None:
         """Called by loaders when a worker's connection failed: retry it with backoff."""
@@ -298,6 +302,7 @@ class RemoteDataset(Dataset[T_co]):
             host, port = client.parse_address(w)
             try:  # cheap probe first: a build waits for the full timeout
                 socket.create_connection((host, port), timeout=2.0).close()
+                events.worker_reconnecting(w)  # [stats hook]
                 failed = self._build_on([w], strict=False)
             except Exception as exc:  # noqa: BLE001 - any failure means: try later
                 failed = {w: exc}
@@ -306,16 +311,19 @@ class RemoteDataset(Dataset[T_co]):
                 if entry is None:
                     continue  # removed meanwhile
                 if w in failed:
+                    if events.state_of(w) == "reconnecting":
+                        events.set_state(w, "lost")
                     entry["error"] = repr(failed[w])
                     entry["delay"] = double_delay(entry["delay"], _BACKOFF_FIRST, _BACKOFF_MAX)
                     entry["next_try"] = time.monotonic() + entry["delay"]
                     continue
                 del self._lost[w]
-            log.warning("worker %s is back; the dataset was rebuilt there", w)
+            events.worker_joined(w)  # [stats hook] logged as "worker ... is back"
             self._notify("worker_joined", w)
 
     def _tick(self) -> None:
         """One round of background work."""
+        events.flush()  # [stats hook] events noticed on reader threads reach the log here too
         if self._closed:
             return
         if self._watch_path is not None:

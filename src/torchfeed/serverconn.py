@@ -2,8 +2,8 @@
 calls it runs on the worker's executors (see the NOTE in :mod:`torchfeed.worker`).
 
 The connection reaches its server only through public attributes: ``registry`` (remote
-references), ``tasks`` (the executors' queue), ``limits``, ``timeout``, ``address`` and
-``forget()``.
+references), ``tasks`` (the executors' queue), ``counters`` (statistics), ``limits``,
+``timeout``, ``address`` and ``forget()``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import threading
 from collections import deque
 from typing import TYPE_CHECKING
 
-from . import errors, seeding, serialize, wire
+from . import errors, seeding, serialize, wire, workerstats
 from .buffers import allocate
 from .errors import FrameTooLarge, LimitExceeded, ProtocolError
 from .limits import check_reply
@@ -207,6 +207,8 @@ class ServerConnection:
             elif kind == wire.CANCEL:
                 with self._cond:  # only requests still waiting can be skipped
                     self.cancelled.update(rid for rid in pickle.loads(frame.meta) if rid in self.waiting_ids)
+            elif kind == wire.STATS:  # [stats hook] from counters only; send() never blocks
+                self.send(wire.REPLY, frame.request_id, workerstats.reply(self.server))
             else:
                 raise ProtocolError(f"a client may not send {wire.KIND_NAMES[kind]} messages")
 
@@ -236,6 +238,7 @@ class ServerConnection:
 
     def _refuse(self, rid: int, exc: BaseException) -> None:
         log.info("refused a request from %s: %s", self.peer, exc)
+        self.server.counters.refused()  # [stats hook]
         self.send(wire.ERROR, rid, _describe_exception(exc))
 
     # -- executor threads ----------------------------------------------------
@@ -276,6 +279,7 @@ class ServerConnection:
 
     def _reply(self, kind: int, rid: int, meta: bytes, buffers, flags: int = 0) -> None:
         self.cancelled.discard(rid)
+        self.server.counters.replied(kind, meta, buffers)  # [stats hook]
         self.send(kind, rid, meta, buffers, flags)
 
     def _answered(self, frame: wire.Frame) -> None:

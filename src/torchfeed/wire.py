@@ -44,6 +44,7 @@ PING = 15
 PONG = 16
 CANCEL = 17  # client -> worker: pickled list of request ids to drop if not started
 BYE = 18  # worker -> client: the worker refuses this connection (reason text), then closes
+STATS = 19  # client -> worker: send the process's statistics (answered with a REPLY)
 
 KIND_NAMES = {
     v: k
@@ -61,6 +62,7 @@ KIND_NAMES = {
         PONG=PONG,
         CANCEL=CANCEL,
         BYE=BYE,
+        STATS=STATS,
     ).items()
 }
 

@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import auth, wire
+from . import auth, wire, workerstats
 from .addrfile import announce, read_address_file  # noqa: F401  (read_address_file: old import path)
 from .doorman import Doorman
 from .errors import LimitExceeded, TorchfeedError
@@ -157,6 +157,7 @@ class WorkerServer:
         self.parallel = parallel
         self.limits = limits or ConnectionLimits()
         self.registry = Registry()
+        self.counters = workerstats.Counters()  # [stats hook] for `torchfeed top`
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._conns: set = set()
         self._conns_lock = threading.Lock()
@@ -254,6 +255,7 @@ class WorkerServer:
     def _keeper(self) -> None:
         """Drop authenticated peers that fall silent (half-open); the doorman times out handshakes."""
         while not self._stopping.wait(min(1.0, self.timeout / 4)):
+            self.counters.tick()  # [stats hook] rates of `torchfeed top`
             now = time.monotonic()
             for conn in self.connections():
                 # a connection with replies to send is judged by its writer's progress instead

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from ..util import cpu_count
+from . import measure as measure_module
 from .measure import (
     BIG,
     PREFETCH,
@@ -373,6 +374,15 @@ def format_notes(results: Sequence[Result]) -> list[str]:
 
 def run_bench(args) -> int:
     """Entry point of ``torchfeed bench``."""
+    plot = getattr(args, "plot", None)
+    timeline = None
+    if plot:
+        from .. import plots
+
+        if not plots.available():
+            print("torchfeed bench: --plot needs matplotlib: pip install 'torchfeed[plot]'", file=sys.stderr)
+            return 2
+        timeline = measure_module.TIMELINE = plots.Timeline()
     info = machine_info()
     for k, v in info.items():
         print(f"{k}: {v}")
@@ -391,6 +401,10 @@ def run_bench(args) -> int:
     for line in format_notes(results):
         print(line)
     print(f"load average at the end: {machine_info()['load average (1/5/15 min)']}")
+    if timeline is not None:
+        measure_module.TIMELINE = None
+        timeline.plot(plot, title="torchfeed bench: " + ", ".join(r.case for r in results))
+        print(f"plot of the torchfeed runs (per-worker samples/s, the trainer's wait): {plot}")
     return 0
 
 

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..client import parse_address
 from ..loader import RemoteDataLoader, RemoteDataset
 from ..local import LocalWorkers
+from ..plots import Timeline
 from ..util import cpu_count
 
 N_TEST = 300
@@ -211,7 +212,12 @@ def _say(text: str = "") -> None:
 
 
 def _train(
-    model: nn.Module, loader: RemoteDataLoader, epochs: int, test_x: torch.Tensor, test_y: torch.Tensor
+    model: nn.Module,
+    loader: RemoteDataLoader,
+    epochs: int,
+    test_x: torch.Tensor,
+    test_y: torch.Tensor,
+    timeline: Timeline | None = None,
 ) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
     schedule = torch.optim.lr_scheduler.OneCycleLR(
@@ -235,6 +241,8 @@ def _train(
             correct += (logits.argmax(1) == labels).sum().item()
             seen += len(labels)
             bar.update(len(labels), f"loss {loss_sum / seen:.3f}")
+            if timeline is not None:  # [stats hook] every 0.25 s: loader.stats()
+                timeline.sample(loader)
         test_acc = accuracy(model, test_x, test_y)
         bar.finish(
             f"loss {loss_sum / seen:.3f}  train {100 * correct / seen:5.1f}%  test {100 * test_acc:5.1f}%"
@@ -292,6 +300,16 @@ def _is_this_machine(address: str) -> bool:
     return host in ("localhost", "::1", "0.0.0.0", socket.gethostname()) or host.startswith("127.")
 
 
+def _plot(timeline: Timeline, path: str | None) -> None:
+    if not path:
+        return
+    try:
+        timeline.plot(path, title="torchfeed demo: per-worker samples/s and the trainer's wait")
+        _say(f"plot: {path}")
+    except ImportError:
+        _say("(no plot: matplotlib is not installed; pip install 'torchfeed[plot]')")
+
+
 def run_demo(args) -> int:
     """Run the demo described in this module's docstring; return the exit code."""
     t_start = time.perf_counter()
@@ -343,12 +361,16 @@ def run_demo(args) -> int:
                 remote, batch_size=args.batch_size, shuffle=True, seed=seed
             )
             t0 = time.perf_counter()
-            test_acc = _train(model, loader, epochs, test_images, test_labels)
+            timeline = Timeline(every=0.1)
+            test_acc = _train(model, loader, epochs, test_images, test_labels, timeline)
             train_seconds = time.perf_counter() - t0
             _say(
                 f"\ntest accuracy: {100 * test_acc:.1f}% on {len(test_labels)} held-out digits "
                 f"(training took {train_seconds:.1f} s)"
             )
+            _say("\nis the trainer waiting for data? loader.stats() at the end of training:")
+            _say(loader.stats().table())
+            _plot(timeline, getattr(args, "plot", None))
 
             local = AugmentedDigits(train_x, train_y)
             remote_rate, torch_rate = _compare_loading(remote, local, args, THROUGHPUT_SECONDS)

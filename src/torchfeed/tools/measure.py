@@ -21,8 +21,11 @@ from torch.utils.data import Dataset, Sampler, get_worker_info
 
 if TYPE_CHECKING:
     from ..local import LocalWorkers
+    from ..plots import Timeline
 
 PAGE = 4096
+# a plots.Timeline that Side.epoch feeds while `torchfeed bench --plot F.png` runs [stats hook]
+TIMELINE: Timeline | None = None
 PREFETCH = 2  # prefetch_factor of both loaders (torch's default)
 
 
@@ -227,10 +230,13 @@ class Side:
     def epoch(self, batches: int) -> float:
         self.sampler.n = batches * self.batch_size
         count = 0
+        timeline = TIMELINE if hasattr(self.loader, "stats") else None  # [stats hook] --plot
         start = time.perf_counter()
         for batch in self.loader:
             touch(batch)
             count += 1
+            if timeline is not None:
+                timeline.sample(self.loader)
         elapsed = time.perf_counter() - start
         if count != batches:
             raise RuntimeError(f"{self.name} yielded {count} batches, expected {batches}")

@@ -1,0 +1,123 @@
+"""``torchfeed top``: a live view of workers (CPU, memory, request and byte rates, load).
+
+Each refresh asks every worker for its statistics over the normal authenticated
+connection (a STATS message, see :mod:`torchfeed.workerstats`; the secret is discovered
+as for every client). ``--once --json`` prints one JSON document for scripts.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+COLUMNS = [
+    ("worker", "address", "{}"),
+    ("pid", "pid", "{}"),
+    ("CPU%", "cpu_percent", "{:.0f}"),
+    ("RSS MB", "rss_bytes", "{:.0f}"),
+    ("req/s", "requests_per_s", "{:.1f}"),
+    ("MB/s sent", "mb_per_s_sent", "{:.2f}"),
+    ("trainers", "clients", "{}"),
+    ("queued", "queued", "{}"),
+    ("errors", "errors", "{}"),
+]
+_CLEAR = "\x1b[H\x1b[2J"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "top",
+        help="live view of workers: CPU, memory, requests/s, MB/s, trainers, queue, errors",
+        description="Show what workers are doing, refreshed every --interval seconds (Ctrl-C stops). "
+        "Connects as a trainer does (same secret discovery).",
+    )
+    p.add_argument("addresses", nargs="*", metavar="HOST:PORT", help="workers to show")
+    p.add_argument("--workers-file", metavar="F", help="also show the workers listed in this file")
+    p.add_argument("--once", action="store_true", help="show one refresh and exit")
+    p.add_argument("--json", action="store_true", help="with --once: print one JSON document")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each worker (default 5)")
+
+
+def collect(addresses: list[str], timeout: float) -> list[dict[str, Any]]:
+    """One row per worker: its statistics, or ``{"address", "error"}`` when it did not answer."""
+    from .workerstats import query
+
+    def one(address: str) -> dict[str, Any]:
+        try:
+            row = query(address, timeout=timeout)
+            row["address"] = address
+            return row
+        except Exception as exc:  # noqa: BLE001 - shown in the row
+            return {"address": address, "error": f"{type(exc).__name__}: {exc}"}
+
+    if not addresses:
+        return []
+    with ThreadPoolExecutor(max_workers=min(16, len(addresses))) as pool:
+        return list(pool.map(one, addresses))
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    table = [[name for name, _, _ in COLUMNS]]
+    for row in rows:
+        if "error" in row:
+            table.append([row["address"], "-", "unreachable: " + row["error"][:60]])
+            continue
+        cells = []
+        for _, key, fmt in COLUMNS:
+            value = row.get(key)
+            if key == "rss_bytes" and value is not None:
+                value = value / 1e6
+            cells.append("-" if value is None else fmt.format(value))
+        table.append(cells)
+    widths = [max(len(r[i]) for r in table if i < len(r)) for i in range(len(COLUMNS))]
+    return "\n".join(
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in table
+    )
+
+
+def _addresses(args) -> list[str]:
+    from .client import format_address
+    from .remote_dataset import read_workers_file
+
+    listed = [format_address(a) for a in args.addresses]
+    if args.workers_file:
+        listed += read_workers_file(args.workers_file)
+    return list(dict.fromkeys(listed))
+
+
+def run(args, out=None) -> int:
+    out = out or sys.stdout
+    if args.json and not args.once:
+        print("torchfeed top: error: --json needs --once (one JSON document)", file=sys.stderr)
+        return 2
+    try:
+        addresses = _addresses(args)
+    except OSError as exc:
+        print(f"torchfeed top: error: cannot read the workers file: {exc}", file=sys.stderr)
+        return 2
+    if not addresses:
+        print(
+            "torchfeed top: error: give worker addresses (HOST:PORT ...) or --workers-file F", file=sys.stderr
+        )
+        return 2
+    if args.once:
+        rows = collect(addresses, args.timeout)
+        if args.json:
+            out.write(json.dumps({"time": time.time(), "workers": rows}) + "\n")
+        else:
+            out.write(format_rows(rows) + "\n")
+        return 1 if all("error" in r for r in rows) else 0
+    try:
+        while True:
+            rows = collect(addresses, args.timeout)
+            stamp = time.strftime("%H:%M:%S")
+            out.write(f"{_CLEAR}torchfeed top  {stamp}  ({len(rows)} workers, every {args.interval:g} s)\n\n")
+            out.write(format_rows(rows) + "\n")
+            out.flush()
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0

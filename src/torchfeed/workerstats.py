@@ -1,0 +1,120 @@
+"""Worker-side statistics: what ``torchfeed top`` shows, answered without running user code.
+
+A worker keeps a few counters (:class:`Counters`: requests answered, reply bytes, errors),
+updated by its executor threads under a lock held for a few instructions. A STATS message
+(authenticated like every other message) is answered by the connection's reader thread
+from those counters and the process's own numbers (CPU time from ``os.times``, resident
+memory from ``/proc/self/statm``); the reply is sent like any other (``send`` never
+blocks), so nothing holds the reader up. :func:`query` is the client side.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import threading
+import time
+from typing import Any
+
+from . import serialize, wire
+
+_RATE_SECONDS = 0.9  # rates are measured over the last 1 to 2 seconds (the keeper ticks every second)
+
+
+def _cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the peak, where statm is missing
+
+
+class Counters:
+    """A worker process's counters (thread-safe)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.started = time.monotonic()
+        self.requests = 0
+        self.bytes_sent = 0
+        self.errors = 0
+        sample = (self.started, _cpu_seconds(), 0, 0)
+        self._older = self._newer = sample  # (time, cpu seconds, requests, bytes) for the rates
+
+    def replied(self, kind: int, meta: bytes, buffers) -> None:
+        size = len(meta) + sum(memoryview(b).nbytes for b in buffers)
+        with self._lock:
+            self.requests += 1
+            self.bytes_sent += size
+            if kind == wire.ERROR:
+                self.errors += 1
+
+    def refused(self) -> None:
+        with self._lock:
+            self.requests += 1
+            self.errors += 1
+
+    def tick(self) -> None:
+        """Take a sample for the rates (the worker's keeper thread, about every second)."""
+        now, cpu = time.monotonic(), _cpu_seconds()
+        with self._lock:
+            if now - self._newer[0] >= _RATE_SECONDS:
+                self._older, self._newer = self._newer, (now, cpu, self.requests, self.bytes_sent)
+
+    def snapshot(self, server) -> dict[str, Any]:
+        """Plain data: the process's CPU%, memory, rates (over the last 1-2 s) and load."""
+        now, cpu = time.monotonic(), _cpu_seconds()
+        with self._lock:
+            requests, sent, errors = self.requests, self.bytes_sent, self.errors
+            t0, cpu0, req0, sent0 = self._older
+        span = max(now - t0, 1e-6)
+        conns = server.connections()
+        return {
+            "address": server.address,
+            "pid": os.getpid(),
+            "cpu_percent": 100.0 * (cpu - cpu0) / span,
+            "rss_bytes": rss_bytes(),
+            "requests_per_s": (requests - req0) / span,
+            "mb_per_s_sent": (sent - sent0) / span / 1e6,
+            "clients": len(conns),
+            "queued": sum(c.queued for c in conns),
+            "errors": errors,
+            "requests": requests,
+            "bytes_sent": sent,
+            "parallel": server.parallel,
+            "uptime_s": now - self.started,
+        }
+
+
+def reply(server) -> bytes:
+    """The meta of a STATS reply (plain pickle, read by :func:`query`)."""
+    meta, _ = serialize.dumps_reply(server.counters.snapshot(server))
+    return meta
+
+
+def query(address: str, secret=None, timeout: float = 10.0) -> dict[str, Any]:
+    """One worker's statistics over the normal authenticated connection."""
+    from . import client
+    from .errors import Timeout
+
+    conn = client.connect(address, secret, timeout)
+    done = threading.Event()
+    box: list = []
+
+    def got(ok, value):
+        box.append((ok, value))
+        done.set()
+
+    conn.request(wire.STATS, b"", callback=got, timeout=timeout)
+    if not done.wait(timeout + 1.0):
+        raise Timeout(f"worker {address} did not answer a stats request within {timeout:g} s")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
