@@ -374,7 +374,7 @@ def format_notes(results: Sequence[Result]) -> list[str]:
 
 def run_bench(args) -> int:
     """Entry point of ``torchfeed bench``."""
-    plot = getattr(args, "plot", None)
+    plot: str | None = getattr(args, "plot", None)
     timeline = None
     if plot:
         from .. import plots
@@ -401,7 +401,7 @@ def run_bench(args) -> int:
     for line in format_notes(results):
         print(line)
     print(f"load average at the end: {machine_info()['load average (1/5/15 min)']}")
-    if timeline is not None:
+    if timeline is not None and plot:
         measure_module.TIMELINE = None
         timeline.plot(plot, title="torchfeed bench: " + ", ".join(r.case for r in results))
         print(f"plot of the torchfeed runs (per-worker samples/s, the trainer's wait): {plot}")
