@@ -108,3 +108,9 @@ def test_pinned_allocation_without_cuda_falls_back_and_warns_once(monkeypatch):
         warnings.simplefilter("error")
         buffers.allocate([10], pin=True)  # no second warning
         buffers.check_pinnable(True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned host memory); CI has no GPU")
+def test_pinned_allocation_with_cuda_is_page_locked():
+    views = buffers.allocate([100, 3 * MB], pin=True)
+    assert all(torch.frombuffer(v, dtype=torch.uint8).is_pinned() for v in views)
