@@ -46,6 +46,7 @@ def fresh_workers():
 def _no_stale_connections():
     yield
     # connections to workers killed by a test must not leak into the next test
-    for conn in list(client._pool._conns.values()):
+    session = client.default_session()
+    for conn in session.connections():
         if conn.closed:
-            client._pool.discard(conn)
+            session.forget(conn)

@@ -250,7 +250,7 @@ def test_impostor_worker_is_detected(fake_worker):
     assert time.monotonic() - start < 5
     assert "could not prove" in str(info.value)
     assert "TORCHFEED_SECRET" in str(info.value)
-    assert fake.address not in {c.address for c in client._pool._conns.values()}
+    assert fake.address not in {c.address for c in client.default_session().connections()}
 
 
 def test_impostor_worker_through_rpc_async(fake_worker):

@@ -195,7 +195,7 @@ def test_sampler_error_reaches_the_consumer(rds):
 
 
 def test_pipeline_depth_rule():
-    from torchfeed.passes import FAST_BATCH_SECONDS, SMALL_BATCH_BYTES, pipeline_depth
+    from torchfeed.passplan import FAST_BATCH_SECONDS, SMALL_BATCH_BYTES, pipeline_depth
 
     fast, slow = {"a": FAST_BATCH_SECONDS / 10, "b": 1.0}, {"a": 1.0}
     assert pipeline_depth(2, None, None) == 2  # first pass: nothing measured yet

@@ -30,6 +30,7 @@ _EXPORTS = {
     "RemoteError": "errors",
     "RemoteRef": "client",
     "SerializationError": "errors",
+    "Session": "session",
     "Timeout": "errors",
     "TorchfeedError": "errors",
     "UnsafeAddressFile": "addrfile",
@@ -62,6 +63,7 @@ __all__ = [
     "RemoteError",
     "RemoteRef",
     "SerializationError",
+    "Session",
     "Timeout",
     "TorchfeedError",
     "UnsafeAddressFile",
@@ -112,6 +114,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .local import LocalWorkers
     from .remote_dataset import RemoteDataset
     from .sampling import DistributedSampler, set_random_seeds
+    from .session import Session
     from .stats import LoaderStats, WorkerStats
     from .worker import WorkerServer, run_worker
 

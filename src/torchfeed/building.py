@@ -15,12 +15,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import client, serialize
 from .auth import SecretLike
 from .errors import AuthenticationError, SerializationError, WorkerLost
 from .util import double_delay
+
+if TYPE_CHECKING:
+    from .session import Session
 
 log = logging.getLogger("torchfeed.dataset")
 
@@ -119,8 +122,12 @@ def _retryable(exc: BaseException) -> bool:
     return isinstance(cause, (ConnectionRefusedError, ConnectionResetError, ConnectionAbortedError))
 
 
-def connect(address: str, secret: SecretLike, timeout: float) -> BaseException | None:
-    """Connect (pooled), retrying refused connections until ``timeout``; return the failure or None."""
+def connect(
+    address: str, secret: SecretLike, timeout: float, session: Session | None = None
+) -> BaseException | None:
+    """Connect (``session``'s cache; the default session's if None), retrying refused connections
+    until ``timeout``; return the failure or None."""
+    session = session if session is not None else client.default_session()
     start = time.monotonic()
     deadline = start + timeout
     delay = _RETRY_FIRST
@@ -128,7 +135,7 @@ def connect(address: str, secret: SecretLike, timeout: float) -> BaseException |
     while True:
         attempts += 1
         try:
-            client.connect(address, secret, max(0.1, deadline - time.monotonic()))
+            session.connect(address, secret, max(0.1, deadline - time.monotonic()))
             return None
         except AuthenticationError as exc:
             return exc
@@ -141,7 +148,7 @@ def connect(address: str, secret: SecretLike, timeout: float) -> BaseException |
                 lost = WorkerLost(
                     f"could not connect to worker {address}: the connection was refused for {waited:.1f} s "
                     f"({attempts} attempts, retried until timeout={timeout:g} s). Is `torchfeed worker` "
-                    "running there, on that port? (RemoteDataset.timeout sets how long to wait)",
+                    "running there, on that port? (the timeout of the RemoteDataset or its Session sets how long to wait)",
                     {address: repr(exc)},
                 )
                 lost.__cause__ = exc
@@ -156,13 +163,15 @@ def connect(address: str, secret: SecretLike, timeout: float) -> BaseException |
             delay = double_delay(delay, _RETRY_FIRST, _RETRY_MAX)
 
 
-def connect_all(workers: Sequence[str], secret: SecretLike, timeout: float) -> dict[str, BaseException]:
+def connect_all(
+    workers: Sequence[str], secret: SecretLike, timeout: float, session: Session | None = None
+) -> dict[str, BaseException]:
     """Connect to every worker concurrently; return the failures. A wrong secret raises at once."""
     failures: dict[str, BaseException] = {}
     lock = threading.Lock()
 
     def one(address: str) -> None:
-        failure = connect(address, secret, timeout)
+        failure = connect(address, secret, timeout, session)
         if failure is not None:
             with lock:
                 failures[address] = failure

@@ -1,29 +1,29 @@
 """Client side of the data plane: one persistent, multiplexed connection per worker.
 
 Many requests share a connection (request ids); a reader thread per connection
-receives replies straight into their final buffers and hands them to callbacks. A
-single keeper thread per process sends heartbeats, flushes reference releases, expires
-request deadlines and declares a worker lost when it stops answering.
+receives replies straight into their final buffers and hands them to callbacks. Each
+connection belongs to a :class:`~torchfeed.Session` (session.py), whose keeper thread
+sends heartbeats, flushes reference releases, expires request deadlines and declares a
+worker lost when it stops answering. The module-level functions here (``rpc_async``,
+``connect``, ``set_heartbeat``, ...) are thin wrappers over the default session.
 """
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import logging
-import os
 import pickle
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import auth, errors, limits, serialize, wire
-from .buffers import allocate, check_pinnable
+from . import session as sessions
+from .buffers import allocate
 from .errors import (
     ConnectionClosed,
     FrameTooLarge,
@@ -33,20 +33,29 @@ from .errors import (
     TorchfeedError,
     WorkerLost,
 )
+from .refs import Call as Call  # re-exported: the handles live in refs.py
+from .refs import RemoteRef as RemoteRef
+
+if TYPE_CHECKING:
+    from .session import Session
 
 log = logging.getLogger("torchfeed.client")
-
-# seconds between pings on a quiet connection, and of silence from a worker we wait on
-# before it counts as lost (it hangs, or the network is cut); see set_heartbeat()
-HEARTBEAT_INTERVAL = float(os.environ.get("TORCHFEED_HEARTBEAT_INTERVAL", 2.0))
-HEARTBEAT_TIMEOUT = float(os.environ.get("TORCHFEED_HEARTBEAT_TIMEOUT", 15.0))
 
 Address = str | tuple[str, int]
 Callback = Callable[[bool, Any], None]
 
 
+def __getattr__(name: str) -> float:
+    # the heartbeat settings moved into the session; these names still read them
+    if name == "HEARTBEAT_INTERVAL":
+        return sessions.default_session().heartbeat_interval
+    if name == "HEARTBEAT_TIMEOUT":
+        return sessions.default_session().heartbeat_timeout
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def set_heartbeat(interval: float = 2.0, timeout: float = 15.0) -> None:
-    """Configure failure detection for this process's connections.
+    """Configure failure detection for the default session's connections.
 
     Parameters
     ----------
@@ -57,10 +66,7 @@ def set_heartbeat(interval: float = 2.0, timeout: float = 15.0) -> None:
         its batches go to other workers. Workers answer heartbeats from a thread of their
         own, so a long ``__getitem__`` does not count as silence. Must exceed ``interval``.
     """
-    global HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
-    if not 0 < interval < timeout:
-        raise ValueError(f"need 0 < interval < timeout, got interval={interval}, timeout={timeout}")
-    HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT = float(interval), float(timeout)
+    sessions.default_session().set_heartbeat(interval, timeout)
 
 
 def parse_address(address: Address) -> tuple[str, int]:
@@ -101,9 +107,13 @@ class _Pending:
 
 
 class Connection:
-    """An authenticated connection to one worker."""
+    """An authenticated connection to one worker, looked after by a :class:`~torchfeed.Session`
+    (the default session when ``session`` is None)."""
 
-    def __init__(self, address: Address, secret: auth.Secret, timeout: float = 120.0):
+    def __init__(
+        self, address: Address, secret: auth.Secret, timeout: float = 120.0, *, session: Session | None = None
+    ):
+        self.session = session if session is not None else sessions.default_session()
         self.address = format_address(address)
         host, port = parse_address(address)
         self.secret = secret
@@ -143,7 +153,7 @@ class Connection:
             target=self._read_loop, name=f"torchfeed-rx-{self.address}", daemon=True
         )
         self._thread.start()
-        _keeper.add(self)
+        self.session.watch(self)
 
     # -- sending ---------------------------------------------------------
     def _send(self, kind: int, request_id: int = 0, meta: bytes = b"", buffers=(), flags: int = 0) -> None:
@@ -291,8 +301,7 @@ class Connection:
             self.closed = True
             self.error = exc
             pending, self._pending = self._pending, {}
-        _keeper.discard(self)
-        _pool.discard(self)
+        self.session.forget(self)
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -308,6 +317,27 @@ class Connection:
 
     def close(self) -> None:
         self._fail(ConnectionClosed(f"the connection to worker {self.address} was closed by this process"))
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the reader thread to end (after :meth:`close`)."""
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def abandon(self) -> None:
+        """In a forked child: this connection is the parent's. Mark it closed here and close
+        this process's copy of the socket, without a shutdown (the parent keeps using it)."""
+        self._pending_lock = threading.Lock()  # the parent's threads may have held them at the fork
+        self._send_lock = threading.Lock()
+        self._pending = {}
+        self._releases = []
+        self.closed = True
+        self.error = ConnectionClosed(
+            f"the connection to worker {self.address} belongs to the parent process (inherited by fork)"
+        )
+        try:
+            self.sock.close()
+        except OSError:
+            pass
 
     # -- keeper duties ------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -326,7 +356,7 @@ class Connection:
                 log.exception("a result callback failed")
         # alive: a record arrived, or a large upload to it made progress (it reads)
         heard = self.channel.last_activity
-        if waiting and now - heard > HEARTBEAT_TIMEOUT:
+        if waiting and now - heard > self.session.heartbeat_timeout:
             self._fail(
                 WorkerLost(
                     f"worker {self.address} sent nothing for {now - heard:.1f} s "
@@ -338,7 +368,9 @@ class Connection:
         try:
             if releases:
                 self._send(wire.RELEASE, meta=pickle.dumps(releases))
-            elif now - self.last_tx > HEARTBEAT_INTERVAL and self._send_lock.acquire(blocking=False):
+            elif now - self.last_tx > self.session.heartbeat_interval and self._send_lock.acquire(
+                blocking=False
+            ):
                 try:
                     self.channel.send(wire.PING)
                     self.last_tx = now
@@ -348,148 +380,27 @@ class Connection:
             self._fail(exc)
 
 
-class _Keeper:
-    """One background thread per process that looks after every connection."""
-
-    def __init__(self):
-        self._conns: weakref.WeakSet[Connection] = weakref.WeakSet()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._pid = None
-
-    def add(self, conn: Connection) -> None:
-        with self._lock:
-            self._conns.add(conn)
-            if self._thread is None or self._pid != os.getpid():
-                self._pid = os.getpid()
-                self._thread = threading.Thread(target=self._run, name="torchfeed-keeper", daemon=True)
-                self._thread.start()
-
-    def discard(self, conn: Connection) -> None:
-        with self._lock:
-            self._conns.discard(conn)
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(0.25)
-            with self._lock:
-                conns = list(self._conns)
-            now = time.monotonic()
-            for conn in conns:
-                try:
-                    conn.tick(now)
-                except Exception:
-                    log.exception("keeper failed on %s", conn.address)
-            del conns
+def default_session() -> Session:
+    """The :class:`~torchfeed.Session` behind this module's functions."""
+    return sessions.default_session()
 
 
-_keeper = _Keeper()
+def connect(address: Address, secret: auth.SecretLike = None, timeout: float = 120.0) -> Connection:
+    """The default session's connection to ``address`` (see :meth:`Session.connect`)."""
+    return sessions.default_session().connect(address, secret, timeout)
 
 
-class _Pool:
-    """Process-wide cache: one connection per (worker address, secret)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._conns: dict[tuple[str, bytes], Connection] = {}
-        self._connecting: dict[tuple[str, bytes], threading.Lock] = {}
-        self._pid = os.getpid()
-
-    def get(self, address: Address, secret: auth.SecretLike = None, timeout: float = 120.0) -> Connection:
-        sec = auth.load_secret(secret)
-        key = (format_address(address), sec.value)
-        with self._lock:
-            if self._pid != os.getpid():  # forked: the parent's sockets are not ours
-                self._conns.clear()
-                self._connecting.clear()
-                self._pid = os.getpid()
-            conn = self._conns.get(key)
-            if conn is not None and not conn.closed:
-                return conn
-            gate = self._connecting.setdefault(key, threading.Lock())
-        with gate:  # one connect per address at a time
-            with self._lock:
-                conn = self._conns.get(key)
-                if conn is not None and not conn.closed:
-                    return conn
-            conn = Connection(key[0], sec, timeout)
-            with self._lock:
-                self._conns[key] = conn
-            return conn
-
-    def discard(self, conn: Connection) -> None:
-        with self._lock:
-            key = (conn.address, conn.secret.value)
-            if self._conns.get(key) is conn:
-                del self._conns[key]
-
-    def close_all(self, join_timeout: float = 1.0) -> None:
-        with self._lock:
-            conns = list(self._conns.values())
-            self._conns.clear()
-        for c in conns:
-            c.close()
-        deadline = time.monotonic() + join_timeout
-        for c in conns:  # let reader threads leave torch code before the interpreter exits
-            if c._thread is not threading.current_thread():
-                c._thread.join(max(0.0, deadline - time.monotonic()))
-
-
-_pool = _Pool()
-connect = _pool.get
-close_all = _pool.close_all
-atexit.register(close_all)
+def close_all(join_timeout: float = 1.0) -> None:
+    """Close every connection of the default session."""
+    sessions.default_session().close(join_timeout)
 
 
 def close_connections(addresses: Sequence[Address]) -> None:
-    """Close this process's connections to these workers (before stopping them on purpose).
+    """Close the default session's connections to these workers (before stopping them on purpose).
 
     Their pending requests fail with :class:`ConnectionClosed`, which loaders do not warn about.
     """
-    wanted = {format_address(a) for a in addresses}
-    for conn in list(_pool._conns.values()):
-        if conn.address in wanted:
-            conn.close()
-
-
-class RemoteRef:
-    """A reference to an object kept on a worker (``rpc_async(..., rref=True)``).
-
-    Pass it as an argument of later calls to the same worker: it arrives there as the
-    object itself. The worker frees the object when this reference is garbage collected
-    or when the client disconnects.
-    """
-
-    def __init__(self, conn: Connection, ref_id: int):
-        self.address = conn.address
-        self.ref_id = ref_id
-        self._conn = conn
-        self._finalizer = weakref.finalize(self, conn.release_later, ref_id)
-
-    def __reduce__(self):
-        return serialize.resolve_reference, (self.ref_id, self.address)
-
-    def __repr__(self) -> str:
-        return f"RemoteRef({self.address}, id={self.ref_id})"
-
-    def release(self) -> None:
-        """Free the remote object now."""
-        self._finalizer()
-
-    @property
-    def closed(self) -> bool:
-        """Whether the connection this reference lives on has failed or was closed."""
-        return self._conn.closed
-
-    def request(self, args: tuple, *, callback: Callback, pin: bool = False) -> int:
-        """Call the referenced object with ``args`` (plain pickle); ``callback(ok, value)`` gets
-        the outcome on the connection's reader thread. Returns the request id (see :meth:`cancel`)."""
-        meta = pickle.dumps((self.ref_id, args, None), protocol=5)
-        return self._conn.request(wire.CALL_REF, meta, callback=callback, pin=pin)
-
-    def cancel(self, request_ids) -> None:
-        """Forget these requests made with :meth:`request`."""
-        self._conn.cancel(request_ids)
+    sessions.default_session().close_connections(addresses)
 
 
 def call(
@@ -500,39 +411,22 @@ def call(
     *,
     rref: bool = False,
     pin_memory: bool = False,
-    timeout: float = 120.0,
+    timeout: float | None = None,
     secret: auth.SecretLike = None,
     callback: Callback,
-) -> None:
-    """Low-level asynchronous call: ``callback(ok, value)`` receives the outcome."""
-    check_pinnable(pin_memory)
-    try:
-        meta, buffers = serialize.dumps((func, tuple(args or ()), dict(kwargs or {})), by_value=True)
-    except Exception as exc:
-        raise SerializationError(
-            f"the call of {getattr(func, '__qualname__', func)!r} cannot be sent to worker "
-            f"{format_address(address)}: its function or arguments cannot be pickled "
-            f"({exc})"
-        ) from exc
-    conn = connect(address, secret, timeout)
-    # The arguments stay referenced until the reply: a RemoteRef argument dropped by the
-    # caller right away must not be released before the worker used it.
-    keep = [args, kwargs]
-
-    def done(ok, value):
-        keep.clear()
-        if ok and rref:
-            value = RemoteRef(conn, value)
-        callback(ok, value)
-
-    conn.request(
-        wire.CALL,
-        meta,
-        buffers,
-        callback=done,
-        flags=wire.FLAG_RREF if rref else 0,
-        pin=pin_memory,
+) -> Call:
+    """Low-level asynchronous call on the default session: ``callback(ok, value)`` receives
+    the outcome (see :meth:`Session.call`)."""
+    return sessions.default_session().call(
+        address,
+        func,
+        args,
+        kwargs,
+        rref=rref,
+        pin_memory=pin_memory,
         timeout=timeout,
+        secret=secret,
+        callback=callback,
     )
 
 
@@ -543,11 +437,14 @@ def rpc_async(
     kwargs=None,
     pin_memory: bool = False,
     rref: bool = False,
-    timeout: float = 120.0,
+    timeout: float | None = None,
     *,
     secret: auth.SecretLike = None,
 ) -> torch.futures.Future:
     """Execute ``func(*args, **kwargs)`` on a worker; return a future of its result.
+
+    Uses the default :class:`~torchfeed.Session` (its connections, secret and timeout);
+    ``session.rpc_async(...)`` does the same on a session of your own.
 
     Parameters
     ----------
@@ -561,34 +458,16 @@ def rpc_async(
         Receive tensors of the result into pinned memory (when CUDA is available).
     rref : bool
         Keep the result on the worker and return a :class:`RemoteRef` to it.
-    timeout : float
-        Seconds to connect and to wait for the result.
+    timeout : float, optional
+        Seconds to connect and to wait for the result (default: the session's, 120).
+    secret : optional
+        The shared secret (default: the session's, else discovered).
 
     Returns
     -------
     torch.futures.Future
         Raises :class:`RemoteError` from ``wait()`` if ``func`` raised on the worker.
     """
-    fut: torch.futures.Future = torch.futures.Future()
-
-    def done(ok, value):
-        if ok:
-            fut.set_result(value)
-        else:
-            fut.set_exception(value)
-
-    try:
-        call(
-            host,
-            func,
-            args,
-            kwargs,
-            rref=rref,
-            pin_memory=pin_memory,
-            timeout=timeout,
-            secret=secret,
-            callback=done,
-        )
-    except Exception as exc:
-        fut.set_exception(exc)
-    return fut
+    return sessions.default_session().rpc_async(
+        host, func, args, kwargs, pin_memory, rref, timeout, secret=secret
+    )

@@ -32,6 +32,8 @@ from typing import Any
 from . import client, errors, events, notices
 from .datasets.shards import shard_order
 from .errors import RemoteError, Timeout, WorkerLost
+from .passplan import new_pass_id
+from .refs import RemoteRef
 from .remote_dataset import wait_all
 from .sampling import INT63
 from .streams import BATCH, END, ERROR, NEED, open_stream, shard_plan
@@ -46,7 +48,7 @@ class _Slot:
     def __init__(self, index: int):
         self.index = index
         self.worker: str | None = None
-        self.ref: client.RemoteRef | None = None
+        self.ref: RemoteRef | None = None
         self.incarnation = 0  # bumped on every (re)open; older replies are ignored
         self.opening = False
         self.delivered = 0  # batches yielded to the user
@@ -73,7 +75,7 @@ class _Slot:
 class IterablePass:
     """Trainer side: one pass over an iterable-style RemoteDataset."""
 
-    def __init__(self, loader, plan, resume: dict | None = None):
+    def __init__(self, loader, plan, resume: dict | None = None, *, stream_count: int = 1):
         self._loader = loader
         self._plan = plan
         self._source = plan.source
@@ -86,8 +88,6 @@ class IterablePass:
         self._fatal: BaseException | None = None
         self._lost: dict[str, BaseException] = {}
         self._said_replay = False
-        from .passes import new_pass_id
-
         self._pass_id = new_pass_id()
         self._base_seed = plan.base_seed
         if resume is not None:
@@ -95,7 +95,7 @@ class IterablePass:
                 raise ValueError("this state does not describe a pass over an iterable-style dataset")
             count = resume["streams"]
         else:
-            count = loader._stream_count()
+            count = stream_count
         self._slots = [_Slot(i) for i in range(count)]
         self._turn = 0
         self._queue: deque | None = None  # shards not granted yet (dynamic sharding)
@@ -148,7 +148,7 @@ class IterablePass:
         first = workers[0]
         got = wait_all(
             {
-                first: client.rpc_async(
+                first: self._source.session.rpc_async(
                     first,
                     shard_plan,
                     args=(self._plan.fetchers.get(first),),
@@ -224,7 +224,7 @@ class IterablePass:
                 me._on_opened(slot, incarnation, worker, ok, value)
 
         try:
-            client.call(
+            self._source.session.call(
                 worker,
                 open_stream,
                 args=(fetcher, context, self._loader.batch_size, self._loader.drop_last, start),
@@ -443,7 +443,8 @@ class IterablePass:
             return
         self._closed = True
         # a pass left early (break, del) can still be resumed: the loader keeps where it stood
-        self._loader._iterable_closed(self._pass_id, self._snapshot_locked())
+        if self._plan.on_snapshot is not None:
+            self._plan.on_snapshot(self._pass_id, self._snapshot_locked())
         for slot in self._slots:
             if slot.ref is not None:
                 slot.ref.release()  # requests still queued there end with an error nobody waits for

@@ -19,10 +19,12 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 
-from . import buffers, building, client, limits, prefetch, resume, stats
+from . import buffers, building, limits, prefetch, resume, stats
+from . import loader_checks as checks
 from .fetch import Fetcher
 from .iterable import IterablePass
-from .passes import FetcherSet, MapPass, PassPlan, new_pass_id
+from .passes import MapPass
+from .passplan import FetcherSet, PassPlan, new_pass_id
 from .remote_dataset import RemoteDataset
 from .sampling import mix_seed
 from .views import Source
@@ -148,11 +150,11 @@ class RemoteDataLoader(Generic[T_co]):
                 "the 6th positional argument of RemoteDataLoader is num_workers, as in torch's "
                 "DataLoader: pass collate_fn=... by keyword"
             )
-        _check_workers_args(num_workers, timeout, prefetch_factor, persistent_workers)
+        checks.workers_args(num_workers, timeout, prefetch_factor, persistent_workers)
         dataset = _remote_dataset(dataset, workers, args, kwargs)
         source = Source(dataset)
         if source.iterable:
-            _check_iterable_args(shuffle, sampler, batch_sampler)
+            checks.iterable_args(shuffle, sampler, batch_sampler)
         if seed is not None and generator is not None:
             raise ValueError(
                 "give seed= or generator=, not both: with seed the shuffle order and every "
@@ -328,13 +330,14 @@ class RemoteDataLoader(Generic[T_co]):
         return state
 
     def _iterable_closed(self, pass_id: int, snapshot: dict) -> None:
-        """Called by the latest iterable-style pass when it closes: keep where it stood."""
+        """Called by an iterable-style pass when it closes (``PassPlan.on_snapshot``): if it is
+        the latest, keep where it stood."""
         if self._iterable_pass is not None and self._iterable_pass[0] == pass_id:
             self._iterable_pass = (pass_id, self._iterable_pass[1], snapshot)
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`: the next pass continues where that one stopped."""
-        resume._check(state, self)
+        resume.check_state(state, self.seed)
         self._epoch = state["epoch"]
         self._resume_from = state if state["active"] else None
 
@@ -359,7 +362,14 @@ class RemoteDataLoader(Generic[T_co]):
         resume_from, self._resume_from = self._resume_from, None
         # torch's persistent workers draw their base seed once, at the first pass
         kept = self._persistent_seed if self.persistent_workers else None
-        sampler_iter, progress = resume.begin_pass(self, self._epoch, resume_from, kept)
+        sampler_iter, progress = resume.begin_pass(
+            self,
+            self._epoch,
+            resume_from,
+            kept,
+            index_sampler=self._index_sampler,
+            shuffle_generator=self._shuffle_generator,
+        )
         self._epoch = progress.record.epoch + 1
         self._progress = progress
         base_seed = progress.record.base_seed
@@ -373,15 +383,23 @@ class RemoteDataLoader(Generic[T_co]):
             auto_collation=self._auto_collation,
             base_seed=base_seed,
             sample_seed=base_seed if self.per_sample_seeding else None,
+            estimates=self._estimates,
+            on_estimates=self._keep_estimates,
+            on_snapshot=self._iterable_closed,
+            next_head=self._prefetch_next,
             stats=self._accounting,
         )
         if self._source.iterable:
             streams = resume_from.get("streams") if resume_from is not None else None
-            running = IterablePass(self, plan, streams)
+            running = IterablePass(self, plan, streams, stream_count=self._stream_count())
             self._iterable_pass = (running.pass_id, weakref.ref(running), None)
             return running
         head, self._head = self._head, None
         return MapPass(self, plan, head)
+
+    def _keep_estimates(self, estimates: dict[str, float]) -> None:
+        """A map-style pass closed: its per-worker batch times seed the next pass's scheduler."""
+        self._estimates = estimates
 
     # -- statistics [stats hook] -------------------------------------------------
     def stats(self) -> stats.LoaderStats:
@@ -398,8 +416,9 @@ class RemoteDataLoader(Generic[T_co]):
         self._accounting.log_every(every)
 
     def _prefetch_next(self, ending: MapPass):
-        """Called by a pass whose last batch is dispatched: start loading the next pass's
-        first batches if they can be known now (:mod:`torchfeed.prefetch`); the head, or None."""
+        """Called by a pass whose last batch is dispatched (``PassPlan.next_head``): start loading
+        the next pass's first batches if they can be known now (:mod:`torchfeed.prefetch`); the
+        head, or None."""
         old, self._head = self._head, None
         if old is not None:
             old.discard()
@@ -407,7 +426,7 @@ class RemoteDataLoader(Generic[T_co]):
             return None
         epoch = self._epoch
         count = ending.prefetch_count()
-        indices = prefetch.predict(self, epoch, count)
+        indices = prefetch.predict(self, epoch, count, self._shuffle_generator)
         if not indices:
             return None
         base_seed = mix_seed(self.seed, epoch)
@@ -435,7 +454,7 @@ class RemoteDataLoader(Generic[T_co]):
     # -- per-worker setup ----------------------------------------------------
     def _make_fetcher(self, address: str):
         source = self._source
-        return client.rpc_async(
+        return source.session.rpc_async(
             address,
             Fetcher,
             args=(
@@ -449,41 +468,6 @@ class RemoteDataLoader(Generic[T_co]):
             rref=True,
             timeout=source.timeout,
             secret=source.secret,
-        )
-
-
-def _check_workers_args(num_workers, timeout, prefetch_factor, persistent_workers) -> None:
-    """torch's checks, in torch's order; an omitted num_workers means: the remote workers."""
-    if num_workers is not None and num_workers < 0:
-        raise ValueError(
-            "num_workers option should be non-negative; use num_workers=0 to disable multiprocessing."
-        )
-    if timeout < 0:
-        raise ValueError("timeout option should be non-negative")
-    if num_workers == 0 and prefetch_factor is not None:
-        raise ValueError(
-            "prefetch_factor option could only be specified in multiprocessing."
-            "let num_workers > 0 to enable multiprocessing, otherwise set prefetch_factor to None."
-        )
-    if prefetch_factor is not None and prefetch_factor < 0:
-        raise ValueError("prefetch_factor option should be non-negative")
-    if persistent_workers and num_workers == 0:
-        raise ValueError("persistent_workers option needs num_workers > 0")
-
-
-def _check_iterable_args(shuffle, sampler, batch_sampler) -> None:
-    if shuffle not in {False, None}:
-        raise ValueError(
-            f"DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle={shuffle}"
-        )
-    if sampler is not None:
-        raise ValueError(
-            f"DataLoader with IterableDataset: expected unspecified sampler option, but got sampler={sampler}"
-        )
-    if batch_sampler is not None:
-        raise ValueError(
-            "DataLoader with IterableDataset: expected unspecified batch_sampler option, but got "
-            f"batch_sampler={batch_sampler}"
         )
 
 

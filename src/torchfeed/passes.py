@@ -9,94 +9,24 @@ the user's thread, at the user's line (:mod:`torchfeed.notices`).
 
 from __future__ import annotations
 
-import atexit
-import itertools
 import logging
 import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from . import client, events, notices
-from .errors import ConnectionClosed, PoisonSampleError, RemoteError, Timeout, WorkerLost
-from .remote_dataset import wait_all
-from .scheduler import Scheduler
-from .views import Source, keys_of
+from . import events, notices, passplan
+from .errors import ConnectionClosed, RemoteError, WorkerLost
+from .ledger import Ledger
+from .passplan import PassPlan, live, new_pass_id
+from .views import keys_of
 
 log = logging.getLogger("torchfeed.loader")
 
 _POLL = 0.05  # seconds between straggler checks while the consumer waits
 _JOIN_SECONDS = 1.0  # how long close() waits for the dispatch thread to end
 _STALL_DEFAULT = 120.0  # seconds to wait for a worker when none is left and timeout=0
-_pass_ids = itertools.count(1)
-_live: weakref.WeakSet = weakref.WeakSet()  # passes not closed yet
-_exiting = False
-
-
-def _close_all_passes() -> None:
-    """At interpreter exit, before connections close: passes go quiet (no 'lost worker' noise)."""
-    global _exiting
-    _exiting = True
-    for p in list(_live):
-        try:
-            p.close()
-        except Exception:
-            pass
-
-
-atexit.register(_close_all_passes)  # registered after client's close_all: runs before it
-
-
-def new_pass_id() -> int:
-    return next(_pass_ids)
-
-
-class FetcherSet:
-    """One loader's worker-side objects (made by ``make(address)``), one per worker."""
-
-    def __init__(self, make: Callable[[str], Any], timeout: float, secret):
-        self._make = make
-        self._timeout = timeout
-        self._secret = secret
-        self._refs: dict[str, client.RemoteRef] = {}
-        self._lock = threading.Lock()
-
-    def ensure(self, workers: Sequence[str]) -> dict[str, BaseException]:
-        """Create the fetchers not made yet (or lost with their connection); return the failures."""
-        with self._lock:
-            missing = [w for w in workers if w not in self._refs or self._refs[w].closed]
-            if not missing:
-                return {}
-            futs = {w: self._make(w) for w in missing}
-            failed = {}
-            for w, v in wait_all(futs, self._timeout).items():
-                if isinstance(v, RemoteError):
-                    raise v
-                if isinstance(v, BaseException):
-                    failed[w] = v
-                else:
-                    self._refs[w] = v
-            return failed
-
-    def get(self, address: str) -> client.RemoteRef | None:
-        return self._refs.get(address)
-
-
-@dataclass
-class PassPlan:
-    """What the loader hands a pass: where the indices come from and how to load them."""
-
-    source: Source
-    fetchers: FetcherSet
-    sampler_iter: Any
-    progress: Any  # resume.Progress
-    auto_collation: bool
-    sample_seed: int | None  # per-sample seeding's base seed, None when off
-    base_seed: int  # the pass's base seed (worker seeds are base_seed + id, as in torch)
-    stats: Any = None  # stats.Accounting of the loader [stats hook]
 
 
 # NOTE [threads of a map-style pass]
@@ -113,23 +43,23 @@ class PassPlan:
 #   the next pass's first batches (:mod:`torchfeed.prefetch`). It owns the sampler
 #   iterator once the pass is built.
 # * connection reader threads (one per worker connection, client.py): receive replies
-#   into their buffers and call ``_on_result``, which only records the outcome in the
-#   scheduler and the results, and wakes the consumer and the dispatch thread. No user
-#   code (sampler, collate, callbacks) and no send runs on them.
-# * the keeper thread (client.py: heartbeats, deadlines) and a dataset's membership
-#   thread (remote_dataset.py: ``worker_joined``/``worker_removed``), which only record
-#   and wake the dispatch thread, as reader threads do.
+#   into their buffers and call ``on_result`` (the pass is a ``prefetch.ResultSink``),
+#   which only records the outcome in the scheduler and the ledger (ledger.py), and
+#   wakes the consumer and the dispatch thread. No user code and no send runs on them.
+# * the keeper thread of the connections' Session (session.py: heartbeats, deadlines)
+#   and a dataset's membership thread (remote_dataset.py: the pass is its
+#   ``MembershipListener``), which only record and wake, as reader threads do.
 #
 # Locks, in the order they may be taken (never the reverse):
-#   MapPass._lock (the scheduler, results, request ids, flags; shared by the two
+#   MapPass._lock (the scheduler, the ledger, flags; shared by the two
 #      conditions ``_ready``, where the consumer waits, and ``_work``, where the
 #      dispatch thread waits)
 #   -> prefetch.Head._lock (the prefetched batches of the next pass: taken by the next
 #      pass while it claims them; released before calling into any pass)
-#   -> client.Connection._pending_lock (taken and released inside request/cancel).
+#   -> a connection's _pending_lock (taken and released inside RemoteRef.request/cancel).
 # A connection's _send_lock is only ever taken with none of these held: every send and
 # cancel runs on a dispatch thread (or in close()) after the pass lock is released. A
-# reader thread holds no lock of its connection while it calls ``_on_result``. Samplers
+# reader thread holds no lock of its connection while it calls ``on_result``. Samplers
 # are used by one thread at a time: the consumer until the dispatch thread starts, then
 # that thread; the next pass's prediction works on copies (fresh generators).
 
@@ -153,10 +83,7 @@ class MapPass:
         self._work = threading.Condition(self._lock)  # the dispatch thread waits here
         self._dirty = False  # the dispatch thread has something to do
         self._notices = notices.Pending()
-        self._indices: dict[int, Any] = {}
-        self._results: dict[int, tuple] = {}
-        self._requests: dict[int, dict[str, int]] = {}  # seq -> {address: request id}
-        self._to_cancel: dict[str, list[int]] = {}  # sent by the dispatch thread
+        self._ledger = Ledger(self._auto)  # keys, results, requests and cancels of each batch
         self._errors: dict[str, str] = {}
         self._fatal: BaseException | None = None
         self._closed = False
@@ -170,26 +97,13 @@ class MapPass:
             self._source.worker_lost(w, exc)
             events.worker_unreachable(w, exc)
         workers = [w for w in workers if w not in failed]
-        credits = pipeline_depth(
-            loader.prefetch_factor,
-            getattr(loader, "_estimates", None),
-            plan.stats.mean_batch_bytes() if plan.stats is not None else None,
-        )
-        # reorder slack beyond the credits, so one slow worker does not stall the rest
-        n = max(len(workers), len(self._source.workers), 1)
-        self._sched = Scheduler(
-            workers,
-            credits=credits,
-            window=max(2 * credits * n, n + 2 * credits),
-            pass_length=_pass_length(loader, plan.progress),
-            estimates=getattr(loader, "_estimates", None),
-        )
+        self._sched = passplan.scheduler(loader, plan, workers)
         self._acc = plan.stats  # [stats hook] O(1) counters per batch, see stats.py
         self._last_samples = 0
         if self._acc is not None:
             self._acc.pass_started(workers, self.inflight)
         self._source.subscribe(self)
-        _live.add(self)
+        live.add(self)
         with self._lock:
             if not workers:
                 self._no_worker_left()
@@ -241,7 +155,7 @@ class MapPass:
         with self._lock:
             for idx in batches:
                 seq = self._sched.add_batch()
-                self._indices[seq] = idx
+                self._ledger.indices[seq] = idx
                 if self._head is not None:
                     self._adopt(seq, idx)
             if exhausted:
@@ -250,30 +164,13 @@ class MapPass:
 
     def _adopt(self, seq: int, idx) -> None:
         """Use the prefetched copy of batch ``seq`` if it loads the same keys (lock held)."""
-        claim = self._head.claim(seq, idx, self)
+        claim = self._head.adopt(seq, idx, self, self._sched, self._ledger)
         if claim is None:  # used up, or this pass differs from the prediction
-            self._merge_cancels(self._head.take_cancels())
             self._head = None
             return
-        if claim[0] != "miss":
-            self.prefetched += 1
-        if claim[0] == "done":
-            self._sched.preloaded(seq)
-            self._results[seq] = claim[2]
-            if claim[2][0] and self._acc is not None:  # [stats hook] loaded by the previous pass
-                self._acc.delivered(claim[1], len(keys_of(idx, self._auto)), 0, None)
-        elif claim[0] == "running":
-            address, (rid, started) = claim[1], claim[2]
-            if self._sched.adopt(address, started, seq):
-                self._requests.setdefault(seq, {})[address] = rid
-            else:  # its worker does not serve this pass: sent again as usual
-                released = self._head.release(seq)
-                if released is not None:
-                    self._to_cancel.setdefault(released[0], []).append(released[1])
-
-    def _merge_cancels(self, cancels: dict[str, list[int]]) -> None:
-        for address, rids in cancels.items():
-            self._to_cancel.setdefault(address, []).extend(rids)
+        self.prefetched += claim[0] != "miss"
+        if claim[0] == "done" and claim[2][0] and self._acc is not None:  # [stats hook] loaded before
+            self._acc.delivered(claim[1], len(keys_of(idx, self._auto)), 0, None)
 
     # -- the dispatch thread ---------------------------------------------------------------
     def _pump(self) -> None:
@@ -295,35 +192,33 @@ class MapPass:
             if self._closed:
                 return
             if self._fatal is None:  # a poison batch must not go out again
-                for address, seq in self._hedges():
-                    sends.append((address, seq, self._indices.get(seq)))
+                loader = self._loader
+                overdue = passplan.hedges(
+                    sched, loader.straggler_factor, loader.straggler_min_seconds, self._acc
+                )
+                for address, seq in overdue:
+                    sends.append((address, seq, self._ledger.indices.get(seq)))
                 while True:
                     choice = sched.next_dispatch()
                     if choice is None:
                         break
-                    sends.append((*choice, self._indices.get(choice[1])))
-            cancels, self._to_cancel = self._to_cancel, {}
+                    sends.append((*choice, self._ledger.indices.get(choice[1])))
+            cancels = self._ledger.take_cancels()
             more = sched.wants_more() and self._fatal is None
-            if (
-                self._next_head is None
-                and self._fatal is None
-                and sched.exhausted
-                and not sched.has_pending()
-            ):
+            dispatched_all = sched.exhausted and not sched.has_pending()
+            predict = self._next_head is None and self._fatal is None and dispatched_all
+            if predict:
                 self._next_head = False  # decided once per pass
-                predict = True
-            else:
-                predict = False
             head = self._next_head or None
-            free = self._free_credits() if head is not None else None
+            free = passplan.free_credits(sched) if head is not None else None
         for address, seq, idx in sends:
             self._send(address, seq, idx)
         self._send_cancels(cancels)
         if predict:
-            head = self._loader._prefetch_next(self)
+            head = self._plan.next_head(self) if self._plan.next_head is not None else None
             with self._lock:
                 self._next_head = head or False
-                free = self._free_credits() if head else None
+                free = passplan.free_credits(sched) if head else None
         if head and free:
             head.waker = self._poke
             head.fill(free)
@@ -344,26 +239,6 @@ class MapPass:
         """Requests each worker holds now (read without the lock: a snapshot for stats)."""
         return {a: len(w.in_flight) for a, w in list(self._sched.workers.items())}
 
-    def _free_credits(self) -> dict[str, int]:
-        """Credits this pass leaves unused, per worker (for the next pass's prefetch)."""
-        return {
-            w.address: self._sched.credits - len(w.in_flight)
-            for w in self._sched.workers.values()
-            if w.alive and len(w.in_flight) < self._sched.credits
-        }
-
-    def _hedges(self) -> list[tuple]:
-        factor = self._loader.straggler_factor
-        if factor is None:
-            return []
-        out = self._sched.hedge(factor, self._loader.straggler_min_seconds)
-        for address, seq in out:  # [stats hook] an event and a count for the slow worker
-            slow = next((h for h in self._sched.holders(seq) if h != address), "?")
-            events.batch_hedged(seq, slow, address)
-            if self._acc is not None:
-                self._acc.hedged(slow)
-        return out
-
     def _send(self, address: str, seq: int, idx) -> None:
         """Send one request (dispatch thread, no lock held)."""
         this = weakref.ref(self)
@@ -371,7 +246,7 @@ class MapPass:
         def on_result(ok, value, _seq=seq, _address=address):
             it = this()
             if it is not None:
-                it._on_result(_address, _seq, ok, value)
+                it.on_result(_address, _seq, ok, value)
 
         try:
             fetcher = self._plan.fetchers.get(address)
@@ -388,21 +263,14 @@ class MapPass:
         except Exception as exc:  # a key the view cannot map: that batch fails, in order
             with self._lock:
                 if seq not in self._sched.done and seq >= self._sched.delivered:
-                    self._results[seq] = (False, exc)
-                    self._add_cancels(self._sched.failed(address, seq), self._requests.pop(seq, {}))
+                    self._ledger.settle(seq, False, exc, self._sched.failed(address, seq))
                     self._ready.notify()
             return
         with self._lock:
             if self._closed:
-                self._to_cancel.setdefault(address, []).append(rid)
+                self._ledger.cancel(address, rid)
             elif address in self._sched.holders(seq):  # else: answered (or given up) already
-                self._requests.setdefault(seq, {})[address] = rid
-
-    def _add_cancels(self, others: list[str], requests: dict[str, int]) -> None:
-        for a in others:
-            rid = requests.get(a)
-            if rid is not None:
-                self._to_cancel.setdefault(a, []).append(rid)
+                self._ledger.sent(seq, address, rid)
 
     def _send_cancels(self, cancels: dict[str, list[int]]) -> None:
         """Tell workers to drop these requests (no lock held)."""
@@ -412,7 +280,7 @@ class MapPass:
                 fetcher.cancel(rids)
 
     def _quiet(self, exc: BaseException) -> bool:
-        return _exiting or sys.is_finalizing() or isinstance(exc, ConnectionClosed)
+        return live.exiting or sys.is_finalizing() or isinstance(exc, ConnectionClosed)
 
     def _lose_worker(self, address: str, exc: BaseException) -> None:
         """A worker is gone (lock held)."""
@@ -423,7 +291,7 @@ class MapPass:
         self._errors[address] = repr(exc)
         self._source.worker_lost(address, exc)
         for seq in requeued:
-            self._requests.get(seq, {}).pop(address, None)
+            self._ledger.requests.get(seq, {}).pop(address, None)
         if self._quiet(exc):
             log.info("connection to worker %s closed by this process", address)
         else:  # [stats hook] an event (logged), no warning: nothing to change in code
@@ -431,13 +299,12 @@ class MapPass:
         if self._acc is not None:
             self._acc.requeued(address, len(requeued))
         if blamed is not None and self._sched.losses.get(blamed, 0) > self._loader.max_retries:
-            indices = keys_of(self._indices.get(blamed), self._auto)
-            self._fatal = PoisonSampleError(
-                f"loading samples {_short(indices)} (batch {blamed}) killed {self._sched.losses[blamed]} worker "
-                f"processes in a row (the last: {address}); giving up after max_retries="
-                f"{self._loader.max_retries}. Fix or exclude these samples.",
-                indices,
-                [address],
+            self._fatal = passplan.poison_error(
+                self._ledger.keys(blamed),
+                blamed,
+                self._sched.losses[blamed],
+                address,
+                self._loader.max_retries,
             )
             events.poison(str(self._fatal))
         if not self._sched.serving_workers() and self._stalled_since is None:
@@ -449,8 +316,7 @@ class MapPass:
         self._stalled_since = time.monotonic()
         if quiet or self._sched.finished():
             return
-        lost = ", ".join(self._errors) or ", ".join(self._source.workers)
-        events.no_worker_left(lost, self._stall_limit())
+        events.no_worker_left(", ".join(self._errors) or ", ".join(self._source.workers), self._stall_limit())
 
     # -- membership changes (from the datasets' threads) -----------------------------------
     def worker_joined(self, address: str) -> None:
@@ -476,7 +342,8 @@ class MapPass:
             self._ready.notify()
 
     # -- reader threads: record and wake, nothing else --------------------------------------
-    def _on_result(self, address: str, seq: int, ok: bool, value: Any) -> None:
+    def on_result(self, address: str, seq: int, ok: bool, value: Any) -> None:
+        """A reply (or failure) for batch ``seq`` from ``address`` (:class:`prefetch.ResultSink`)."""
         with self._lock:
             if self._closed:
                 return
@@ -486,21 +353,14 @@ class MapPass:
             if ok:
                 accepted, others = self._sched.completed(address, seq)
                 if accepted and self._acc is not None:  # [stats hook] counters only
-                    state = self._sched.workers.get(address)
-                    self._acc.delivered(
-                        address,
-                        len(keys_of(self._indices.get(seq), self._auto)),
-                        client.reply_bytes(),
-                        state.seconds_per_batch if state is not None else None,
-                    )
+                    passplan.delivered(self._acc, self._sched, address, len(self._ledger.keys(seq)))
             else:
                 accepted = seq not in self._sched.done and seq >= self._sched.delivered
                 others = self._sched.failed(address, seq) if accepted else []
                 if accepted and isinstance(value, RemoteError):
-                    value = value.with_indices(keys_of(self._indices.get(seq), self._auto))
+                    value = value.with_indices(self._ledger.keys(seq))
             if accepted:
-                self._results[seq] = (ok, value)
-                self._add_cancels(others, self._requests.pop(seq, {}))
+                self._ledger.settle(seq, ok, value, others)
                 if seq == self._sched.delivered:
                     self._ready.notify()
             self._wake()  # a credit is free
@@ -534,10 +394,10 @@ class MapPass:
                     raise StopIteration
                 sched = self._sched
                 seq = sched.delivered
-                if seq in self._results:
-                    result = self._results.pop(seq)
+                taken = self._ledger.take(seq)
+                if taken is not None:
+                    result, self._last_samples = taken
                     self._plan.progress.batches += 1
-                    self._last_samples = len(keys_of(self._indices.pop(seq, None), self._auto))
                     self._plan.progress.samples += self._last_samples
                     sched.take_delivered()
                     if sched.known >= seq + sched.window:  # the window held the dispatch back
@@ -557,17 +417,9 @@ class MapPass:
                     or (deadline is not None and now >= deadline)
                 ):
                     self._close_locked()
-                    raise WorkerLost(
-                        f"no worker is left (waited {now - self._stalled_since:.1f} s for one "
-                        "to come back or join): " + "; ".join(f"{w}: {e}" for w, e in self._errors.items()),
-                        self._errors,
-                    )
+                    raise passplan.stalled_error(now - self._stalled_since, self._errors)
                 if deadline is not None and now >= deadline:
-                    holders = ", ".join(sched.holders(seq)) or "no worker (not dispatched yet)"
-                    raise Timeout(
-                        f"batch {seq} (indices {_short(keys_of(self._indices.get(seq), self._auto))}) did not arrive "
-                        f"within timeout={self._timeout:g} s; it is held by {holders}"
-                    )
+                    raise passplan.late_error(seq, self._ledger.keys(seq), self._timeout, sched.holders(seq))
                 self._lock.release()  # warnings noticed meanwhile are emitted while waiting
                 try:
                     self._notices.emit()
@@ -582,15 +434,12 @@ class MapPass:
         if self._closed:
             return
         self._closed = True
-        _live.discard(self)
-        self._loader._estimates = self._sched.estimates()
-        for requests in self._requests.values():
-            for address, rid in requests.items():
-                self._to_cancel.setdefault(address, []).append(rid)
-        self._requests.clear()
-        self._results.clear()
+        live.discard(self)
+        if self._plan.on_estimates is not None:
+            self._plan.on_estimates(self._sched.estimates())
+        self._ledger.close()
         if self._head is not None:  # batches of the prefetch this pass has not reached
-            self._merge_cancels(self._head.take_cancels())
+            self._ledger.cancel_all(self._head.take_cancels())
             self._head = None
         self._work.notify()  # the dispatch thread sends the cancels and ends
 
@@ -598,7 +447,7 @@ class MapPass:
         """Stop this pass: outstanding requests are cancelled."""
         with self._lock:
             self._close_locked()
-            cancels, self._to_cancel = self._to_cancel, {}
+            cancels = self._ledger.take_cancels()
         self._send_cancels(cancels)
         thread = getattr(self, "_thread", None)
         if thread is not None and thread is not threading.current_thread() and thread.is_alive():
@@ -611,38 +460,6 @@ class MapPass:
             pass
 
 
-# Small, fast batches: more requests in flight per worker than prefetch_factor (see
-# pipeline_depth). Bounds: at most this many bytes per batch and seconds per batch.
-SMALL_BATCH_BYTES = 256 * 1024
-FAST_BATCH_SECONDS = 0.005
-
-
-def pipeline_depth(prefetch_factor: int, estimates: dict | None, mean_batch_bytes: float | None) -> int:
-    """Requests in flight per worker for the next pass.
-
-    ``prefetch_factor`` (torch's meaning: batches loaded ahead per worker), except for
-    batches the previous passes measured as small (<= SMALL_BATCH_BYTES on average) and
-    fast (the fastest worker takes < FAST_BATCH_SECONDS each): then twice as many. Such
-    batches are bound by the round trip, not by the worker: with only ``prefetch_factor``
-    requests queued, a worker finishes them before the next request reaches it and idles
-    (more so across a real network than on loopback). The memory this holds is at most
-    a few MB (small batches), and the order of the batches does not change.
-    """
-    if not estimates or not mean_batch_bytes:
-        return prefetch_factor
-    if mean_batch_bytes <= SMALL_BATCH_BYTES and min(estimates.values()) < FAST_BATCH_SECONDS:
-        return 2 * prefetch_factor
-    return prefetch_factor
-
-
-def _pass_length(loader, progress) -> int | None:
-    """Batches this pass will load, when the sampler says (fewer after a resume)."""
-    try:
-        return max(len(loader) - progress.batches, 0)
-    except TypeError:
-        return None
-
-
 def _dispatch_loop(ref: weakref.ref[MapPass], work: threading.Condition) -> None:
     """The dispatch thread of a pass (holds the pass only while it works, so an abandoned
     pass is still collected and closed)."""
@@ -652,7 +469,7 @@ def _dispatch_loop(ref: weakref.ref[MapPass], work: threading.Condition) -> None
             return
         with work:
             if it._closed:
-                cancels, it._to_cancel = it._to_cancel, {}
+                cancels = it._ledger.take_cancels()
                 closed = True
             else:
                 closed = False
@@ -676,7 +493,3 @@ def _dispatch_loop(ref: weakref.ref[MapPass], work: threading.Condition) -> None
                 it._fatal = it._fatal or exc
                 it._ready.notify()
         del it
-
-
-def _short(items: list[Any]) -> str:
-    return str(items) if len(items) <= 8 else f"[{', '.join(map(str, items[:8]))}, ...]"

@@ -21,25 +21,35 @@ import operator
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from .errors import WorkerLost
-from .resume import _INT63, _SHUFFLE_TAG
-from .sampling import mix_seed
+from .resume import shuffle_seed
 
 _LOOKAHEAD_RATIO = 1.5  # a worker this much slower than the fastest gets later batches
 
 
-def predict(loader, epoch: int, count: int) -> list[Any] | None:
-    """The first ``count`` batches of keys of the pass of ``epoch``, or None if unknown.
+class ResultSink(Protocol):
+    """Where the outcome of a claimed, still running prefetched batch goes (a map-style pass).
 
+    Called on a connection's reader thread with no lock held: record and wake only.
+    """
+
+    def on_result(self, address: str, seq: int, ok: bool, value: Any) -> None: ...
+
+
+def predict(loader, epoch: int, count: int, shuffle_generator: torch.Generator | None) -> list[Any] | None:
+    """The first ``count`` batches of keys of the map-style pass of ``epoch``, or None if unknown.
+
+    ``loader`` gives its public settings (seed, per_sample_seeding, batch_sampler);
+    ``shuffle_generator`` is the loader's own seeded shuffle generator, if it has one.
     Uses copies (or fresh generators): nothing the user's samplers hold is touched.
     """
-    if loader.seed is None or not loader.per_sample_seeding or loader._source.iterable or count < 1:
+    if loader.seed is None or not loader.per_sample_seeding or count < 1:
         return None
     batches = loader.batch_sampler
     if type(batches) is not BatchSampler:
@@ -49,12 +59,12 @@ def predict(loader, epoch: int, count: int) -> list[Any] | None:
         ahead = sampler
     elif (
         type(sampler) is RandomSampler
-        and loader._shuffle_generator is not None
-        and sampler.generator is loader._shuffle_generator
+        and shuffle_generator is not None
+        and sampler.generator is shuffle_generator
     ):
         ahead = copy.copy(sampler)
         ahead.generator = torch.Generator()
-        ahead.generator.manual_seed(mix_seed(loader.seed, epoch, _SHUFFLE_TAG) & _INT63)
+        ahead.generator.manual_seed(shuffle_seed(loader.seed, epoch))
     elif type(sampler) is DistributedSampler:
         ahead = copy.copy(sampler)
         ahead.set_epoch(sampler.epoch + 1)  # what a training loop calling set_epoch(e) does next
@@ -72,7 +82,7 @@ class _Entry:
         self.rid: int | None = None
         self.started = 0.0
         self.result: tuple | None = None
-        self.owner = None  # weakref to the pass that claimed it
+        self.owner: weakref.ref[ResultSink] | None = None  # the pass that claimed it
 
 
 class Head:
@@ -198,12 +208,12 @@ class Head:
             else:
                 self._finish(entry, "claimed")
         if owner is not None:
-            owner._on_result(address, seq, ok, value)  # outside the head's lock
+            owner.on_result(address, seq, ok, value)  # outside the head's lock
         elif waker is not None:
             waker()  # a credit is free for the next predicted batch
 
     # -- the next pass (its lock held: takes only the head's lock) -----------------------------
-    def claim(self, seq: int, idx: Any, owner) -> tuple | None:
+    def claim(self, seq: int, idx: Any, owner: ResultSink) -> tuple | None:
         """What the pass ``owner`` gets for its batch ``seq`` with keys ``idx``.
 
         ``None``: no more prefetched batches for it (the head is used up, or this batch
@@ -234,6 +244,27 @@ class Head:
             if state == "sending":
                 self._finish(entry, "dropped")  # its sender cancels it once it has an id
             return ("miss",)
+
+    def adopt(self, seq: int, idx: Any, owner: ResultSink, sched, ledger) -> tuple | None:
+        """The pass ``owner`` pulled batch ``seq`` (keys ``idx``): take the prefetched copy into its
+        scheduler ``sched`` and ``ledger`` (its lock held). Returns the claim (see :meth:`claim`),
+        or None when this head has nothing more for it (its leftovers are then cancelled)."""
+        claim = self.claim(seq, idx, owner)
+        if claim is None:  # used up, or this pass differs from the prediction
+            ledger.cancel_all(self.take_cancels())
+            return None
+        if claim[0] == "done":
+            sched.preloaded(seq)
+            ledger.results[seq] = claim[2]
+        elif claim[0] == "running":
+            address, (rid, started) = claim[1], claim[2]
+            if sched.adopt(address, started, seq):
+                ledger.sent(seq, address, rid)
+            else:  # its worker does not serve this pass: sent again as usual
+                released = self.release(seq)
+                if released is not None:
+                    ledger.cancel(*released)
+        return claim
 
     def release(self, seq: int) -> tuple | None:
         """The claiming pass could not use the running batch ``seq``: (address, rid) to cancel."""

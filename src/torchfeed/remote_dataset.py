@@ -15,7 +15,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from torch.utils.data import Dataset
@@ -26,7 +26,23 @@ from .auth import SecretLike
 from .errors import AuthenticationError, RemoteError, SerializationError, Timeout, WorkerLost
 from .util import double_delay
 
+if TYPE_CHECKING:
+    from .session import Session
+
 log = logging.getLogger("torchfeed.dataset")
+
+
+class MembershipListener(Protocol):
+    """What a dataset tells about its workers (loader passes implement it; see :meth:`RemoteDataset.subscribe`).
+
+    Called from the thread that changed the membership (the user's, or the dataset's
+    membership thread): implementations only record and wake, never block.
+    """
+
+    def worker_joined(self, address: str) -> None: ...
+
+    def worker_removed(self, address: str) -> None: ...
+
 
 _BACKOFF_FIRST = 0.5
 _BACKOFF_MAX = 10.0
@@ -77,12 +93,27 @@ class RemoteDataset(Dataset[T_co]):
         Dataset class or factory.
     *args, **kwargs
         Passed to ``dataset`` on each worker.
+    session : Session, optional
+        Keyword-only: the :class:`~torchfeed.Session` whose connections, secret and
+        timeout this dataset (and the loaders over it) use; the default session if None.
+
+    Attributes
+    ----------
+    timeout : float
+        Seconds allowed to connect (workers starting late), build the dataset and make
+        calls: the session's timeout unless set here (on the instance, or on the class
+        before construction).
+    secret
+        The shared secret: the session's unless set here.
     """
 
-    timeout: float = 120.0  # seconds allowed to connect (workers starting late) and build the dataset
-    secret: SecretLike = None
+    # None on the class means "the session's": every instance holds a number (see Attributes)
+    timeout: float = None  # type: ignore[assignment]
+    secret: SecretLike = None  # None: the session's
 
-    def __init__(self, workers: Sequence[str], dataset: Callable, *args, **kwargs):
+    def __init__(
+        self, workers: Sequence[str], dataset: Callable, *args, session: Session | None = None, **kwargs
+    ):
         if isinstance(workers, str):
             workers = workers.split()
         workers = [client.format_address(w) for w in workers]
@@ -92,6 +123,11 @@ class RemoteDataset(Dataset[T_co]):
             raise ValueError(f"worker addresses are repeated: {workers}")
         building.check_factory(dataset)
         building.check_picklable(dataset, args, kwargs)
+        self.session = session if session is not None else client.default_session()
+        if self.timeout is None:
+            self.timeout = self.session.timeout
+        if self.secret is None:
+            self.secret = self.session.secret
         self.factory = dataset
         self.iterable = False  # set from the built instances: an IterableDataset
         self.args = args
@@ -115,9 +151,9 @@ class RemoteDataset(Dataset[T_co]):
 
         With ``wait``, refused connections are retried until ``timeout`` first.
         """
-        unreachable = building.connect_all(workers, self.secret, self.timeout) if wait else {}
+        unreachable = building.connect_all(workers, self.secret, self.timeout, self.session) if wait else {}
         futs = {
-            w: client.rpc_async(
+            w: self.session.rpc_async(
                 w,
                 building.build,
                 args=(self.factory, self.args, self.kwargs),
@@ -143,7 +179,7 @@ class RemoteDataset(Dataset[T_co]):
         built = {w: v for w, v in built.items() if w not in errors}
         described = wait_all(
             {
-                w: client.rpc_async(
+                w: self.session.rpc_async(
                     w, building.describe, args=(ref,), timeout=self.timeout, secret=self.secret
                 )
                 for w, ref in built.items()
@@ -187,7 +223,7 @@ class RemoteDataset(Dataset[T_co]):
         joined = [w for w in new if w not in failed]
         for w in joined:
             events.worker_joined(w)  # [stats hook]
-            self._notify("worker_joined", w)
+            self._notify(w, joined=True)
         events.flush()
         return joined
 
@@ -201,7 +237,7 @@ class RemoteDataset(Dataset[T_co]):
                 self._refs.pop(w, None)
         for w in gone:
             events.worker_drained(w)  # [stats hook]
-            self._notify("worker_removed", w)
+            self._notify(w, joined=False)
         events.flush()
 
     def worker_lost(self, address: str, error: BaseException) -> None:
@@ -225,15 +261,18 @@ class RemoteDataset(Dataset[T_co]):
         with self._lock:
             return {w: v["error"] for w, v in self._lost.items()}
 
-    def _notify(self, method: str, address: str) -> None:
-        for it in list(self._listeners):
+    def _notify(self, address: str, joined: bool) -> None:
+        for listener in list(self._listeners):
             try:
-                getattr(it, method)(address)
+                if joined:
+                    listener.worker_joined(address)
+                else:
+                    listener.worker_removed(address)
             except Exception:
                 log.exception("a loader could not take worker %s into account", address)
 
-    def subscribe(self, listener) -> None:
-        """``listener.worker_joined(address)`` / ``.worker_removed(address)`` are called on changes."""
+    def subscribe(self, listener: MembershipListener) -> None:
+        """Call ``listener`` on membership changes (held weakly: a finished pass drops out)."""
         self._listeners.add(listener)
 
     # -- workers file ----------------------------------------------------------------
@@ -257,10 +296,15 @@ class RemoteDataset(Dataset[T_co]):
                 )
             time.sleep(0.1)
         ds = cls(read_workers_file(path), dataset, *args, **kwargs)
-        ds._watch_path = path
-        ds._watch_stamp = ds._stamp()
-        ds._ensure_thread()
+        ds.watch_file(path)
         return ds
+
+    def watch_file(self, path: str) -> None:
+        """Follow the workers file ``path``: addresses appended join, addresses deleted are drained."""
+        with self._lock:
+            self._watch_path = path
+            self._watch_stamp = self._stamp()
+        self._ensure_thread()
 
     def _stamp(self):
         try:
@@ -319,7 +363,7 @@ class RemoteDataset(Dataset[T_co]):
                     continue
                 del self._lost[w]
             events.worker_joined(w)  # [stats hook] logged as "worker ... is back"
-            self._notify("worker_joined", w)
+            self._notify(w, joined=True)
 
     def _tick(self) -> None:
         """One round of background work."""
@@ -343,7 +387,7 @@ class RemoteDataset(Dataset[T_co]):
 
     def alive_workers(self) -> list[str]:
         with self._lock:
-            return [w for w in self.workers if w in self._refs and not self._refs[w]._conn.closed]
+            return [w for w in self.workers if w in self._refs and self._refs[w].alive]
 
     def __len__(self) -> int:
         if self._length is None:
@@ -353,7 +397,7 @@ class RemoteDataset(Dataset[T_co]):
     def __getitem__(self, index):
         """Fetch one sample (handy for inspection; the loader fetches whole batches)."""
         for w in self.alive_workers():
-            return client.rpc_async(
+            return self.session.rpc_async(
                 w, lambda ds, i: ds[i], args=(self._refs[w], index), timeout=self.timeout, secret=self.secret
             ).wait()
         raise WorkerLost(f"no worker of this dataset is reachable: {self.workers}")
@@ -373,7 +417,9 @@ class RemoteDataset(Dataset[T_co]):
                 call_args.append(self._refs[w])
             if pass_worker_id:
                 call_args.append(self.workers.index(w))
-            futs[w] = client.rpc_async(w, fn, args=tuple(call_args), timeout=self.timeout, secret=self.secret)
+            futs[w] = self.session.rpc_async(
+                w, fn, args=tuple(call_args), timeout=self.timeout, secret=self.secret
+            )
         results = wait_all(futs, self.timeout)
         for v in results.values():
             if isinstance(v, BaseException):

@@ -12,7 +12,7 @@ skip by themselves, by global position, so the number of ranks may change.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -54,8 +54,14 @@ def _from_bytes(raw: bytes) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
 
 
-def _generators(loader) -> dict[str, torch.Generator]:
-    """The generators this loader's sampling draws from, by a stable name."""
+def shuffle_seed(seed: int, epoch: int) -> int:
+    """The seed of a loader's own shuffle generator for ``epoch`` (with ``seed=``)."""
+    return mix_seed(seed, epoch, _SHUFFLE_TAG) & _INT63
+
+
+def _generators(loader, shuffle_generator: torch.Generator | None) -> dict[str, torch.Generator]:
+    """The generators this loader's sampling draws from, by a stable name (not the loader's own
+    shuffle generator, which is reseeded from (seed, epoch) every pass)."""
     found: dict[str, torch.Generator] = {}
     candidates = [("loader", loader.generator), ("sampler", getattr(loader.sampler, "generator", None))]
     bs = loader.batch_sampler
@@ -64,7 +70,7 @@ def _generators(loader) -> dict[str, torch.Generator]:
         candidates.append(("batch_sampler.sampler", getattr(getattr(bs, "sampler", None), "generator", None)))
     seen = set()
     for name, g in candidates:
-        if isinstance(g, torch.Generator) and g is not loader._shuffle_generator and id(g) not in seen:
+        if isinstance(g, torch.Generator) and g is not shuffle_generator and id(g) not in seen:
             seen.add(id(g))
             found[name] = g
     return found
@@ -77,27 +83,37 @@ def _elastic(loader) -> DistributedSampler | None:
     return None
 
 
-def _check(state: dict[str, Any], loader) -> None:
+def check_state(state: dict[str, Any], seed: int | None) -> None:
+    """Refuse what is not a loader state, or one taken with another ``seed``."""
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError("this is not a RemoteDataLoader state (made by RemoteDataLoader.state_dict())")
-    if state["seed"] != loader.seed:
+    if state["seed"] != seed:
         raise ValueError(
-            f"the state was taken with seed={state['seed']}, this loader has seed={loader.seed}: "
+            f"the state was taken with seed={state['seed']}, this loader has seed={seed}: "
             "create the loader with the same seed to resume"
         )
 
 
 def begin_pass(
-    loader, epoch: int, resume: dict[str, Any] | None, base_seed: int | None = None
+    loader,
+    epoch: int,
+    resume: dict[str, Any] | None,
+    base_seed: int | None = None,
+    *,
+    index_sampler: Iterable,
+    shuffle_generator: torch.Generator | None = None,
 ) -> tuple[Iterator, Progress]:
     """Start a pass (or resume one); return the index iterator and its progress record.
 
-    ``base_seed`` (the first pass's, for torch's persistent workers) is used instead of
-    drawing one.
+    ``loader`` gives its public attributes (seed, generator, sampler, batch_sampler);
+    ``index_sampler`` is what the pass iterates (the batch sampler, or the sampler without
+    auto-collation); ``shuffle_generator`` is the loader's own shuffle generator, reseeded
+    here from (seed, epoch). ``base_seed`` (the first pass's, for torch's persistent
+    workers) is used instead of drawing one.
     """
     if resume is not None:
-        _check(resume, loader)
-    gens = _generators(loader)
+        check_state(resume, loader.seed)
+    gens = _generators(loader, shuffle_generator)
     elastic = _elastic(loader)
     user_global = None
     if resume is not None:
@@ -118,13 +134,13 @@ def begin_pass(
         sampler=elastic.state_dict() if elastic is not None else None,
     )
     if loader.seed is not None:
-        if loader._shuffle_generator is not None:
-            loader._shuffle_generator.manual_seed(mix_seed(loader.seed, epoch, _SHUFFLE_TAG) & _INT63)
+        if shuffle_generator is not None:
+            shuffle_generator.manual_seed(shuffle_seed(loader.seed, epoch))
         record.base_seed = mix_seed(loader.seed, epoch)
-        indices = iter(loader._index_sampler)
+        indices = iter(index_sampler)
     else:
         record.global_rng = _to_bytes(torch.get_rng_state())
-        indices = iter(loader._index_sampler)
+        indices = iter(index_sampler)
         # drawn exactly as torch's DataLoader draws it (after iter(sampler), before the
         # first index), so the same global seed gives the same shuffle order as torch
         if base_seed is None or resume is not None:

@@ -18,7 +18,7 @@ from typing import Any
 from torch.utils.data import ConcatDataset, Subset
 
 from .fetch import Parts
-from .remote_dataset import RemoteDataset
+from .remote_dataset import MembershipListener, RemoteDataset
 
 Mapper = Callable[[Any], tuple[int, Any]]
 
@@ -86,6 +86,7 @@ class Source:
         self.iterable = first.iterable
         self.timeout = first.timeout
         self.secret = first.secret
+        self.session = first.session
 
     # -- membership (the intersection of the parts') ----------------------------------
     @property
@@ -110,7 +111,7 @@ class Source:
         for p in self.parts:
             p.worker_lost(address, error)
 
-    def subscribe(self, listener) -> None:
+    def subscribe(self, listener: MembershipListener) -> None:
         for p in self.parts:
             p.subscribe(listener)
 

@@ -1,0 +1,228 @@
+"""What a loader hands each of its passes: the plan of the pass and the worker-side fetchers.
+
+:class:`PassPlan` is everything a pass (map-style, :mod:`torchfeed.passes`, or
+iterable-style, :mod:`torchfeed.iterable`) starts from, including the hooks through which
+it reports back to its loader. :class:`FetcherSet` keeps one loader's fetchers, one
+remote object per worker, across passes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import client, events
+from .errors import PoisonSampleError, RemoteError, Timeout, WorkerLost
+from .refs import RemoteRef
+from .remote_dataset import wait_all
+from .scheduler import Scheduler
+from .views import Source
+
+log = logging.getLogger("torchfeed.loader")
+_pass_ids = itertools.count(1)
+
+
+class _LivePasses:
+    """The passes not closed yet; at interpreter exit they close first and go quiet."""
+
+    def __init__(self):
+        self.passes: weakref.WeakSet = weakref.WeakSet()
+        self.exiting = False
+
+    def add(self, p) -> None:
+        self.passes.add(p)
+
+    def discard(self, p) -> None:
+        self.passes.discard(p)
+
+    def close_all(self) -> None:
+        """Before the sessions close their connections: no 'lost worker' noise at exit."""
+        self.exiting = True
+        for p in list(self.passes):
+            try:
+                p.close()
+            except Exception:  # noqa: BLE001 - exiting
+                pass
+
+
+live = _LivePasses()
+atexit.register(
+    live.close_all
+)  # registered after the sessions' close (client is imported first): runs before
+
+
+def new_pass_id() -> int:
+    """A number for a new pass, unique in this process (workers key per-pass setup by it)."""
+    return next(_pass_ids)
+
+
+class FetcherSet:
+    """One loader's worker-side objects (made by ``make(address)``), one per worker."""
+
+    def __init__(self, make: Callable[[str], Any], timeout: float, secret):
+        self._make = make
+        self._timeout = timeout
+        self._secret = secret
+        self._refs: dict[str, RemoteRef] = {}
+        self._lock = threading.Lock()
+
+    def ensure(self, workers: Sequence[str]) -> dict[str, BaseException]:
+        """Create the fetchers not made yet (or lost with their connection); return the failures."""
+        with self._lock:
+            missing = [w for w in workers if w not in self._refs or self._refs[w].closed]
+            if not missing:
+                return {}
+            futs = {w: self._make(w) for w in missing}
+            failed = {}
+            for w, v in wait_all(futs, self._timeout).items():
+                if isinstance(v, RemoteError):
+                    raise v
+                if isinstance(v, BaseException):
+                    failed[w] = v
+                else:
+                    self._refs[w] = v
+            return failed
+
+    def get(self, address: str) -> RemoteRef | None:
+        return self._refs.get(address)
+
+
+@dataclass
+class PassPlan:
+    """What the loader hands a pass: where the indices come from and how to load them."""
+
+    source: Source
+    fetchers: FetcherSet
+    sampler_iter: Any
+    progress: Any  # resume.Progress
+    auto_collation: bool
+    sample_seed: int | None  # per-sample seeding's base seed, None when off
+    base_seed: int  # the pass's base seed (worker seeds are base_seed + id, as in torch)
+    # -- what the loader hears from the pass (hooks; called with no pass lock held) --------
+    estimates: dict[str, float] = field(default_factory=dict)  # the previous pass's batch times
+    on_estimates: Callable[[dict[str, float]], None] | None = None  # map-style: when it closes
+    on_snapshot: Callable[[int, dict], None] | None = None  # iterable-style: (pass id, snapshot) at close
+    # map-style, once its last batch is dispatched: start the next pass's prefetch (a Head, or None)
+    next_head: Callable[[Any], Any] | None = None
+    stats: Any = None  # stats.Accounting of the loader [stats hook]
+
+
+def pass_length(loader, progress) -> int | None:
+    """Batches a pass will load, when the sampler says (fewer after a resume)."""
+    try:
+        return max(len(loader) - progress.batches, 0)
+    except TypeError:
+        return None
+
+
+def short(items: list[Any]) -> str:
+    return str(items) if len(items) <= 8 else f"[{', '.join(map(str, items[:8]))}, ...]"
+
+
+def scheduler(loader, plan: PassPlan, workers: list[str]) -> Scheduler:
+    """The scheduler of a map-style pass over ``workers`` (the reachable ones)."""
+    credits = pipeline_depth(
+        loader.prefetch_factor,
+        plan.estimates,
+        plan.stats.mean_batch_bytes() if plan.stats is not None else None,
+    )
+    # reorder slack beyond the credits, so one slow worker does not stall the rest
+    n = max(len(workers), len(plan.source.workers), 1)
+    return Scheduler(
+        workers,
+        credits=credits,
+        window=max(2 * credits * n, n + 2 * credits),
+        pass_length=pass_length(loader, plan.progress),
+        estimates=plan.estimates,
+    )
+
+
+def delivered(acc, sched: Scheduler, address: str, samples: int) -> None:
+    """[stats hook] A reply of ``samples`` samples from ``address`` was accepted (on its reader
+    thread, inside the result callback, where the reply's size is known)."""
+    state = sched.workers.get(address)
+    acc.delivered(
+        address, samples, client.reply_bytes(), state.seconds_per_batch if state is not None else None
+    )
+
+
+def free_credits(sched) -> dict[str, int]:
+    """Credits a pass's scheduler leaves unused, per worker (for the next pass's prefetch)."""
+    return {
+        w.address: sched.credits - len(w.in_flight)
+        for w in sched.workers.values()
+        if w.alive and len(w.in_flight) < sched.credits
+    }
+
+
+def hedges(sched, factor: float | None, min_seconds: float, acc=None) -> list[tuple[str, int]]:
+    """Overdue batches to duplicate now, as (address, seq) (none when ``factor`` is None);
+    each is an event, and a count for the slow worker in ``acc`` (stats.Accounting)."""
+    if factor is None:
+        return []
+    out = sched.hedge(factor, min_seconds)
+    for address, seq in out:  # [stats hook]
+        slow = next((h for h in sched.holders(seq) if h != address), "?")
+        events.batch_hedged(seq, slow, address)
+        if acc is not None:
+            acc.hedged(slow)
+    return out
+
+
+# Small, fast batches: more requests in flight per worker than prefetch_factor (see
+# pipeline_depth). Bounds: at most this many bytes per batch and seconds per batch.
+SMALL_BATCH_BYTES = 256 * 1024
+FAST_BATCH_SECONDS = 0.005
+
+
+def pipeline_depth(prefetch_factor: int, estimates: dict | None, mean_batch_bytes: float | None) -> int:
+    """Requests in flight per worker for the next pass.
+
+    ``prefetch_factor`` (torch's meaning: batches loaded ahead per worker), except for
+    batches the previous passes measured as small (<= SMALL_BATCH_BYTES on average) and
+    fast (the fastest worker takes < FAST_BATCH_SECONDS each): then twice as many. Such
+    batches are bound by the round trip, not by the worker: with only ``prefetch_factor``
+    requests queued, a worker finishes them before the next request reaches it and idles
+    (more so across a real network than on loopback). The memory this holds is at most
+    a few MB (small batches), and the order of the batches does not change.
+    """
+    if not estimates or not mean_batch_bytes:
+        return prefetch_factor
+    if mean_batch_bytes <= SMALL_BATCH_BYTES and min(estimates.values()) < FAST_BATCH_SECONDS:
+        return 2 * prefetch_factor
+    return prefetch_factor
+
+
+def poison_error(
+    indices: list[Any], seq: int, losses: int, address: str, max_retries: int
+) -> PoisonSampleError:
+    """Batch ``seq`` killed ``losses`` workers in a row: the error that names its samples."""
+    return PoisonSampleError(
+        f"loading samples {short(indices)} (batch {seq}) killed {losses} worker processes in a row "
+        f"(the last: {address}); giving up after max_retries={max_retries}. Fix or exclude these samples.",
+        indices,
+        [address],
+    )
+
+
+def stalled_error(waited: float, errors: dict[str, str]) -> WorkerLost:
+    """No worker came back or joined in time."""
+    return WorkerLost(
+        f"no worker is left (waited {waited:.1f} s for one to come back or join): "
+        + "; ".join(f"{w}: {e}" for w, e in errors.items()),
+        errors,
+    )
+
+
+def late_error(seq: int, keys: list[Any], timeout: float, holders: list[str]) -> Timeout:
+    """Batch ``seq`` did not arrive within the loader's ``timeout``."""
+    held = ", ".join(holders) or "no worker (not dispatched yet)"
+    return Timeout(
+        f"batch {seq} (indices {short(keys)}) did not arrive within timeout={timeout:g} s; it is held by {held}"
+    )

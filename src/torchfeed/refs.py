@@ -1,0 +1,82 @@
+"""Handles of the data plane's client: a remote object (:class:`RemoteRef`) and a request
+in flight (:class:`Call`). Both are made by :mod:`torchfeed.client` and its sessions."""
+
+from __future__ import annotations
+
+import pickle
+import weakref
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from . import serialize, wire
+
+if TYPE_CHECKING:
+    from .client import Connection
+
+Callback = Callable[[bool, Any], None]
+
+
+class Call:
+    """One request in flight on a connection: :meth:`cancel` it, or read its ``request_id``."""
+
+    __slots__ = ("conn", "request_id")
+
+    def __init__(self, conn: Connection, request_id: int):
+        self.conn = conn
+        self.request_id = request_id
+
+    def __repr__(self) -> str:
+        return f"Call({self.conn.address}, id={self.request_id})"
+
+    def cancel(self) -> None:
+        """Forget this request (its callback is not called); the worker skips it if not started."""
+        self.conn.cancel([self.request_id])
+
+
+class RemoteRef:
+    """A reference to an object kept on a worker (``rpc_async(..., rref=True)``).
+
+    Pass it as an argument of later calls to the same worker: it arrives there as the
+    object itself. The worker frees the object when this reference is garbage collected
+    or when the client disconnects.
+    """
+
+    def __init__(self, conn: Connection, ref_id: int):
+        self.address = conn.address
+        self.ref_id = ref_id
+        self._conn = conn
+        self._finalizer = weakref.finalize(self, conn.release_later, ref_id)
+
+    def __reduce__(self):
+        return serialize.resolve_reference, (self.ref_id, self.address)
+
+    def __repr__(self) -> str:
+        return f"RemoteRef({self.address}, id={self.ref_id})"
+
+    def release(self) -> None:
+        """Free the remote object now."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the connection this reference lives on has failed or was closed."""
+        return self._conn.closed
+
+    @property
+    def alive(self) -> bool:
+        """Whether calls through this reference can still reach the object (not :attr:`closed`)."""
+        return not self._conn.closed
+
+    def call(self, args: tuple, *, callback: Callback, pin: bool = False) -> Call:
+        """Call the referenced object with ``args`` (plain pickle); ``callback(ok, value)`` gets
+        the outcome on the connection's reader thread. Returns the :class:`Call` (cancellable)."""
+        return Call(self._conn, self.request(args, callback=callback, pin=pin))
+
+    def request(self, args: tuple, *, callback: Callback, pin: bool = False) -> int:
+        """As :meth:`call`, returning the bare request id (to cancel many at once with :meth:`cancel`)."""
+        meta = pickle.dumps((self.ref_id, args, None), protocol=5)
+        return self._conn.request(wire.CALL_REF, meta, callback=callback, pin=pin)
+
+    def cancel(self, request_ids: Iterable[int]) -> None:
+        """Forget these requests (ids from :meth:`request`), in one message to the worker."""
+        self._conn.cancel(request_ids)

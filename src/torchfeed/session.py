@@ -1,0 +1,343 @@
+"""One owner for the client state of the data plane: :class:`Session`.
+
+A session holds what the trainer side used to keep in module globals and class
+attributes: the heartbeat settings, the default timeout and secret, the cache of
+connections (one per worker address and secret) and the keeper thread that sends
+heartbeats, flushes reference releases and expires request deadlines for them.
+
+``torchfeed.rpc_async``, ``torchfeed.set_heartbeat`` and the other module-level
+functions of :mod:`torchfeed.client` are thin wrappers over a default session, created
+on first use (the ``TORCHFEED_HEARTBEAT_*`` variables are read then, not at import). A
+session of your own gives a part of a program its own settings::
+
+    with torchfeed.Session(heartbeat_interval=0.5, heartbeat_timeout=5, secret=key) as s:
+        print(s.rpc_async("host:7000", os.getpid).wait())
+
+Forks: a child process forked while connections exist must not use its parent's
+sockets (both would read the same stream). A handler registered with
+``os.register_at_fork`` marks every inherited connection closed in the child (its
+socket's descriptor is closed there without a shutdown, so the parent's connection
+keeps working) and forgets the keeper thread; the child connects afresh when it calls.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from . import auth, client, serialize, wire
+from .buffers import check_pinnable
+from .errors import SerializationError
+
+log = logging.getLogger("torchfeed.client")
+
+_KEEPER_PERIOD = 0.25  # seconds between the keeper's rounds
+_sessions: weakref.WeakSet[Session] = weakref.WeakSet()  # every live session, for fork and exit
+_default: Session | None = None
+_default_lock = threading.Lock()
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds: set it to e.g. {default:g}") from None
+
+
+class Session:
+    """Client-side state of the data plane: settings, connections and their keeper.
+
+    Parameters
+    ----------
+    heartbeat_interval : float, optional
+        Seconds between heartbeats on a quiet connection (default: the environment
+        variable ``TORCHFEED_HEARTBEAT_INTERVAL``, else 2).
+    heartbeat_timeout : float, optional
+        A worker that sent nothing for this long while a request waits on it is lost
+        (default: ``TORCHFEED_HEARTBEAT_TIMEOUT``, else 15). Must exceed the interval.
+    timeout : float
+        Default seconds to connect and to wait for a call's result (120), and what
+        datasets built with this session allow for building.
+    secret : str, bytes or path, optional
+        Default shared secret; None discovers it as :func:`torchfeed.auth.load_secret` does.
+    """
+
+    def __init__(
+        self,
+        *,
+        heartbeat_interval: float | None = None,
+        heartbeat_timeout: float | None = None,
+        timeout: float = 120.0,
+        secret: auth.SecretLike = None,
+    ):
+        interval = (
+            _env_seconds("TORCHFEED_HEARTBEAT_INTERVAL", 2.0)
+            if heartbeat_interval is None
+            else heartbeat_interval
+        )
+        limit = (
+            _env_seconds("TORCHFEED_HEARTBEAT_TIMEOUT", 15.0)
+            if heartbeat_timeout is None
+            else heartbeat_timeout
+        )
+        self.heartbeat_interval = 0.0
+        self.heartbeat_timeout = 0.0
+        self.set_heartbeat(interval, limit)
+        self.timeout = float(timeout)
+        self.secret = secret
+        self._fresh_state()
+        _sessions.add(self)
+
+    def _fresh_state(self) -> None:
+        self._lock = threading.Lock()
+        self._conns: dict[tuple[str, bytes], client.Connection] = {}
+        self._connecting: dict[tuple[str, bytes], threading.Lock] = {}
+        self._watched: weakref.WeakSet[client.Connection] = weakref.WeakSet()
+        self._keeper: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Session(heartbeat_interval={self.heartbeat_interval:g}, heartbeat_timeout="
+            f"{self.heartbeat_timeout:g}, timeout={self.timeout:g}, connections={len(self._conns)})"
+        )
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # -- settings ---------------------------------------------------------------------
+    def set_heartbeat(self, interval: float = 2.0, timeout: float = 15.0) -> None:
+        """Configure failure detection for this session's connections (see the class doc)."""
+        if not 0 < interval < timeout:
+            raise ValueError(
+                f"need 0 < interval < timeout, got interval={interval}, timeout={timeout}: "
+                "heartbeats must be sent more often than silence is declared a loss"
+            )
+        self.heartbeat_interval, self.heartbeat_timeout = float(interval), float(timeout)
+
+    # -- connections --------------------------------------------------------------------
+    def connect(
+        self, address: client.Address, secret: auth.SecretLike = None, timeout: float | None = None
+    ) -> client.Connection:
+        """The session's connection to ``address`` (made now if there is none or it failed)."""
+        sec = auth.load_secret(self.secret if secret is None else secret)
+        key = (client.format_address(address), sec.value)
+        with self._lock:
+            conn = self._conns.get(key)
+            if conn is not None and not conn.closed:
+                return conn
+            gate = self._connecting.setdefault(key, threading.Lock())
+        with gate:  # one connect per address at a time
+            with self._lock:
+                conn = self._conns.get(key)
+                if conn is not None and not conn.closed:
+                    return conn
+            conn = client.Connection(key[0], sec, self.timeout if timeout is None else timeout, session=self)
+            with self._lock:
+                self._conns[key] = conn
+            return conn
+
+    def connections(self) -> list[client.Connection]:
+        """The connections this session holds now (open or failed, not yet forgotten)."""
+        with self._lock:
+            return list(self._conns.values())
+
+    def close_connections(self, addresses: Sequence[client.Address]) -> None:
+        """Close the connections to these workers (before stopping them on purpose).
+
+        Their pending requests fail with :class:`ConnectionClosed`, which loaders do not warn about.
+        """
+        wanted = {client.format_address(a) for a in addresses}
+        for conn in self.connections():
+            if conn.address in wanted:
+                conn.close()
+
+    def close(self, join_timeout: float = 1.0) -> None:
+        """Close every connection; reader threads get ``join_timeout`` seconds to end."""
+        with self._lock:
+            conns = list(self._conns.values())
+            self._conns.clear()
+        for c in conns:
+            c.close()
+        deadline = time.monotonic() + join_timeout
+        for c in conns:  # let reader threads leave torch code before the interpreter exits
+            c.join(max(0.0, deadline - time.monotonic()))
+
+    # -- what connections report (client.Connection calls these) ---------------------------
+    def watch(self, conn: client.Connection) -> None:
+        """Let the keeper look after ``conn`` (heartbeats, deadlines, releases)."""
+        with self._lock:
+            self._watched.add(conn)
+            if self._keeper is None:
+                self._keeper = threading.Thread(
+                    target=_keeper_loop, args=(weakref.ref(self),), name="torchfeed-keeper", daemon=True
+                )
+                self._keeper.start()
+
+    def forget(self, conn: client.Connection) -> None:
+        """``conn`` failed or was closed: stop looking after it, connect afresh next time."""
+        with self._lock:
+            self._watched.discard(conn)
+            key = (conn.address, conn.secret.value)
+            if self._conns.get(key) is conn:
+                del self._conns[key]
+
+    def _tick(self) -> None:
+        """One round of the keeper."""
+        with self._lock:
+            conns = list(self._watched)
+        now = time.monotonic()
+        for conn in conns:
+            try:
+                conn.tick(now)
+            except Exception:
+                log.exception("keeper failed on %s", conn.address)
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: the inherited connections are the parent's; drop them."""
+        inherited = list(self._watched) + list(self._conns.values())
+        self._fresh_state()  # new locks: another thread may have held the old ones at the fork
+        for conn in inherited:
+            conn.abandon()
+
+    # -- calls ------------------------------------------------------------------------------
+    def call(
+        self,
+        address: client.Address,
+        func: Callable,
+        args=None,
+        kwargs=None,
+        *,
+        rref: bool = False,
+        pin_memory: bool = False,
+        timeout: float | None = None,
+        secret: auth.SecretLike = None,
+        callback: client.Callback,
+    ) -> client.Call:
+        """Low-level asynchronous call: ``callback(ok, value)`` receives the outcome on a
+        connection's reader thread. Returns the :class:`~torchfeed.client.Call`."""
+        timeout = self.timeout if timeout is None else timeout
+        check_pinnable(pin_memory)
+        try:
+            meta, buffers = serialize.dumps((func, tuple(args or ()), dict(kwargs or {})), by_value=True)
+        except Exception as exc:
+            raise SerializationError(
+                f"the call of {getattr(func, '__qualname__', func)!r} cannot be sent to worker "
+                f"{client.format_address(address)}: its function or arguments cannot be pickled "
+                f"({exc})"
+            ) from exc
+        conn = self.connect(address, secret, timeout)
+        # The arguments stay referenced until the reply: a RemoteRef argument dropped by the
+        # caller right away must not be released before the worker used it.
+        keep = [args, kwargs]
+
+        def done(ok, value):
+            keep.clear()
+            if ok and rref:
+                value = client.RemoteRef(conn, value)
+            callback(ok, value)
+
+        rid = conn.request(
+            wire.CALL,
+            meta,
+            buffers,
+            callback=done,
+            flags=wire.FLAG_RREF if rref else 0,
+            pin=pin_memory,
+            timeout=timeout,
+        )
+        return client.Call(conn, rid)
+
+    def rpc_async(
+        self,
+        host: client.Address,
+        func: Callable,
+        args=None,
+        kwargs=None,
+        pin_memory: bool = False,
+        rref: bool = False,
+        timeout: float | None = None,
+        *,
+        secret: auth.SecretLike = None,
+    ) -> torch.futures.Future:
+        """Execute ``func(*args, **kwargs)`` on a worker; return a future of its result.
+
+        As :func:`torchfeed.rpc_async`, with this session's connections, secret and
+        (when ``timeout`` is None) timeout.
+        """
+        fut: torch.futures.Future = torch.futures.Future()
+
+        def done(ok: bool, value: Any) -> None:
+            if ok:
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)
+
+        try:
+            self.call(
+                host,
+                func,
+                args,
+                kwargs,
+                rref=rref,
+                pin_memory=pin_memory,
+                timeout=timeout,
+                secret=secret,
+                callback=done,
+            )
+        except Exception as exc:
+            fut.set_exception(exc)
+        return fut
+
+
+def _keeper_loop(ref: weakref.ref[Session]) -> None:
+    """The keeper thread of a session (holds it only during a round)."""
+    while True:
+        time.sleep(_KEEPER_PERIOD)
+        session = ref()
+        if session is None:
+            return
+        session._tick()
+        del session
+
+
+def default_session() -> Session:
+    """The session behind the module-level functions (created on first use)."""
+    global _default
+    if _default is None:
+        with _default_lock:
+            if _default is None:
+                _default = Session()
+    return _default
+
+
+def _after_fork_in_child() -> None:
+    global _default_lock
+    _default_lock = threading.Lock()
+    for s in list(_sessions):
+        s._after_fork_in_child()
+
+
+def _close_all_sessions() -> None:
+    for s in list(_sessions):
+        try:
+            s.close()
+        except Exception:  # noqa: BLE001 - exiting: a connection that will not close is gone anyway
+            log.debug("closing a session at exit", exc_info=True)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_close_all_sessions)

@@ -1,0 +1,125 @@
+"""Session: one owner for client state; independent sessions; forked children connect afresh."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import pytest
+
+import torchfeed
+from torchfeed import auth, client
+
+pytestmark = pytest.mark.timeout(60)
+
+OTHER_SECRET = "a-second-session-secret-0123456789-0123456789abcdef"
+
+
+def _square(x):
+    return x * x
+
+
+def _wait_child(pid: int, timeout: float) -> int:
+    """The exit status of child ``pid``; kills it after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    raise AssertionError(f"the forked child did not finish within {timeout:g} s")
+
+
+def test_forked_child_gets_fresh_connections_and_the_parent_keeps_its_own(workers2):
+    address = workers2[0]
+    conn = client.connect(address)
+    worker_pid = torchfeed.rpc_async(address, os.getpid, timeout=10).wait()
+    pid = os.fork()
+    if pid == 0:  # the child: only os._exit leaves it (no pytest teardown here)
+        code = 1
+        try:
+            inherited_closed = conn.closed  # marked closed by the at-fork handler
+            fresh = client.connect(address, timeout=10)
+            served = torchfeed.rpc_async(address, _square, args=(7,), timeout=10).wait()
+            code = 0 if inherited_closed and fresh is not conn and served == 49 else 2
+        except BaseException:  # noqa: BLE001 - reported through the exit code
+            code = 3
+        finally:
+            os._exit(code)
+    assert _wait_child(pid, 30) == 0, "the child did not get a working connection of its own"
+    # the parent's connection was not shut down by the child
+    assert not conn.closed
+    assert client.connect(address) is conn
+    assert torchfeed.rpc_async(address, os.getpid, timeout=10).wait() == worker_pid
+    assert torchfeed.rpc_async(address, _square, args=(5,), timeout=10).wait() == 25
+
+
+def test_a_second_session_has_its_own_heartbeat_secret_and_connections(fresh_workers, workers2):
+    default = client.default_session()
+    before = (default.heartbeat_interval, default.heartbeat_timeout)
+    other_workers = fresh_workers(1, env={auth.ENV_SECRET: OTHER_SECRET})
+    other = other_workers.addresses[0]
+    with torchfeed.Session(
+        heartbeat_interval=0.3, heartbeat_timeout=3.0, secret=OTHER_SECRET, timeout=20
+    ) as s:
+        assert (s.heartbeat_interval, s.heartbeat_timeout, s.timeout) == (0.3, 3.0, 20.0)
+        assert (default.heartbeat_interval, default.heartbeat_timeout) == before
+        # its secret is its own: the default session (the tests' secret) is refused there
+        assert s.rpc_async(other, _square, args=(3,)).wait() == 9
+        with pytest.raises(torchfeed.AuthenticationError):
+            torchfeed.rpc_async(other, _square, args=(3,), timeout=10).wait()
+        # the same worker reached by both sessions: two connections, one each
+        shared = workers2[0]
+        mine = s.connect(shared, secret=os.environ[auth.ENV_SECRET])
+        assert mine is not client.connect(shared)
+        assert mine.session is s and client.connect(shared).session is default
+        assert [c.address for c in s.connections()] == [other, shared]
+    # closing the session closed only its own connections
+    assert mine.closed and s.connections() == []
+    assert not client.connect(shared).closed
+    assert torchfeed.rpc_async(shared, _square, args=(4,), timeout=10).wait() == 16
+
+
+def test_a_dataset_and_its_loaders_use_the_session_they_were_built_with(fresh_workers):
+    other_workers = fresh_workers(1, env={auth.ENV_SECRET: OTHER_SECRET})
+    with torchfeed.Session(secret=OTHER_SECRET, timeout=30) as s:
+        ds = torchfeed.RemoteDataset(other_workers.addresses, list, range(6), session=s)
+        assert ds.session is s and ds.timeout == 30.0 and ds.secret == OTHER_SECRET
+        batches = [b.tolist() for b in torchfeed.RemoteDataLoader(ds, batch_size=4)]
+        assert batches == [[0, 1, 2, 3], [4, 5]]
+        assert {c.address for c in s.connections()} == set(other_workers.addresses)
+
+
+def test_heartbeat_settings_are_checked_and_read_from_the_environment(monkeypatch):
+    with pytest.raises(ValueError, match="interval < timeout"):
+        torchfeed.Session(heartbeat_interval=5, heartbeat_timeout=1)
+    monkeypatch.setenv("TORCHFEED_HEARTBEAT_INTERVAL", "0.5")
+    monkeypatch.setenv("TORCHFEED_HEARTBEAT_TIMEOUT", "4")
+    s = torchfeed.Session()
+    assert (s.heartbeat_interval, s.heartbeat_timeout) == (0.5, 4.0)
+    monkeypatch.setenv("TORCHFEED_HEARTBEAT_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="TORCHFEED_HEARTBEAT_TIMEOUT='soon'"):
+        torchfeed.Session()
+
+
+def test_remote_ref_call_returns_a_cancellable_handle(workers2):
+    address = workers2[0]
+    sleeper = torchfeed.rpc_async(
+        address, functools.partial, args=(time.sleep,), rref=True, timeout=10
+    ).wait()
+    assert sleeper.alive
+    got = []
+    call = sleeper.call((0.0,), callback=lambda ok, value: got.append((ok, value)))
+    assert isinstance(call, client.Call) and call.conn.address == sleeper.address
+    deadline = time.monotonic() + 10
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert got == [(True, None)]
+    cancelled = []
+    sleeper.call((0.5,), callback=lambda ok, value: cancelled.append(ok)).cancel()
+    time.sleep(1.0)  # the call would have answered by now: a cancelled call's callback never runs
+    assert cancelled == []
+    sleeper.release()
