@@ -307,6 +307,8 @@ class RemoteDataset(Dataset[T_co]):
         self._ensure_thread()
 
     def _stamp(self):
+        if self._watch_path is None:
+            return None
         try:
             st = os.stat(self._watch_path)
             return st.st_mtime_ns, st.st_size
@@ -314,6 +316,8 @@ class RemoteDataset(Dataset[T_co]):
             return None
 
     def _poll_file(self) -> None:
+        if self._watch_path is None:
+            return
         stamp = self._stamp()
         if stamp == self._watch_stamp:
             return
