@@ -91,8 +91,7 @@ class MapPass:
         self._fatal: BaseException | None = None
         self._closed = False
         self._stalled_since: float | None = None  # when the last serving worker was lost
-        # the next pass's prefetch, started by this pass (False: decided there is none)
-        self._next_head: Head | Literal[False] | None = None
+        self._next_head: Head | Literal[False] | None = None  # next pass's prefetch (False: none)
         self.prefetched = 0  # batches of this pass loaded by the previous one
         workers = self._source.alive_workers()
         failed = plan.fetchers.ensure(workers)
@@ -161,16 +160,14 @@ class MapPass:
                 seq = self._sched.add_batch()
                 self._ledger.indices[seq] = idx
                 if self._head is not None:
-                    self._adopt(seq, idx)
+                    self._adopt(self._head, seq, idx)
             if exhausted:
                 self._sched.exhausted = True
                 self._ready.notify()
 
-    def _adopt(self, seq: int, idx) -> None:
+    def _adopt(self, head: Head, seq: int, idx) -> None:
         """Use the prefetched copy of batch ``seq`` if it loads the same keys (lock held)."""
-        if self._head is None:
-            return
-        claim = self._head.adopt(seq, idx, self, self._sched, self._ledger)
+        claim = head.adopt(seq, idx, self, self._sched, self._ledger)
         if claim is None:  # used up, or this pass differs from the prediction
             self._head = None
             return
