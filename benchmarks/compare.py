@@ -4,7 +4,7 @@
     python benchmarks/compare.py                      # every case, results in benchmarks/results.md
     python benchmarks/compare.py --cases overhead cpu --seconds 3 --out /tmp/r.md
 
-Runs the same cases as ``torchfeed bench`` (they live in :mod:`torchfeed.bench`), prints
+Runs the same cases as ``torchfeed bench`` (they live in :mod:`torchfeed.tools.bench`), prints
 the table and writes it, with the machine's description and every run, as markdown.
 """
 
@@ -26,7 +26,7 @@ except ImportError:  # a source checkout without `pip install -e .`: use src/, f
     sys.path.insert(0, SRC)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p)
 
-from torchfeed import bench  # noqa: E402
+from torchfeed.tools import bench  # noqa: E402
 
 
 def markdown_report(info, results, args, command: str) -> str:

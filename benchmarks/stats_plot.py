@@ -16,8 +16,8 @@ import threading
 import time
 
 import torchfeed
-from torchfeed.bench import CountSampler, SleepyDataset
 from torchfeed.plots import Timeline
+from torchfeed.tools.measure import CountSampler, SleepyDataset
 
 
 def main(path: str) -> None:

@@ -89,8 +89,13 @@ def named_workers(specs: dict):
             w.close()
 
 
-def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02) -> bool:
-    """Poll ``predicate`` until it holds or ``timeout`` seconds pass; return its last value."""
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` seconds pass; return its last value.
+
+    The one polling helper of the tests: wait for a condition with it (``assert wait_for(...)``)
+    rather than sleeping a fixed time. An exception raised by ``predicate`` (a failed assertion
+    about the state being polled) ends the wait at once.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

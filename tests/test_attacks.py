@@ -212,6 +212,7 @@ def test_flipped_bit_in_a_reply_is_detected(workers2, relays):
     assert "authentication" in str(info.value) or "lost" in str(info.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attack", ["tamper-reply", "replay-request", "inject-call", "inject-reply"])
 def test_loader_finishes_the_epoch_exactly_once_under_attack(fresh_workers, relays, attack, tmp_path):
     """One of two workers is reached through the attacker: the epoch still yields every
@@ -274,6 +275,7 @@ def capture_run(address: str, relays) -> bytes:
     return r.captured()
 
 
+@pytest.mark.slow
 def test_capture_holds_no_dataset_argument_and_no_batch_bytes(spawn, relays):
     w = spawn()
     wire_bytes = capture_run(w.address, relays)
@@ -283,6 +285,7 @@ def test_capture_holds_no_dataset_argument_and_no_batch_bytes(spawn, relays):
     assert b"MarkedDataset" not in wire_bytes
 
 
+@pytest.mark.slow
 def test_integrity_only_opt_out_is_readable_but_still_authenticated(spawn, relays, monkeypatch):
     """Control for the capture test (the markers are visible when encryption is off), and
     the opt-out keeps integrity: a flipped bit is still caught."""
@@ -307,6 +310,7 @@ def test_opt_out_needs_both_sides(spawn, relays, monkeypatch):
     not os.path.exists("/usr/bin/tcpdump") and not os.path.exists("/usr/sbin/tcpdump"),
     reason="tcpdump is not installed",
 )
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="capturing on loopback needs root")
 def test_tcpdump_of_loopback_holds_nothing_in_clear(spawn, tmp_path):
     w = spawn()
@@ -378,6 +382,7 @@ def many_fds():
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+@pytest.mark.slow
 def test_idle_and_half_open_floods_under_a_low_fd_limit(spawn, many_fds, tmp_path):
     w = spawn("--handshake-timeout", "30", nofile=512, log=tmp_path / "worker.log")
     held = _connect_many(w.address, 300)
@@ -400,6 +405,7 @@ def test_idle_and_half_open_floods_under_a_low_fd_limit(spawn, many_fds, tmp_pat
     )
 
 
+@pytest.mark.slow
 def test_accept_survives_running_out_of_file_descriptors(spawn, many_fds, tmp_path):
     """With more handshakes allowed than descriptors, accept() hits EMFILE: the worker
     logs it, sheds the oldest handshake, backs off and keeps serving."""
@@ -438,7 +444,7 @@ def test_wrong_secrets_are_rate_limited_per_source(spawn, tmp_path):
 
 
 class _ThreadsRunOut:
-    """Stands in for the threading module in worker.py: the first ``n`` connection threads
+    """Stands in for the threading module in serverconn.py: the first ``n`` connection threads
     cannot be started, as when the process has hit its thread limit."""
 
     def __init__(self, n: int, prefix: str):
@@ -461,10 +467,11 @@ class _ThreadsRunOut:
 @pytest.mark.parametrize("which", ["torchfeed-tx", "torchfeed-rx"], ids=["writer", "reader"])
 def test_a_worker_that_cannot_start_threads_keeps_accepting(monkeypatch, which):
     """A connection whose threads cannot start is closed and forgotten; the worker goes on."""
+    from torchfeed import serverconn
     from torchfeed import worker as worker_mod
 
     server = worker_mod.WorkerServer().start()
-    monkeypatch.setattr(worker_mod, "threading", _ThreadsRunOut(3, which))
+    monkeypatch.setattr(serverconn, "threading", _ThreadsRunOut(3, which))
     try:
         address = f"127.0.0.1:{server.port}"
         for _ in range(3):
@@ -476,6 +483,7 @@ def test_a_worker_that_cannot_start_threads_keeps_accepting(monkeypatch, which):
         server.stop()
 
 
+@pytest.mark.slow
 def test_slow_upload_longer_than_the_timeout_is_not_cut(spawn, relays):
     """The worker's keeper judges liveness by records arriving, not by whole calls."""
     w = spawn("--timeout", "2")
@@ -533,6 +541,7 @@ def big_reply(nbytes: int):
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
+@pytest.mark.slow
 def test_a_client_that_stops_reading_does_not_stall_others(spawn):
     w = spawn("--parallel", "1")
     host, port = w.address.rsplit(":", 1)
@@ -592,6 +601,7 @@ def test_small_replies_to_a_paused_reader_arrive_whole(spawn):
         sock.close()
 
 
+@pytest.mark.slow
 def test_per_connection_bounds_answer_with_clear_errors(spawn):
     w = spawn(
         "--parallel", "1", "--max-call-bytes", "1000000", "--max-refs", "3", "--max-queued-requests", "4"

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(30)
 def test_bench_overhead_prints_a_table_row(tmp_path):
     png = tmp_path / "bench.png"

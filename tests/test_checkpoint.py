@@ -8,11 +8,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
 
+from helpers import wait_for
 from torchfeed import checkpoint
 from torchfeed.checkpoint import Preemption
 
@@ -81,11 +81,12 @@ def test_killed_during_save_keeps_the_previous_checkpoint(tmp_path):
     checkpoint.save(_state(1.0), path)
     proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVER, str(path), str(started)])
     try:
-        deadline = time.monotonic() + 60
-        while not started.exists():
+
+        def writing() -> bool:
             assert proc.poll() is None, "the saving process ended early"
-            assert time.monotonic() < deadline, "the saving process never started writing"
-            time.sleep(0.05)
+            return started.exists()
+
+        assert wait_for(writing, 60), "the saving process never started writing"
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
     finally:
@@ -106,9 +107,7 @@ def test_preemption_flag_and_handler_restore(monkeypatch):
     with Preemption() as pre:
         assert not pre.requested and not pre.should_stop()
         os.kill(os.getpid(), signal.SIGUSR2)
-        deadline = time.monotonic() + 5
-        while not pre.requested and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: pre.requested, 5)
         assert pre.requested and pre.should_stop() and pre.received == signal.SIGUSR2
     assert signal.getsignal(signal.SIGUSR2) == before
     monkeypatch.setenv("TORCHFEED_PREEMPT_SIGNAL", "USR1")  # as scripts from `torchfeed slurm --signal USR1`

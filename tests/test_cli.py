@@ -19,14 +19,9 @@ import torch
 from torch.utils.data import DataLoader
 
 import torchfeed
-from helpers import RangeDataset, deep_equal
-from helpers import wait_for as _wait_for
+from helpers import RangeDataset, deep_equal, wait_for
 from torchfeed import cli
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    return _wait_for(predicate, timeout)
-
+from torchfeed.util import cpu_count, pid_alive
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -141,17 +136,6 @@ def children_of(pid: int):
     return sorted(kids)
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is gone for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def serving_pid(address: str) -> int:
     return torchfeed.rpc_async(address, os.getpid, timeout=20).wait()
 
@@ -227,6 +211,7 @@ def test_worker_stops_whichever_thread_receives_the_signal(run):
 # -- several processes ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_procs_three_and_sigterm(run):
     cmd = run(WORKER + ["--procs", "3"])
     lines = cmd.read_lines(3)
@@ -237,7 +222,7 @@ def test_procs_three_and_sigterm(run):
     code, took = cmd.stop(signal.SIGTERM)
     assert code == 0, cmd.stderr()
     assert took < 8
-    assert wait_for(lambda: not any(alive(k) for k in kids), 5), "worker processes outlived the command"
+    assert wait_for(lambda: not any(pid_alive(k) for k in kids), 5), "worker processes outlived the command"
     assert cmd.rest_of_stdout() == ""
 
 
@@ -258,12 +243,13 @@ def test_remote_data_loader_fed_by_procs_2_then_sigint(run):
     code, took = cmd.stop(signal.SIGINT)
     assert code == 0, cmd.stderr()
     assert took < 8
-    assert wait_for(lambda: not any(alive(k) for k in kids), 5), "worker processes outlived the command"
+    assert wait_for(lambda: not any(pid_alive(k) for k in kids), 5), "worker processes outlived the command"
     assert cmd.rest_of_stdout() == ""
 
 
+@pytest.mark.slow
 def test_procs_auto_starts_one_process_per_usable_cpu(run):
-    n = len(os.sched_getaffinity(0))
+    n = cpu_count()
     if n > 8:
         pytest.skip(f"{n} CPUs: too many worker processes for a quick test")
     cmd = run(WORKER + ["--procs", "auto"])
@@ -275,12 +261,13 @@ def test_procs_auto_starts_one_process_per_usable_cpu(run):
     assert cmd.rest_of_stdout() == ""
 
 
+@pytest.mark.slow
 def test_procs_exit_code_reports_a_killed_worker(run):
     cmd = run(WORKER + ["--procs", "2"])
     cmd.read_lines(2)
     kids = cmd.children()
     os.kill(kids[0], signal.SIGKILL)
-    assert wait_for(lambda: not alive(kids[0]), 5)
+    assert wait_for(lambda: not pid_alive(kids[0]), 5)
     code, _ = cmd.stop()
     assert code != 0, "a worker process was killed, yet the command reports success"
 
@@ -349,6 +336,7 @@ def test_port_in_use_is_one_line(run):
         assert cmd.rest_of_stdout() == ""
 
 
+@pytest.mark.slow
 def test_procs_start_all_or_none(run, tmp_path):
     """One process of three cannot bind its port: none keeps running, nothing is announced."""
     holder, port = _taken_port()
@@ -380,11 +368,12 @@ def test_procs_start_all_or_none(run, tmp_path):
             f"127.0.0.1:{port}: Address already in use; all 3 processes were stopped"
         ) in err
     assert cmd.rest_of_stdout() == "" and not path.exists()
-    assert wait_for(lambda: not any(alive(k) for k in kids), 10), (
+    assert wait_for(lambda: not any(pid_alive(k) for k in kids), 10), (
         "a process of the failed start is still running"
     )
 
 
+@pytest.mark.slow
 def test_procs_output_of_the_processes_is_prefixed(run, tmp_path):
     cmd = run(WORKER + ["--procs", "2", "--address-file", str(tmp_path / "w")])
     addresses = cmd.read_lines(2)
@@ -413,7 +402,7 @@ def test_version_and_help_for_every_option(capsys):
 
 
 def test_bench_cases_listed_by_the_command_are_the_benchmarks():
-    from torchfeed import bench
+    from torchfeed.tools import bench
 
     assert {k: v[1] for k, v in bench.CASES.items()} == cli.BENCH_CASES
 

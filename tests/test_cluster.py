@@ -233,6 +233,7 @@ def test_dask_worker(clean_env):
     assert environment().source == "single"
 
 
+@pytest.mark.dask
 def test_dask_local_cluster(clean_env):
     distributed = pytest.importorskip("distributed")
     with (
@@ -343,6 +344,7 @@ def test_address_file_timeout_and_errors(clean_env, tmp_path):
         workers(rank=0, world_size=1)
 
 
+@pytest.mark.slow
 def test_address_file_from_real_workers(clean_env, tmp_path):
     path = tmp_path / "workers"
     with LocalWorkers(2, extra_args=["--address-file", str(path)]) as w:
@@ -432,6 +434,7 @@ def test_busy_master_port_is_reported(clean_env):
             init_distributed(env=env, timeout=5)
 
 
+@pytest.mark.slow
 def test_ddp_over_a_model_split_across_two_devices(clean_env, tmp_path):
     """Two srun-like ranks: init_distributed (derived port), DDP over a 2-device replica, agreed stop."""
     from cluster_ddp import SplitModel, batch

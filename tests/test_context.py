@@ -73,6 +73,7 @@ def test_per_sample_seeds_are_collatable_and_independent_of_worker_init_fn(worke
     assert (seeds >= 0).all() and len(set(seeds.tolist())) == 12  # one seed per sample, in [0, 2**63)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("init", [None, seed_numpy_like_torch_docs])
 def test_without_per_sample_seeding_one_worker_is_torchs_worker(fresh_workers, init):
     """Seeded with base seed + id at each pass, then worker_init_fn, then samples draw in
@@ -96,6 +97,7 @@ def test_without_per_sample_seeding_one_worker_is_torchs_worker(fresh_workers, i
         assert torch.equal(after, torch.get_rng_state())
 
 
+@pytest.mark.slow
 def test_context_is_per_thread_on_a_parallel_worker(workers2, fresh_workers):
     """One worker process, two loaders at once on two threads, with different worker ids."""
     w = fresh_workers(1, parallel=2)
@@ -119,6 +121,7 @@ def test_context_is_per_thread_on_a_parallel_worker(workers2, fresh_workers):
     assert {(r[1], r[2]) for r in results["second"].tolist() if r[6] == shared_pid} == {(1, 2)}
 
 
+@pytest.mark.slow
 def test_iterable_pass_losing_a_worker_moves_its_stream_and_the_next_pass_keeps_two_streams(fresh_workers):
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset(w.addresses, SlowShards, 40, 0.05)

@@ -7,9 +7,7 @@ import logging
 import os
 import pickle
 import signal
-import time
 
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,11 +17,14 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import torchfeed
 import torchfeed.dask as tfd
-from helpers import RangeDataset
+from helpers import RangeDataset, wait_for
 from s3server import S3Server
 from test_datasets import make_tree, to_tensor
 from torchfeed.dask.ranks import _order_workers
 from torchfeed.datasets import ImageFolder
+from torchfeed.util import pid_alive
+
+pytestmark = pytest.mark.dask
 
 # conftest's secret; not imported from conftest, whose import (in Dask workers unpickling this
 # module's functions) would set TORCHFEED_SECRET there again
@@ -46,21 +47,6 @@ def client():
     ):
         c.wait_for_workers(2, timeout=60)
         yield c
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.05)
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 # ---------------------------------------------------------------- functions run as ranks
@@ -141,6 +127,7 @@ def rank_env():
     return {k: os.environ.get(k) for k in RANK_ENV}
 
 
+@pytest.mark.slow
 def test_allreduce_across_two_ranks(client):
     before = client.run(rank_env)
     futures = tfd.run(
@@ -162,6 +149,7 @@ def test_allreduce_across_two_ranks(client):
     assert [r["backend"] for r in client.gather(tfd.run(client, allreduce, 1.0))] == ["gloo", "gloo"]
 
 
+@pytest.mark.slow
 def test_training_step_matches_single_process(client):
     torch.manual_seed(1)
     x, y = torch.randn(8, 3), torch.randn(8, 1)
@@ -271,6 +259,7 @@ def test_results_with_a_failed_rank(client, tmp_path, caplog):
     handler.close()
 
 
+@pytest.mark.slow
 def test_results_to_s3(client):
     s3 = S3Server.shared()
     prefix = f"s3://{s3.new_prefix()}/run1"
@@ -287,6 +276,7 @@ def test_results_to_s3(client):
 # ---------------------------------------------------------------- Dask-hosted torchfeed workers
 
 
+@pytest.mark.slow
 def test_dask_hosted_workers_feed_remote_loaders(client, tmp_path):
     assert os.environ["TORCHFEED_SECRET"] == SECRET
     s3 = S3Server.shared()
@@ -330,11 +320,11 @@ def test_dask_hosted_workers_feed_remote_loaders(client, tmp_path):
         shards = client.gather(tfd.run(client, load_shard, list(addresses)))  # ranks use them too
         assert shards == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
         pids = [p for ps in client.run(torchfeed_pids).values() for p in ps]
-        assert len(pids) == 2 and all(alive(p) for p in pids)
+        assert len(pids) == 2 and all(pid_alive(p) for p in pids)
     finally:
         tfd.stop_workers(client)
     assert os.environ["TORCHFEED_SECRET"] == SECRET
-    wait_until(lambda: not any(alive(p) for p in pids), 20, "the torchfeed workers to stop")
+    assert wait_for(lambda: not any(pid_alive(p) for p in pids), 20), "the torchfeed workers did not stop"
     assert set(client.run(secret_here).values()) == {SECRET}
 
 
@@ -352,6 +342,7 @@ def test_start_workers_errors(client):
     tfd.stop_workers(client)  # nothing running: no error
 
 
+@pytest.mark.slow
 def test_torchfeed_workers_end_with_their_dask_worker(client):
     """Last in this module: it kills one Dask worker and retires the other."""
     addresses = tfd.start_workers(
@@ -363,12 +354,14 @@ def test_torchfeed_workers_end_with_their_dask_worker(client):
         pids = client.run(torchfeed_pids)
         retired, killed = sorted(pids)
         client.retire_workers([retired], close_workers=True)  # a clean close runs the plugin's teardown
-        wait_until(
-            lambda: not any(alive(p) for p in pids[retired]), 20, "a closed worker's torchfeed workers"
+        assert wait_for(lambda: not any(pid_alive(p) for p in pids[retired]), 20), (
+            "a closed Dask worker's torchfeed workers did not stop"
         )
-        assert all(alive(p) for p in pids[killed])
+        assert all(pid_alive(p) for p in pids[killed])
         dask_pid = client.run(os.getpid, workers=[killed])[killed]
         os.kill(dask_pid, signal.SIGKILL)  # no teardown runs: its workers notice their parent is gone
-        wait_until(lambda: not any(alive(p) for p in pids[killed]), 20, "orphaned torchfeed workers to exit")
+        assert wait_for(lambda: not any(pid_alive(p) for p in pids[killed]), 20), (
+            "orphaned torchfeed workers did not exit"
+        )
     finally:
         tfd.stop_workers(client)

@@ -248,6 +248,7 @@ def s3_tree(s3, tree):
     return f"s3://{prefix}/train", tree
 
 
+@pytest.mark.slow
 def test_imagefolder_over_s3(s3, s3_tree):
     url, local_root = s3_tree
     ds = ImageFolder(url, storage_options=s3.storage_options)
@@ -273,6 +274,7 @@ def test_imagefolder_over_s3(s3, s3_tree):
         assert records[2] == f.read()
 
 
+@pytest.mark.slow
 def test_s3_missing_prefix_and_bucket(s3, s3_tree):
     url, _ = s3_tree
     with pytest.raises(FileNotFoundError, match="does not exist or is empty"):
@@ -283,6 +285,7 @@ def test_s3_missing_prefix_and_bucket(s3, s3_tree):
         FileDataset(url, "*.parquet", storage_options=s3.storage_options)
 
 
+@pytest.mark.slow
 def test_imagefolder_over_s3_in_remote_workers(s3, s3_tree, workers2):
     url, _ = s3_tree
     remote = torchfeed.RemoteDataset(

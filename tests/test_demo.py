@@ -16,7 +16,7 @@ import torchfeed.plots
 
 pytest.importorskip("sklearn")
 
-from torchfeed.demo import AugmentedDigits, load_digits_split, normalize, random_affine  # noqa: E402
+from torchfeed.tools.demo import AugmentedDigits, load_digits_split, normalize, random_affine  # noqa: E402
 
 
 def _rate(pattern: str, text: str) -> float:
@@ -25,6 +25,7 @@ def _rate(pattern: str, text: str) -> float:
     return float(match.group(1).replace(",", ""))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_demo_trains_and_compares_loaders(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")

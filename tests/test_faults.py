@@ -57,6 +57,7 @@ def fast_heartbeat():
     torchfeed.set_heartbeat(*old)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kills", [1, 2])
 def test_killed_workers_lose_nothing(fresh_workers, kills):
     w = fresh_workers(4)
@@ -77,6 +78,7 @@ def test_killed_workers_lose_nothing(fresh_workers, kills):
     assert not dead & set(rows[60:, 1].tolist())
 
 
+@pytest.mark.slow
 def test_stopped_worker_detected_by_heartbeat(fresh_workers, fast_heartbeat):
     w = fresh_workers(3)
     ds = torchfeed.RemoteDataset(w.addresses, PidDataset, 120, 0.005)
@@ -98,6 +100,7 @@ def test_stopped_worker_detected_by_heartbeat(fresh_workers, fast_heartbeat):
     assert time.monotonic() - t0 < 10
 
 
+@pytest.mark.slow
 def test_long_getitem_is_not_a_hang(fresh_workers, fast_heartbeat):
     w = fresh_workers(1)
     ds = torchfeed.RemoteDataset(w.addresses, PidDataset, 2, 2.5)  # 2.5 s per item > 1.5 s timeout
@@ -169,6 +172,7 @@ def netns_worker():
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+@pytest.mark.slow
 def test_network_cut_detected(fresh_workers, netns_worker, fast_heartbeat):
     address, cut = netns_worker
     w = fresh_workers(2)
@@ -181,6 +185,7 @@ def test_network_cut_detected(fresh_workers, netns_worker, fast_heartbeat):
     assert time.monotonic() - t0 < 15
 
 
+@pytest.mark.slow
 def test_restarted_worker_is_used_again(fresh_workers):
     w = fresh_workers(2)
     n = 1000  # the epoch outlasts the restart (a few seconds) plus the reconnect backoff
@@ -202,6 +207,7 @@ def test_restarted_worker_is_used_again(fresh_workers):
     assert old_pid in pids and new_pid["pid"] in pids  # the new process got work in the same epoch
 
 
+@pytest.mark.slow
 def test_add_workers_mid_epoch(fresh_workers):
     first, later = fresh_workers(1), fresh_workers(2)
     ds = torchfeed.RemoteDataset(first.addresses, PidDataset, 200, 0.004)
@@ -213,6 +219,7 @@ def test_add_workers_mid_epoch(fresh_workers):
     assert {p.pid for p in later.processes} <= set(rows[:, 1].tolist())
 
 
+@pytest.mark.slow
 def test_workers_file_is_watched(fresh_workers, tmp_path):
     first, later = fresh_workers(1), fresh_workers(1)
     path = tmp_path / "workers"
@@ -231,6 +238,7 @@ def test_workers_file_is_watched(fresh_workers, tmp_path):
     ds.close()
 
 
+@pytest.mark.slow
 def test_remove_worker_drains_it(fresh_workers):
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset(w.addresses, PidDataset, 160, 0.004)
@@ -242,6 +250,7 @@ def test_remove_worker_drains_it(fresh_workers):
     assert w.processes[0].pid not in rows[40:, 1].tolist()
 
 
+@pytest.mark.slow
 def test_all_workers_gone_raises_after_timeout(fresh_workers):
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset(w.addresses, PidDataset, 400, 0.005)
@@ -258,6 +267,7 @@ def test_all_workers_gone_raises_after_timeout(fresh_workers):
         assert a in str(info.value) and a in info.value.errors
 
 
+@pytest.mark.slow
 def test_poison_sample_gives_up_and_names_it(fresh_workers, caplog):
     w = fresh_workers(4)
     ds = torchfeed.RemoteDataset(w.addresses, PoisonDataset, 60, 21, 0.002)
@@ -276,6 +286,7 @@ def test_poison_sample_gives_up_and_names_it(fresh_workers, caplog):
     assert sum(p.poll() is not None for p in w.processes) == 3
 
 
+@pytest.mark.slow
 def test_python_exception_is_not_retried(fresh_workers):
     from helpers import FailingDataset
 
@@ -286,6 +297,7 @@ def test_python_exception_is_not_retried(fresh_workers):
     assert all(p.poll() is None for p in w.processes)
 
 
+@pytest.mark.slow
 def test_straggler_is_duplicated_and_delivered_once(fresh_workers):
     w = fresh_workers(3)
     slow = w.processes[0].pid
@@ -297,6 +309,7 @@ def test_straggler_is_duplicated_and_delivered_once(fresh_workers):
     assert elapsed < 6, elapsed  # without duplication: each slow item holds everything up 1.2 s
 
 
+@pytest.mark.slow
 def test_worker_survives_bad_client_and_serves_others(fresh_workers):
     import socket
 
@@ -350,6 +363,7 @@ def _rss_kb(pid) -> int:
     raise AssertionError("no VmRSS")
 
 
+@pytest.mark.slow
 def test_soak_ten_thousand_batches_memory_flat(fresh_workers):
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset(w.addresses, RangeDataset, 10**6, 64)

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchfeed import auth, doorman, wire, worker
+from torchfeed import auth, doorman, serverconn, wire, worker
 from torchfeed.errors import ProtocolError
 
 # Hypothesis draws an input and a seed; each example then runs that input and VARIANTS-1
@@ -95,6 +95,7 @@ header = st.builds(
 inputs = st.one_of(st.binary(max_size=300), header)
 
 
+@pytest.mark.slow
 @settings(max_examples=PARSER_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(data=inputs, seed=st.integers(0, 2**32))
 def test_frame_parser_never_crashes_or_overallocates(data, seed):
@@ -145,6 +146,7 @@ def _handshake_like():
 @settings(
     max_examples=HANDSHAKE_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck)
 )
+@pytest.mark.slow
 @given(data=_handshake_like(), seed=st.integers(0, 2**32))
 def test_handshake_rejects_junk_without_unpickling(server, data, seed, monkeypatch_unpickle):
     hello = auth.hello_meta(False)
@@ -161,17 +163,17 @@ def test_handshake_rejects_junk_without_unpickling(server, data, seed, monkeypat
 def monkeypatch_unpickle():
     """Record any unpickling done by the worker's modules while the fuzzer runs."""
     calls = []
-    real_loads, real_loads_call = pickle.loads, worker.serialize.loads_call
+    real_loads, real_loads_call = pickle.loads, serverconn.serialize.loads_call
 
     def spy(*a, **k):
         calls.append(a)
         return real_loads(*a, **k)
 
-    worker.pickle.loads = spy
-    worker.serialize.loads_call = lambda *a, **k: calls.append(a) or real_loads_call(*a, **k)
+    serverconn.pickle.loads = spy
+    serverconn.serialize.loads_call = lambda *a, **k: calls.append(a) or real_loads_call(*a, **k)
     yield calls
-    worker.pickle.loads = real_loads
-    worker.serialize.loads_call = real_loads_call
+    serverconn.pickle.loads = real_loads
+    serverconn.serialize.loads_call = real_loads_call
 
 
 def test_server_still_serves_after_fuzzing(server):

@@ -61,6 +61,7 @@ def test_argument_errors_are_torchs(workers2):
         assert str(ours.value) == str(theirs.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls,warns", [(StatefulCounting, False), (Counting, True)])
 def test_a_killed_worker_loses_nothing(fresh_workers, cls, warns, recwarn):
     """Streams of a killed worker go on elsewhere: the output is still torch's, exactly."""
@@ -78,6 +79,7 @@ def test_a_killed_worker_loses_nothing(fresh_workers, cls, warns, recwarn):
     assert len(replayed) == (1 if warns else 0)
 
 
+@pytest.mark.slow
 def test_dataset_level_state_moves_too(fresh_workers):
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset(w.addresses, DatasetStateful, 40, 0.01)
@@ -89,6 +91,7 @@ def test_dataset_level_state_moves_too(fresh_workers):
     assert deep_equal(ours, torch_batches(DatasetStateful(40), batch_size=3, num_workers=2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [StatefulCounting, Counting])
 def test_resume_on_other_workers(workers2, fresh_workers, cls):
     expected = torch_batches(cls(31), batch_size=2, num_workers=3)
@@ -108,6 +111,7 @@ def test_resume_on_other_workers(workers2, fresh_workers, cls):
     assert deep_equal(again, [b[0] for b in expected])
 
 
+@pytest.mark.slow
 def test_a_cut_connection_moves_the_stream_too(fresh_workers):
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset(w.addresses, StatefulCounting, 40, 0.01)
@@ -130,6 +134,7 @@ def test_persistent_workers_keep_each_streams_generators(workers2):
     assert deep_equal(mine, [list(theirs) for _ in range(2)])
 
 
+@pytest.mark.slow
 def test_resume_in_a_new_process(workers2, tmp_path):
     """The state goes through a checkpoint file; a new process with one new worker finishes the epoch."""
     import subprocess
@@ -154,6 +159,7 @@ with torchfeed.LocalWorkers(1) as w:
     assert deep_equal(head + torch.load(tmp_path / "rest.pt"), expected)
 
 
+@pytest.mark.slow
 def test_streams_on_one_worker_keep_dataset_state_apart(fresh_workers):
     """Two streams of a dataset-level Stateful iterable on one worker, then moved: nothing mixed up."""
     w = fresh_workers(2)

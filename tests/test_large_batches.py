@@ -46,6 +46,7 @@ def restore_limits():
     limits.set_reply_limits(before.max_meta, before.max_buffers, before.max_buffer_bytes)
 
 
+@pytest.mark.slow
 def test_a_batch_of_64_large_bytes_objects_loads(workers2):
     ds = torchfeed.RemoteDataset(workers2, EncodedImages)
     [(blobs, labels)] = list(torchfeed.RemoteDataLoader(ds, batch_size=64))
@@ -79,6 +80,7 @@ def test_a_batch_of_64_large_bytes_objects_loads(workers2):
         ),
     ],
 )
+@pytest.mark.slow
 def test_a_batch_over_a_limit_is_a_clear_error_and_the_worker_stays(
     workers2, restore_limits, knob, dataset, batch, expected
 ):

@@ -21,25 +21,10 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "torchfeed"
 ALLOWED = {
     # documented CPython functions whose names start with an underscore
     ("cli.py", "os._exit"): "the documented way to leave a forked child without cleanup",
-    ("bench_epochs.py", "os._exit"): "the documented way to leave a forked child without cleanup",
     ("notices.py", "sys._getframe"): "documented CPython API: find the user's line for a warning",
     # torch internals with no public equivalent
     ("context.py", "getattr(torch_worker, '_worker_info')"): "torch keeps get_worker_info()'s state there",
-    ("sampling.py", "getattr(torch.utils.data, '_utils')"): "torch's worker seeding, reproduced exactly",
-    (
-        "sampling.py",
-        "getattr(getattr(getattr(torch.utils.data, '_utils', None), 'worker', None), '_generate_state')",
-    ): "torch's worker seeding, reproduced exactly",
-    ("bench.py", "getattr(self.loader, '_iterator')"): "torch DataLoader: shut its persistent workers down",
-    ("bench.py", "it._shutdown_workers"): "torch DataLoader: shut its persistent workers down",
-    ("bench.py", "self.loader._iterator"): "torch DataLoader: shut its persistent workers down",
-    ("bench.py", "getattr(tl, '_iterator')"): "torch DataLoader: its worker processes' pids",
-    ("bench.py", "getattr(it, '_workers')"): "torch DataLoader: its worker processes' pids",
-    ("bench_epochs.py", "getattr(torch_loader, '_iterator')"): "torch DataLoader: shut its workers down",
-    ("bench_epochs.py", "it._shutdown_workers"): "torch DataLoader: shut its persistent workers down",
-    ("bench_epochs.py", "loader._iterator._workers"): "torch DataLoader: its worker processes' pids",
-    ("bench_epochs.py", "loader._iterator"): "torch DataLoader: its worker processes' pids",
-    # the same uses where the `health` branch moves them (tools/ subpackage, seeding.py)
+    # torch's worker seeding reproduced (seeding.py); the benchmarks reach into torch's DataLoader
     ("seeding.py", "getattr(torch.utils.data, '_utils')"): "torch's worker seeding, reproduced exactly",
     (
         "seeding.py",
@@ -62,16 +47,6 @@ ALLOWED = {
     # hooks on the user's dataset object, named so they cannot clash with the user's own
     ("streams.py", "getattr(fetcher.setup.dataset, '_torchfeed_plan')"): "Shards hook on a user dataset",
     ("streams.py", "getattr(dataset, '_torchfeed_dynamic_iter')"): "Shards hook on a user dataset",
-    # files of the `health` branch (issue 14 part B), which moves or rewrites them: remove then
-    ("bench_epochs.py", "from .bench import _own_cpu_seconds"): "benchmark helpers, tools/ split",
-    ("bench_epochs.py", "from .bench import _process_cpu_seconds"): "benchmark helpers, tools/ split",
-    ("bench_epochs.py", "bench._single_rate"): "benchmark helpers, tools/ split",
-    ("bench_epochs.py", "bench._run_pair"): "benchmark helpers, tools/ split",
-    ("bench_epochs.py", "bench._pair"): "benchmark helpers, tools/ split",
-    ("bench_epochs.py", "bench._cpu"): "benchmark helpers, tools/ split",
-    ("cluster/discovery.py", "from .env import _int_var"): "cluster helpers, shared-helpers work",
-    ("streams.py", "sampling._set_global_states"): "worker-side RNG state, worker layering work",
-    ("streams.py", "sampling._global_states"): "worker-side RNG state, worker layering work",
 }
 # private modules of other packages that may be imported from
 ALLOWED_PRIVATE_IMPORTS = {

@@ -11,6 +11,8 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, Subset
 
 import torchfeed
 from helpers import DictDataset, FailingDataset, RangeDataset, SleepDataset, deep_equal
+from torchfeed import buffers
+from torchfeed.util import free_port
 
 N = 53
 
@@ -157,12 +159,7 @@ def test_dataset_constructor_error_is_remote_error(workers2):
 
 
 def test_unreachable_worker_is_retried_until_timeout(monkeypatch):
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # nothing listens there now
+    port = free_port()  # nothing listens there now
     monkeypatch.setattr(torchfeed.RemoteDataset, "timeout", 1.0)
     with pytest.raises(
         torchfeed.WorkerLost,
@@ -172,6 +169,7 @@ def test_unreachable_worker_is_retried_until_timeout(monkeypatch):
         torchfeed.RemoteDataset([f"127.0.0.1:{port}"], RangeDataset, 5)
 
 
+@pytest.mark.slow
 def test_least_loaded_not_round_robin(fresh_workers):
     w = fresh_workers(3)
     slow_pid = w.processes[0].pid
@@ -184,6 +182,7 @@ def test_least_loaded_not_round_robin(fresh_workers):
     assert set(pids) == {p.pid for p in w.processes}
 
 
+@pytest.mark.slow
 def test_several_trainer_processes_share_workers(workers2, tmp_path):
     script = tmp_path / "trainer.py"
     script.write_text(
@@ -212,9 +211,8 @@ def test_pin_memory_receives_into_pinned_memory(rds):
 def test_pin_memory_without_cuda_warns_and_works(rds):
     if torch.cuda.is_available():
         pytest.skip("CUDA is available: nothing to warn about")
-    from torchfeed import serialize
 
-    serialize._warned_pin = False
+    buffers._warned_pin = False
     with pytest.warns(UserWarning, match="CUDA is not available"):
         got = list(torchfeed.RemoteDataLoader(rds, batch_size=8, pin_memory=True))
     assert deep_equal(got, list(DataLoader(RangeDataset(N), batch_size=8)))

@@ -180,6 +180,7 @@ def test_subset_random_split_and_concat(workers2, plain):
             random_split(local, [0.7, 0.3], generator=torch.Generator().manual_seed(1))[1],
         ),
         (ConcatDataset([plain, other]), ConcatDataset([local, local_other])),
+        (ConcatDataset([plain, other, plain]), ConcatDataset([local, local_other, local])),  # one twice
         (plain + Subset(other, [4, 1]), local + Subset(local_other, [4, 1])),
         (
             Subset(ConcatDataset([Subset(plain, range(10, 20)), other]), [0, 14, 9, -1]),
@@ -195,6 +196,7 @@ def test_subset_random_split_and_concat(workers2, plain):
             assert len(torchfeed.RemoteDataLoader(ours, **kw)) == len(DataLoader(theirs, **kw))
 
 
+@pytest.mark.slow
 def test_concat_needs_shared_workers(workers2, fresh_workers):
     elsewhere = torchfeed.RemoteDataset(fresh_workers(1).addresses, Plain, 4)
     here = torchfeed.RemoteDataset(workers2, Plain, 4)

@@ -12,6 +12,7 @@ import pytest
 import torchfeed
 from compat_datasets import Batched, CorruptSample, Failing, Plain, StopsAt, Typed
 from helpers import RangeDataset, SleepDataset
+from torchfeed.util import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -84,6 +85,7 @@ def _error_of(address, fn):
     raise AssertionError("no error")
 
 
+@pytest.mark.slow
 def test_types_unknown_here_fall_back_to_remote_error(fresh_workers, tmp_path):
     (tmp_path / "only_on_worker.py").write_text(
         "class Boom(Exception):\n    pass\n\nclass Thing:\n    pass\n"
@@ -124,6 +126,7 @@ def test_timeout_is_a_runtime_error(workers2):
     assert isinstance(info.value, torchfeed.Timeout) and isinstance(info.value, TimeoutError)
 
 
+@pytest.mark.slow
 def test_wrong_secret_is_an_authentication_error(fresh_workers):
     w = fresh_workers(1, env={"TORCHFEED_SECRET": SECRET_A})
     with pytest.raises(torchfeed.AuthenticationError, match="rejected this client's secret"):
@@ -153,6 +156,7 @@ def test_dataset_instance_instead_of_class_says_what_to_do(workers2):
         torchfeed.RemoteDataLoader(RangeDataset, batch_size=2)
 
 
+@pytest.mark.slow
 def test_module_not_found_on_a_worker_says_how_to_fix_it(fresh_workers, tmp_path, monkeypatch):
     (tmp_path / "trainer_only.py").write_text(
         "import torch\n\nclass Local(torch.utils.data.Dataset):\n"
@@ -175,15 +179,11 @@ def test_module_not_found_on_a_worker_says_how_to_fix_it(fresh_workers, tmp_path
     ] == [[0, 1], [2, 3]]
 
 
+@pytest.mark.slow
 def test_late_worker_is_waited_for(fresh_workers, tmp_path):
     """A worker that starts after the trainer (the Slurm / torchrun case): refused connections
     are retried until it answers."""
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()  # nothing listens there now
     started = []
     thread = threading.Thread(target=_start_worker_on, args=(port, started), daemon=True)
     thread.start()

@@ -80,6 +80,7 @@ def test_same_global_seed_without_seed_argument(workers2, three):
     assert deep_equal(a, b)
 
 
+@pytest.mark.slow
 def test_killed_worker_does_not_change_batches(workers2, fresh_workers):
     expected = run(workers2, seed=9)[0]
     w = fresh_workers(3)
@@ -170,6 +171,7 @@ def test_epoch_advances_and_set_epoch(workers2):
     assert torch.equal(torch.cat(list(loader)), e0)
 
 
+@pytest.mark.slow
 def test_resume_in_a_new_process_with_other_workers(workers2, three, tmp_path):
     ds = torchfeed.RemoteDataset(workers2, RandomAugmentDataset, N)
     loader = torchfeed.RemoteDataLoader(ds, batch_size=4, shuffle=True, seed=21)

@@ -29,7 +29,7 @@ import torch
 
 import torchfeed
 from helpers import named_workers, wait_for
-from torchfeed import client, serialize
+from torchfeed import buffers, client, serialize
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -587,6 +587,7 @@ os._exit(0)  # vanish: no release is sent, only the connection closes
 """
 
 
+@pytest.mark.slow
 def test_remote_refs_are_freed_when_the_client_disconnects(addr):
     proc = subprocess.Popen(
         [sys.executable, "-c", CLIENT_SCRIPT, addr, "orphan"],
@@ -727,7 +728,7 @@ def test_timeout(addr):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA fallback")
 def test_pin_memory_without_cuda_warns_once(addr, monkeypatch):
-    monkeypatch.setattr(serialize, "_warned_pin", False)
+    monkeypatch.setattr(buffers, "_warned_pin", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         results = [

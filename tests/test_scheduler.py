@@ -420,12 +420,12 @@ def test_a_request_far_past_its_estimate_raises_it():
 def _check_consistent(s: Scheduler) -> None:
     alive = [w for w in s.workers.values() if w.alive]
     measured = sorted(w.seconds_per_batch for w in alive if w.seconds_per_batch)
-    assert s._times == measured
+    assert s.index.times == measured
     effective = [w.effective_seconds for w in alive if w.effective_seconds]
-    assert s._rate_sum == pytest.approx(math.fsum(1 / t for t in effective))
-    assert s._alive == len(alive)
-    assert s._unmeasured == len(alive) - len(effective)
-    assert s._in_flight == sum(len(w.in_flight) for w in alive)
+    assert s.index.rate_sum == pytest.approx(math.fsum(1 / t for t in effective))
+    assert s.index.alive == len(alive)
+    assert s.index.unmeasured == len(alive) - len(effective)
+    assert s.index.in_flight == sum(len(w.in_flight) for w in alive)
     holders = {}
     for w in s.workers.values():
         assert len(w.in_flight) <= s.credits
@@ -436,7 +436,7 @@ def _check_consistent(s: Scheduler) -> None:
     assert {q: sorted(h) for q, h in holders.items()} == {q: sorted(s.holders(q)) for q in s._holders}
     typical = s.typical_batch_seconds() or 1.0
     free = [w for w in alive if len(w.in_flight) < s.credits]
-    best = s._best(s._free_measured, s._free_unmeasured)
+    best = s.index.best(s.index.free_measured, s.index.free_unmeasured)
     if not free:
         assert best is None
     else:
@@ -500,11 +500,11 @@ def test_stale_heap_entries_are_dropped():
         s.completed(address, seq)
         s.take_delivered()
     for heap in (
-        s._free_measured,
-        s._all_measured,
-        s._free_unmeasured,
-        s._all_unmeasured,
-        s._running,
-        s._late,
+        s.index.free_measured,
+        s.index.all_measured,
+        s.index.free_unmeasured,
+        s.index.all_unmeasured,
+        s.index.running,
+        s.index.late,
     ):
         assert len(heap) <= 4 * len(s.workers) + 64 + 1

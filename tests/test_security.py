@@ -758,6 +758,7 @@ def test_secret_in_a_directory_others_can_write_is_refused(clean_env, monkeypatc
         auth.load_secret()
 
 
+@pytest.mark.slow
 def test_default_file_created_concurrently_is_never_seen_half_written(clean_env):
     """Many processes creating the default secret at once all read the same full value."""
     import subprocess
@@ -834,6 +835,7 @@ def test_keys_differ_per_direction_and_per_connection():
             s.close()
 
 
+@pytest.mark.slow
 def test_reflected_records_are_rejected():
     """A relay that sends a side's own sealed records back to it gets nothing through."""
     from torchfeed.channel import Channel

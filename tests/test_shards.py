@@ -63,6 +63,7 @@ def test_pattern_and_torch_dataloader(tmp_path):
     assert Counter(got) == Counter(every)
 
 
+@pytest.mark.slow
 def test_a_slow_worker_takes_fewer_shards(fresh_workers, tmp_path):
     urls, every = make_shards(str(tmp_path), count=16, per_shard=5)
     w = fresh_workers(2)
@@ -74,6 +75,7 @@ def test_a_slow_worker_takes_fewer_shards(fresh_workers, tmp_path):
     assert pids.count(fast) > 2 * pids.count(slow)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [dict(), dict(shuffle=True, shuffle_buffer=4)])
 def test_a_killed_worker_loses_no_shard_and_repeats_none(fresh_workers, tmp_path, kw):
     urls, every = make_shards(str(tmp_path), count=12, per_shard=10)
@@ -87,6 +89,7 @@ def test_a_killed_worker_loses_no_shard_and_repeats_none(fresh_workers, tmp_path
     assert Counter(got) == Counter(every)
 
 
+@pytest.mark.slow
 def test_resume_mid_epoch_on_other_workers(workers2, fresh_workers, tmp_path):
     urls, every = make_shards(str(tmp_path), count=10, per_shard=7)
     args = (urls, text_lines)
@@ -114,6 +117,7 @@ def test_resume_mid_epoch_on_other_workers(workers2, fresh_workers, tmp_path):
     assert Counter(head + rest) == Counter(every)
 
 
+@pytest.mark.slow
 def test_shards_over_s3(workers2, tmp_path):
     from s3server import S3Server
 

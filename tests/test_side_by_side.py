@@ -215,6 +215,7 @@ def test_iterable_dataset_error(remote):
     assert isinstance(error, RuntimeError) and "stream broke at 9" in str(error)
 
 
+@pytest.mark.slow
 def test_worker_init_fn_configures_the_loading_copy_every_epoch(remote):
     """torch's documented example: worker_init_fn splits [start, end) through get_worker_info().dataset."""
     ours = torchfeed.RemoteDataLoader(remote(Span, 3, 20), batch_size=None, worker_init_fn=split_span)

@@ -24,6 +24,9 @@ from slurm_cluster import LocalSlurm, missing_binaries
 from torchfeed import cli
 from torchfeed.cluster import SlurmJob, sbatch_script
 from torchfeed.cluster.slurm import parse_signal
+from torchfeed.util import saved_env
+
+pytestmark = pytest.mark.slurm
 
 TESTS = Path(__file__).resolve().parent
 TRAIN = [sys.executable, str(TESTS / "cluster_train.py")]
@@ -211,16 +214,12 @@ def slurm(tmp_path_factory):
     root = tempfile.mkdtemp(prefix="torchfeed-slurm-")  # not under pytest's 0700 tree: munged must reach it
     os.chmod(root, 0o755)
     cluster = LocalSlurm(root)
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(cluster.conf)
     try:
-        with cluster:
-            yield cluster
+        with saved_env(["SLURM_CONF"]):
+            os.environ["SLURM_CONF"] = str(cluster.conf)
+            with cluster:
+                yield cluster
     finally:
-        if old is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = old
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -283,6 +282,7 @@ def _seen_once_per_epoch(job_dir: Path, world: int) -> None:
     assert max(counts.values()) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_preemption_checkpoints_requeues_and_resumes(slurm, jobs):
     """(c) Signal the running job: it checkpoints, requeues itself, resumes, ends as an uninterrupted run."""
@@ -322,6 +322,7 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm, jobs):
     assert resumed["params"] == uninterrupted["params"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_hetjob_trains_every_sample_once(slurm, jobs):
     """(a) Two gloo DDP trainer tasks (srun) fed by two workers on the CPU partition."""
@@ -338,6 +339,7 @@ def test_hetjob_trains_every_sample_once(slurm, jobs):
     assert slurm.job(job_id)["ExitCode"] == "0:0"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_hetjob_with_torchrun(slurm, jobs):
     """(b) The same training launched by srun + torchrun (c10d rendezvous)."""
@@ -347,6 +349,7 @@ def test_hetjob_with_torchrun(slurm, jobs):
     assert result["params"] == _finished(slurm, *jobs["srun"])["params"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_job_exit_code_is_the_trainers(slurm, jobs):
     job_id, job_dir = jobs["fails"]

@@ -59,6 +59,7 @@ def test_worker_rates_sum_to_the_loaders(workers2):
     assert all(w.samples_per_s > 0 and w.mean_batch_seconds for w in s.workers.values()), s
 
 
+@pytest.mark.slow
 def test_killed_worker_shows_lost_then_serving_after_restart(fresh_workers, caplog):
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset(w.addresses, SleepDataset, 4000, 0.002)

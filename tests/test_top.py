@@ -27,6 +27,7 @@ def top(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_once_json_on_busy_workers(workers2, tmp_path):
     ds = torchfeed.RemoteDataset(workers2, SleepDataset, 200, 0.001)
     assert len(list(torchfeed.RemoteDataLoader(ds, batch_size=4))) == 50
@@ -46,6 +47,7 @@ def test_once_json_on_busy_workers(workers2, tmp_path):
     assert sum(r["bytes_sent"] for r in rows.values()) > 0
 
 
+@pytest.mark.slow
 def test_unreachable_worker_is_a_row_not_a_crash(workers2):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -58,6 +60,7 @@ def test_unreachable_worker_is_a_row_not_a_crash(workers2):
     assert proc.returncode == 0 and "CPU%" in proc.stdout and workers2[0] in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow
 def test_live_view_refreshes_until_interrupted(workers2):
     proc = subprocess.Popen(
         [sys.executable, "-m", "torchfeed", "top", *workers2, "--interval", "0.2"],

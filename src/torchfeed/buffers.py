@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from . import notices
+
+ALIGN = 64  # every buffer of a message starts on a 64-byte boundary of its receive block
 MIN_POOLED = 1 << 20  # smaller allocations are cheap enough for malloc
 _GRAIN = 1 << 16  # block sizes are rounded up to this, so similar sizes share blocks
 
@@ -58,7 +62,12 @@ class BlockPool:
         # numpy points a slice's .base straight at the array that owns the memory (the
         # block), skipping `lease`: slices would not keep the lease alive. An array over
         # a memoryview of the lease stops that collapse, so everything cut from it holds it.
-        return np.frombuffer(memoryview(lease), dtype=np.uint8)
+        return np.frombuffer(_view(lease), dtype=np.uint8)
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes held in free blocks, waiting to be leased again."""
+        return self._cached
 
     def _give_back(self, block: np.ndarray) -> None:
         with self._lock:
@@ -97,3 +106,49 @@ def empty_tensor(shape, dtype: torch.dtype) -> torch.Tensor:
     if nbytes < MIN_POOLED:
         return torch.empty(shape, dtype=dtype)
     return empty_bytes(nbytes).view(dtype).view(shape)
+
+
+# -- receive blocks ---------------------------------------------------------------------
+
+_warned_pin = False
+
+
+def _cuda_pinnable() -> bool:
+    global _warned_pin
+    if torch.cuda.is_available():
+        return True
+    if not _warned_pin:
+        _warned_pin = True
+        notices.warn(
+            "pin_memory=True but CUDA is not available: batches are received into ordinary memory instead"
+        )
+    return False
+
+
+def check_pinnable(pin: bool) -> None:
+    """Warn (once, at the user's line) when ``pin`` is asked for and cannot be had."""
+    if pin:
+        _cuda_pinnable()
+
+
+def allocate(lengths: Sequence[int], pin: bool = False) -> list[memoryview]:
+    """One block holding every buffer of a message, each 64-byte aligned.
+
+    With ``pin=True`` and CUDA available the block is page-locked host memory, so the
+    tensors rebuilt from it can be copied to the GPU asynchronously.
+    """
+    offsets = []
+    total = 0
+    for n in lengths:
+        offsets.append(total)
+        total += (n + ALIGN - 1) // ALIGN * ALIGN
+    if pin and _cuda_pinnable():
+        arr = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True).numpy()  # torch caches these
+    else:
+        arr = empty_array(max(total, 1))
+    return [_view(arr[o : o + n]) for o, n in zip(offsets, lengths)]
+
+
+def _view(arr: np.ndarray) -> memoryview:
+    # numpy declares the buffer protocol to type checkers only for Python >= 3.12
+    return memoryview(arr)  # type: ignore[arg-type,unused-ignore]

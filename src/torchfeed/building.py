@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from . import client, serialize
 from .auth import SecretLike
 from .errors import AuthenticationError, SerializationError, WorkerLost
+from .util import double_delay
 
 if TYPE_CHECKING:
     from .session import Session
@@ -159,7 +160,7 @@ def connect(
                     timeout,
                 )
             time.sleep(min(delay, left))
-            delay = min(delay * 2, _RETRY_MAX)
+            delay = double_delay(delay, _RETRY_FIRST, _RETRY_MAX)
 
 
 def connect_all(

@@ -76,7 +76,6 @@ class Channel:
         self._scratch_out: bytearray | None = None  # made on the first large send
         self._scratch_in = bytearray(CHUNK + TAG)
         self._scratch_skip: memoryview | None = None  # made on the first skip of a payload
-        self.bytes_sent = 0
         # with SO_SNDTIMEO set on the socket: seconds without progress before a send fails
         self.send_stall_timeout: float | None = None
         # when a record last arrived, or a large write last went out: the peer is alive
@@ -148,7 +147,6 @@ class Channel:
             n = self.sock.send(data, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
             n = 0
-        self.bytes_sent += n
         return memoryview(data)[n:]
 
     def write(self, data) -> None:
@@ -162,7 +160,6 @@ class Channel:
     def _write(self, parts: list) -> None:
         wire.sendmsg_all(self.sock, parts, self.send_stall_timeout)
         n = sum(memoryview(p).nbytes for p in parts)
-        self.bytes_sent += n
         if n >= _SEND_BATCH:  # a write this large only completes while the peer reads
             self.last_activity = time.monotonic()
 
@@ -251,7 +248,10 @@ class Channel:
         """Authenticate and discard the unread rest of ``frame`` (its meta when
         ``meta`` is true, and its buffers)."""
         for n in ([frame.meta_len] if meta else []) + list(frame.buffer_lengths):
-            if n and self._scratch_skip is None:  # heartbeats have nothing to skip: no allocation
-                self._scratch_skip = memoryview(bytearray(CHUNK))
+            if not n:
+                continue  # heartbeats have nothing to skip: no allocation
+            scratch = self._scratch_skip
+            if scratch is None:
+                scratch = self._scratch_skip = memoryview(bytearray(CHUNK))
             for start in range(0, n, CHUNK):
-                self._open_into(self._scratch_skip[: min(CHUNK, n - start)])
+                self._open_into(scratch[: min(CHUNK, n - start)])

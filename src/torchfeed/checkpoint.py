@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import TorchfeedError
+from .util import atomic_write
 
 log = logging.getLogger("torchfeed.checkpoint")
 
@@ -61,17 +62,6 @@ def _fs(url: str, storage_options: dict[str, Any] | None):
     return fsspec.core.url_to_fs(url, **(storage_options or {}))
 
 
-def _umask() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    return 0o022
-
-
 def _temp_prefix(path: Path) -> str:
     return f".{path.name}.tmp-{socket.gethostname()}-"
 
@@ -92,19 +82,6 @@ def _remove_stale_temps(path: Path) -> None:
                 os.unlink(path.parent / name)
             except OSError:
                 pass
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def save(obj: Any, path_or_url: PathOrURL, *, storage_options: dict[str, Any] | None = None) -> None:
@@ -138,21 +115,7 @@ def save(obj: Any, path_or_url: PathOrURL, *, storage_options: dict[str, Any] | 
         return
     local.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(local)
-    tmp = local.parent / f"{_temp_prefix(local)}{os.getpid()}-{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 & ~_umask())
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, local)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(local.parent)
+    atomic_write(local, lambda f: torch.save(obj, f), temp_prefix=_temp_prefix(local))
 
 
 def load(

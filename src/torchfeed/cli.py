@@ -16,7 +16,7 @@ import time
 from . import __version__
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-# `torchfeed bench` cases (the table itself, in bench.py, imports torch)
+# `torchfeed bench` cases (the table itself, in tools/bench.py, imports torch)
 BENCH_CASES = {
     "cpu": "Pillow JPEG decode + random crop, batch 32: samples/s",
     "transfer": "ready 3x224x224 float32 tensors, batch 64 (38.5 MB): MB/s",
@@ -50,7 +50,9 @@ def _positive(value: str) -> int:
 
 def _procs(value: str) -> int:
     if value == "auto":
-        return len(os.sched_getaffinity(0))
+        from .util import cpu_count
+
+        return cpu_count()
     try:
         return _positive(value)
     except argparse.ArgumentTypeError:
@@ -259,7 +261,9 @@ def _run_many(args) -> int:
     """--procs N: all processes ready, their lines printed and filed, or none left running."""
     from .pumps import Pump, to_stderr, to_stdout
 
-    children, outs, errs = [], [], []
+    children: list[subprocess.Popen] = []
+    outs: list[Pump] = []
+    errs: list[Pump] = []
     stopping = threading.Event()
 
     def stop_all(signum=None, _frame=None):
@@ -401,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "worker":
         return _run_workers(args)
     if args.command == "demo":
-        from .demo import run_demo
+        from .tools.demo import run_demo
 
         return run_demo(args)
     if args.command == "bench":
@@ -413,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        from .bench import run_bench
+        from .tools.bench import run_bench
 
         return run_bench(args)
     if args.command == "top":  # [stats hook]

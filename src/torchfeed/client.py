@@ -23,6 +23,7 @@ import torch
 
 from . import auth, errors, limits, serialize, wire
 from . import session as sessions
+from .buffers import allocate
 from .errors import (
     ConnectionClosed,
     FrameTooLarge,
@@ -71,8 +72,8 @@ def set_heartbeat(interval: float = 2.0, timeout: float = 15.0) -> None:
 def parse_address(address: Address) -> tuple[str, int]:
     """``"host:port"``, ``"[v6]:port"`` or ``(host, port)`` -> ``(host, port)``."""
     if isinstance(address, tuple):
-        host, port = address
-        return str(host), int(port)
+        given_host, given_port = address
+        return str(given_host), int(given_port)
     text = str(address).strip()
     if text.startswith("["):
         host, _, port = text[1:].partition("]:")
@@ -221,6 +222,8 @@ class Connection:
                 try:
                     frame = channel.read_header(limits.reply_limits())
                 except FrameTooLarge as exc:  # authentic but too big: fail that request only
+                    if exc.frame is None:  # not read far enough to be skipped
+                        raise
                     channel.skip(exc.frame)
                     self._fail_request(exc.frame.request_id, exc)
                     continue
@@ -242,9 +245,7 @@ class Connection:
                     continue
                 try:
                     channel.read_meta(frame)
-                    buffers = (
-                        serialize.allocate(frame.buffer_lengths, pending.pin) if frame.buffer_lengths else []
-                    )
+                    buffers = allocate(frame.buffer_lengths, pending.pin) if frame.buffer_lengths else []
                     channel.read_buffers(buffers)  # each record received counts as life
                 except BaseException as exc:
                     with self._pending_lock:  # the request being received fails with the connection
@@ -269,6 +270,7 @@ class Connection:
                 log.exception("a result callback failed")
 
     def _deliver(self, frame: wire.Frame, buffers, pending: _Pending) -> None:
+        value: Any
         try:
             if frame.kind == wire.ERROR:
                 ok, value = False, errors.rebuild_remote_error(self.address, pickle.loads(frame.meta))

@@ -25,7 +25,7 @@ from typing import Any
 import torch.utils.data
 from torch.utils.data._utils import worker as torch_worker  # where torch keeps get_worker_info's state
 
-from . import sampling
+from . import seeding
 
 _local = threading.local()
 _install_lock = threading.Lock()
@@ -88,7 +88,7 @@ def own_copy(dataset: Any) -> Any:
     (which may drop what only pickling should drop); an object that cannot be copied
     this way is used as it is.
     """
-    cls = type(dataset)
+    cls: Any = type(dataset)
     try:
         copy = cls.__new__(cls)
         if hasattr(dataset, "__dict__"):
@@ -109,7 +109,7 @@ class PassContext:
     pass_id: int
     info: Any
     dataset: Any
-    stream: sampling.Stream
+    stream: seeding.Stream
 
 
 class WorkerSetup:
@@ -146,12 +146,12 @@ class WorkerSetup:
                 self._pass = PassContext(pass_id, done.info, done.dataset, done.stream)
                 return self._pass
             dataset = self._dataset_for_pass()
-            seed = (base_seed & sampling.INT63) + worker_id
+            seed = (base_seed & seeding.INT63) + worker_id
             info = make_info(worker_id, num_workers, seed, dataset)
-            stream = sampling.Stream()
+            stream = seeding.Stream()
             with worker_context(info):
-                sampling.use(stream)
-                sampling.seed_like_torch(base_seed & sampling.INT63, worker_id)
+                seeding.use(stream)
+                seeding.seed_like_torch(base_seed & seeding.INT63, worker_id)
                 if self.worker_init_fn is not None and (not self.persistent or self._initialized is None):
                     self.worker_init_fn(worker_id)  # an exception leaves the pass not set up: retried
                     self._initialized = dataset

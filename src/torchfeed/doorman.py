@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 from . import auth, wire
 from .errors import ProtocolError
+from .util import double_delay
 
 log = logging.getLogger("torchfeed.worker")
 
@@ -140,15 +141,6 @@ class Doorman:
         self._sel = selectors.DefaultSelector()
         self._accept_paused_until = 0.0
         self._backoff = 0.0
-        self.counts = {
-            "accepted": 0,
-            "authenticated": 0,
-            "rejected": 0,
-            "evicted": 0,
-            "expired": 0,
-            "refused_rate_limited": 0,
-            "accept_errors": 0,
-        }
 
     @property
     def pending(self) -> int:
@@ -197,7 +189,6 @@ class Doorman:
             except OSError as exc:
                 if self.stopping.is_set():
                     return
-                self.counts["accept_errors"] += 1
                 if exc.errno in _RESOURCE_ERRORS:
                     self._pause_accepting(exc)
                 else:  # e.g. ECONNABORTED: that peer is gone, others are not
@@ -209,7 +200,7 @@ class Doorman:
     def _pause_accepting(self, exc: OSError) -> None:
         if self._pending:  # free a descriptor for the next real client
             self._evict_oldest()
-        self._backoff = min(max(self._backoff * 2, 0.01), 1.0)
+        self._backoff = double_delay(self._backoff, 0.01, 1.0)
         self._accept_paused_until = time.monotonic() + self._backoff
         self._sel.unregister(self.listener)
         self.say(
@@ -230,7 +221,6 @@ class Doorman:
     def _admit(self, sock: socket.socket, addr) -> None:
         host = str(addr[0])
         peer = f"{addr[0]}:{addr[1]}"
-        self.counts["accepted"] += 1
         while len(self._pending) >= self.max_pending:
             self._evict_oldest()
         hello = auth.hello_meta(self.allow_integrity_only)
@@ -267,7 +257,6 @@ class Doorman:
         if verdict == "more":
             return
         if verdict == "bye":
-            self.counts["rejected"] += 1
             self.say(
                 logging.INFO,
                 f"bad {hs.host}",
@@ -279,10 +268,7 @@ class Doorman:
             self._close(hs)
             return
         if verdict == "fail":
-            self.counts["rejected"] += 1
-            if self.limiter.blocked(hs.host):  # out of tokens: no answer, no log line
-                self.counts["refused_rate_limited"] += 1
-            else:
+            if not self.limiter.blocked(hs.host):  # out of tokens: no answer, no log line
                 self.limiter.failed(hs.host)
                 self.say(
                     logging.WARNING, f"wrong {hs.host}", "rejected client %s: %s", hs.peer, reply.decode()
@@ -295,10 +281,10 @@ class Doorman:
             self._close(hs)
             return
         self._forget(hs)
+        assert keys is not None  # verdict "ok" comes with the session keys
         try:
             hs.sock.setblocking(True)
             self.on_authenticated(hs.sock, hs.peer, keys, leftover)
-            self.counts["authenticated"] += 1
         except Exception as exc:  # e.g. "can't start new thread": this client only
             self.say(logging.WARNING, "handoff", "could not serve client %s: %s", hs.peer, exc)
             hs.sock.close()
@@ -324,7 +310,6 @@ class Doorman:
 
     def _evict_oldest(self) -> None:
         _, hs = next(iter(self._pending.items()))
-        self.counts["evicted"] += 1
         self.say(
             logging.INFO,
             "evict",
@@ -340,7 +325,6 @@ class Doorman:
             hs = next(iter(self._pending.values()))
             if hs.deadline > now:
                 return
-            self.counts["expired"] += 1
             self.say(
                 logging.INFO,
                 f"slow {hs.host}",

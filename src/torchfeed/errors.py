@@ -12,7 +12,10 @@ import pickle
 import re
 import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .wire import Frame
 
 # This module is imported by the command line before torch: keep it free of heavy imports.
 
@@ -31,6 +34,10 @@ class ProtocolError(TorchfeedError):
 
 class FrameTooLarge(ProtocolError):
     """A message is larger than a configured limit (or than the wire format can carry)."""
+
+    # the frame's header, when it was authentic and read: its rest can be skipped and the
+    # connection kept (set by the sealed channel)
+    frame: Frame | None = None
 
 
 class SerializationError(TorchfeedError, pickle.PicklingError, TypeError):
@@ -102,6 +109,13 @@ class RemoteError(TorchfeedError):
     indices : list or None
         For data loading: the sample indices of the failed batch.
     """
+
+    address: str
+    remote_type: str
+    remote_message: str
+    remote_traceback: str
+    indices: list[Any] | None
+    remote_class: type  # rebuilt types only: the remote exception's own type
 
     def __init__(
         self,
@@ -221,10 +235,10 @@ def describe_exception(exc: BaseException) -> dict[str, Any]:
 _MAX_REDUCED = 1 << 20  # an exception carrying more data than this comes back with its message only
 
 
-_remote_types: dict[type, type] = {}
+_remote_types: dict[type, type[RemoteError]] = {}
 
 
-def remote_type_for(etype: type) -> type | None:
+def remote_type_for(etype: type) -> type[RemoteError] | None:
     """A class that is both ``etype`` and :class:`RemoteError` (None if none can be made)."""
     if not (isinstance(etype, type) and issubclass(etype, Exception)):
         return None  # KeyboardInterrupt, SystemExit... on a worker are not re-raised as such
@@ -232,7 +246,7 @@ def remote_type_for(etype: type) -> type | None:
         return None  # raised from a loader's __next__ it would silently end the epoch
     if issubclass(etype, RemoteError):
         return etype
-    made = _remote_types.get(etype)
+    made: type[RemoteError] | None = _remote_types.get(etype)
     if made is None:
         try:
             made = type(
@@ -277,13 +291,13 @@ def _loads(raw: bytes | None):
         return None
 
 
-def _instantiate(made: type, etype: type, ctor_args: tuple, state) -> BaseException | None:
+def _instantiate(made: type[RemoteError], etype: type, ctor_args: tuple, state) -> RemoteError | None:
     try:
         exc = made.__new__(made, *ctor_args)
     except Exception:
         return None
     try:
-        etype.__init__(exc, *ctor_args)
+        etype.__init__(exc, *ctor_args)  # type: ignore[misc]  # exc is an etype: made subclasses it
     except Exception:  # e.g. an __init__ with other parameters than its args: keep the args
         exc.args = tuple(ctor_args)
     if isinstance(state, dict):

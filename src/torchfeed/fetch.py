@@ -15,9 +15,9 @@ from torch.utils.data._utils.collate import (
     default_convert,
 )
 
-from . import buffers, sampling
+from . import buffers, seeding
 from .context import WorkerSetup, worker_context
-from .sampling import mix_seed, seed_all
+from .seeding import mix_seed, seed_all
 
 # seed tags that keep the collate's and a __getitems__ call's streams apart from samples'
 _COLLATE_TAG = 0xC011A7E
@@ -98,7 +98,7 @@ class Fetcher:
             current = self.setup.enter(*context)
             with worker_context(current.info):
                 if seed is None:
-                    sampling.use(current.stream)
+                    seeding.use(current.stream)
                 data = self._samples(current.dataset, index, seed)
         # Outside the worker context: torch's collate would otherwise put every batch in
         # shared memory, which only its own worker processes need.
@@ -111,13 +111,13 @@ class Fetcher:
         """The samples of ``index`` (a list of them with auto-collation)."""
         if not self.auto_collation:
             if seed is not None:
-                sampling.enter_seeded()  # the worker's own states come back before any other call runs
+                seeding.enter_seeded()  # the worker's own states come back before any other call runs
                 seed_all(mix_seed(seed, index_key(index)))
             return dataset[index]
         getitems = getattr(dataset, "__getitems__", None)
         if seed is None:
             return getitems(index) if getitems else [dataset[i] for i in index]
-        sampling.enter_seeded()
+        seeding.enter_seeded()
         if getitems:  # one call for the whole batch: one seed for it
             seed_all(mix_seed(seed, _BATCH_TAG, index_key(index[0]) if len(index) else 0))
             return getitems(index)

@@ -290,8 +290,8 @@ class IterablePass:
                 self._open_locked(slot, target)
 
     def _top_up(self, slot: _Slot) -> None:
-        if self._closed or slot.ended or slot.ref is None:
-            return
+        if self._closed or slot.ended or slot.ref is None or slot.worker is None:
+            return  # (a slot's ref and worker are set and cleared together)
         this, incarnation = weakref.ref(self), slot.incarnation
         while slot.inflight + len(slot.results) < self._credits:
             grants = self._grant(slot)
@@ -304,7 +304,7 @@ class IterablePass:
             try:
                 slot.ref.request((grants, self._total(slot)), callback=on_result, pin=self._pin)
             except (WorkerLost, OSError) as exc:
-                if grants:  # not sent: back to the queue
+                if grants and self._queue is not None:  # not sent: back to the queue
                     del slot.grants[-len(grants) :]
                     self._queue.extendleft(reversed(grants))
                 self._worker_lost(slot.worker, exc)
@@ -327,6 +327,8 @@ class IterablePass:
         with self._cond:
             if self._closed or incarnation != slot.incarnation or slot.ended:
                 return
+            # the current incarnation has its worker (losing it starts the next incarnation)
+            assert slot.worker is not None
             slot.inflight -= 1
             if ok:
                 number, kind, payload, state, rng, taken = value

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 
-from . import building, limits, prefetch, resume, serialize, stats
+from . import buffers, building, limits, prefetch, resume, stats
 from . import loader_checks as checks
 from .fetch import Fetcher
 from .iterable import IterablePass
@@ -169,9 +169,8 @@ class RemoteDataLoader(Generic[T_co]):
         self._source = source
         self.num_workers = len(source.workers) if num_workers is None else num_workers
         self._num_streams = num_workers  # iterable-style: the number of streams (None: one per worker)
-        self._iterable_pass = (
-            None  # (pass id, weakref, snapshot once closed) of the latest iterable-style pass
-        )
+        # (pass id, weakref, snapshot once closed) of the latest iterable-style pass
+        self._iterable_pass: tuple[int, weakref.ref[IterablePass], Any] | None = None
         self.multiprocessing_context = multiprocessing_context  # checked by the property, as in torch
         self._log_ignored(num_workers, multiprocessing_context, pin_memory_device, in_order)
         batch_size, drop_last, sampler, batch_sampler = self._samplers(
@@ -204,7 +203,7 @@ class RemoteDataLoader(Generic[T_co]):
         self._resume_from: dict | None = None
         self._persistent_seed: int | None = None
         self._estimates: dict = {}  # seconds per batch of each worker, from the latest pass
-        self._head = None  # the next pass's first batches, prefetched (prefetch.Head)
+        self._head: prefetch.Head | None = None  # the next pass's first batches, prefetched
         self._prefetch = True  # load the next pass's first batches ahead when it is predictable
         self._accounting = stats.Accounting()  # [stats hook] see stats.py
         self._initialized = True
@@ -358,7 +357,7 @@ class RemoteDataLoader(Generic[T_co]):
         return len(self._index_sampler)
 
     def __iter__(self) -> MapPass | IterablePass:
-        serialize.check_pinnable(self.pin_memory)
+        buffers.check_pinnable(self.pin_memory)
         resume_from, self._resume_from = self._resume_from, None
         # torch's persistent workers draw their base seed once, at the first pass
         kept = self._persistent_seed if self.persistent_workers else None
@@ -427,7 +426,7 @@ class RemoteDataLoader(Generic[T_co]):
         epoch = self._epoch
         count = ending.prefetch_count()
         indices = prefetch.predict(self, epoch, count, self._shuffle_generator)
-        if not indices:
+        if not indices or self.seed is None:  # predict() gives none without a seed
             return None
         base_seed = mix_seed(self.seed, epoch)
         head = prefetch.Head(

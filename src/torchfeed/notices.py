@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import warnings
+from types import FrameType
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _PLUMBING = (
@@ -27,7 +28,7 @@ def _is_ours(filename: str) -> bool:
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn`` attributed to the first frame outside torchfeed."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     level = 2  # warnings.warn's stacklevel of our caller's frame
     while frame is not None and _is_ours(os.path.abspath(frame.f_code.co_filename)):
         frame = frame.f_back

@@ -13,13 +13,16 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from . import events, notices, passplan
 from .errors import RemoteError, WorkerLost
 from .ledger import Ledger
 from .passplan import PassPlan, live, new_pass_id
 from .views import keys_of
+
+if TYPE_CHECKING:
+    from .prefetch import Head
 
 log = logging.getLogger("torchfeed.loader")
 
@@ -87,7 +90,7 @@ class MapPass:
         self._fatal: BaseException | None = None
         self._closed = False
         self._stalled_since: float | None = None  # when the last serving worker was lost
-        self._next_head = None  # the next pass's prefetch, started by this pass
+        self._next_head: Head | Literal[False] | None = None  # next pass's prefetch (False: none)
         self.prefetched = 0  # batches of this pass loaded by the previous one
         workers = self._source.alive_workers()
         failed = plan.fetchers.ensure(workers)
@@ -155,14 +158,14 @@ class MapPass:
                 seq = self._sched.add_batch()
                 self._ledger.indices[seq] = idx
                 if self._head is not None:
-                    self._adopt(seq, idx)
+                    self._adopt(self._head, seq, idx)
             if exhausted:
                 self._sched.exhausted = True
                 self._ready.notify()
 
-    def _adopt(self, seq: int, idx) -> None:
+    def _adopt(self, head: Head, seq: int, idx) -> None:
         """Use the prefetched copy of batch ``seq`` if it loads the same keys (lock held)."""
-        claim = self._head.adopt(seq, idx, self, self._sched, self._ledger)
+        claim = head.adopt(seq, idx, self, self._sched, self._ledger)
         if claim is None:  # used up, or this pass differs from the prediction
             self._head = None
             return
@@ -411,13 +414,12 @@ class MapPass:
                     self._close_locked()
                     raise StopIteration
                 now = time.monotonic()
-                stalled = self._stalled_since is not None
-                if stalled and (
-                    now - self._stalled_since > self._stall_limit()
-                    or (deadline is not None and now >= deadline)
+                since = self._stalled_since
+                if since is not None and (
+                    now - since > self._stall_limit() or (deadline is not None and now >= deadline)
                 ):
                     self._close_locked()
-                    raise passplan.stalled_error(now - self._stalled_since, self._errors)
+                    raise passplan.stalled_error(now - since, self._errors)
                 if deadline is not None and now >= deadline:
                     raise passplan.late_error(seq, self._ledger.keys(seq), self._timeout, sched.holders(seq))
                 self._lock.release()  # warnings noticed meanwhile are emitted while waiting

@@ -26,7 +26,8 @@ class Timeline:
         self._clock = clock
         self.start = clock()
         self.points: list[Point] = []
-        self._last = None  # (loader id, time, wait seconds, {worker: samples})
+        # (loader id, time, wait seconds, {worker: samples})
+        self._last: tuple[int, float, float, dict[str, int]] | None = None
         self._due = self.start
 
     def sample(self, loader) -> None:

@@ -21,10 +21,11 @@ import operator
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
-from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from . import client
@@ -56,6 +57,7 @@ def predict(loader, epoch: int, count: int, shuffle_generator: torch.Generator |
     if type(batches) is not BatchSampler:
         return None
     sampler = batches.sampler
+    ahead: Sampler
     if type(sampler) is SequentialSampler:
         ahead = sampler
     elif (
@@ -63,12 +65,15 @@ def predict(loader, epoch: int, count: int, shuffle_generator: torch.Generator |
         and shuffle_generator is not None
         and sampler.generator is shuffle_generator
     ):
-        ahead = copy.copy(sampler)
-        ahead.generator = torch.Generator()
-        ahead.generator.manual_seed(shuffle_seed(loader.seed, epoch))
+        shuffled = copy.copy(sampler)
+        generator = torch.Generator()
+        generator.manual_seed(shuffle_seed(loader.seed, epoch))
+        shuffled.generator = generator
+        ahead = shuffled
     elif type(sampler) is DistributedSampler:
-        ahead = copy.copy(sampler)
-        ahead.set_epoch(sampler.epoch + 1)  # what a training loop calling set_epoch(e) does next
+        distributed = copy.copy(sampler)
+        distributed.set_epoch(sampler.epoch + 1)  # what a training loop calling set_epoch(e) does next
+        ahead = distributed
     else:
         return None
     return list(itertools.islice(iter(BatchSampler(ahead, batches.batch_size, batches.drop_last)), count))
@@ -114,7 +119,9 @@ class Head:
         self._unsent = list(range(len(indices)))
         self._in_flight: dict[str, int] = {}
         self._dead = False
-        self.waker = None  # wakes the dispatch thread of the pass that fills this head
+        self.waker: Callable[[], None] | None = (
+            None  # wakes the dispatch thread of the pass that fills this head
+        )
 
     def matches(self, plan, pin: bool) -> bool:
         """Whether a pass built from ``plan`` loads what this head predicted (keys aside)."""
@@ -289,7 +296,7 @@ class Head:
             for entry in self._entries:
                 if entry.owner is not None:
                     continue
-                if entry.state == "running":
+                if entry.state == "running" and entry.address is not None and entry.rid is not None:
                     cancels.setdefault(entry.address, []).append(entry.rid)
                 if entry.state in ("sending", "running", "done"):
                     self._finish(entry, "dropped")

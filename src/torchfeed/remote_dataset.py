@@ -24,6 +24,7 @@ from . import building, client, events
 from .addrfile import read_address_file
 from .auth import SecretLike
 from .errors import AuthenticationError, RemoteError, SerializationError, Timeout, WorkerLost
+from .util import double_delay
 
 if TYPE_CHECKING:
     from .session import Session
@@ -306,6 +307,8 @@ class RemoteDataset(Dataset[T_co]):
         self._ensure_thread()
 
     def _stamp(self):
+        if self._watch_path is None:
+            return None
         try:
             st = os.stat(self._watch_path)
             return st.st_mtime_ns, st.st_size
@@ -313,6 +316,8 @@ class RemoteDataset(Dataset[T_co]):
             return None
 
     def _poll_file(self) -> None:
+        if self._watch_path is None:
+            return
         stamp = self._stamp()
         if stamp == self._watch_stamp:
             return
@@ -357,7 +362,7 @@ class RemoteDataset(Dataset[T_co]):
                     if events.state_of(w) == "reconnecting":
                         events.set_state(w, "lost")
                     entry["error"] = repr(failed[w])
-                    entry["delay"] = min(entry["delay"] * 2, _BACKOFF_MAX)
+                    entry["delay"] = double_delay(entry["delay"], _BACKOFF_FIRST, _BACKOFF_MAX)
                     entry["next_try"] = time.monotonic() + entry["delay"]
                     continue
                 del self._lost[w]

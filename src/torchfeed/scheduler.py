@@ -48,45 +48,15 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import math
 import random
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+
+from .workerindex import WorkerIndex, WorkerState
 
 _ALPHA = 0.3  # weight of the newest sample in the per-worker time estimate
 _SLOW_RATIO = 1.5  # a worker this much slower than the best one skips ahead
 _HOLD_SLACK = 2.0  # end-of-pass withholding lasts at most this times the others' estimate
-_RESUM_EVERY = 1024  # re-add the rate sum from scratch after this many updates (float drift)
-_LATE_RATIO = 2.0  # a request running this much longer than its worker's estimate raises it
-
-# Heap entry: (key, tie, order, version, worker); current while the worker's version is.
-_Entry = tuple[float, float, int, int, "WorkerState"]
-
-
-@dataclass(eq=False)
-class WorkerState:
-    address: str
-    in_flight: dict[int, float] = field(default_factory=dict)  # seq -> dispatch time
-    seconds_per_batch: float | None = None
-    last_done: float = 0.0
-    completed: int = 0
-    status: str = "alive"  # alive | draining | lost
-    tie: float = field(default=0.0, repr=False)  # breaks ties between equal drain times
-    order: int = field(default=0, repr=False)  # unique per scheduler: entries never compare workers
-    late: float = 0.0  # how long its oldest request had run when that was found far too long
-    version: int = field(default=0, repr=False)
-    counted: tuple | None = field(default=None, repr=False)  # (spb, effective, in flight) in the sums
-
-    @property
-    def effective_seconds(self) -> float | None:
-        """The estimate decisions use: the measured time, or more while a request is late."""
-        spb = self.seconds_per_batch or 0.0
-        return max(spb, self.late) or None
-
-    @property
-    def alive(self) -> bool:
-        return self.status == "alive"
 
 
 class Scheduler:
@@ -139,29 +109,13 @@ class Scheduler:
         self._estimates = dict(estimates or {})
         self._random = random.Random(seed)
         self._next_order = 0
-        # sums over the alive workers, kept as workers change
-        self._times: list[float] = []  # sorted seconds_per_batch of the measured ones
-        self._rate_sum = 0.0  # sum of 1 / effective_seconds of those that have one
-        self._rate_updates = 0
-        self._alive = 0
-        self._unmeasured = 0
-        self._in_flight = 0
-        # heaps of alive workers with a free credit / all of them, with an estimate (key:
-        # drain time) / without (key: requests in flight); of non-lost workers holding
-        # requests, keyed by when the oldest began (hedging) / will be late
-        self._free_measured: list[_Entry] = []
-        self._all_measured: list[_Entry] = []
-        self._free_unmeasured: list[_Entry] = []
-        self._all_unmeasured: list[_Entry] = []
-        self._running: list[_Entry] = []
-        self._late: list[_Entry] = []
         self._holders: dict[int, list[WorkerState]] = {}  # seq -> workers that hold it
         self._hold_until: float | None = None  # end-of-pass withholding expires then
         self.workers: dict[str, WorkerState] = {}
         for address in workers:
             if address not in self.workers:
                 self.workers[address] = self._new_state(address)
-        self._rebuild()
+        self.index = WorkerIndex(self.workers, credits)  # sums and heaps over the workers
         self._pending: list[int] = []  # sorted sequence numbers not yet dispatched
         self.known = 0  # batches 0..known-1 have been added
         self.exhausted = False  # no more batches will be added
@@ -180,7 +134,7 @@ class Scheduler:
             state = self.workers[address] = self._new_state(address)
         else:
             state.status = "alive"
-        self._refresh(state)
+        self.index.refresh(state)
 
     def _new_state(self, address: str) -> WorkerState:
         self._next_order += 1
@@ -203,7 +157,7 @@ class Scheduler:
         state = self.workers.get(address)
         if state is not None and state.status == "alive":
             state.status = "draining"
-            self._refresh(state)
+            self.index.refresh(state)
 
     def worker_lost(self, address: str) -> tuple[list[int], int | None]:
         """Mark a worker dead. Return its batches now pending again, and the blamed one."""
@@ -216,8 +170,8 @@ class Scheduler:
             self._unhold(s, state)
         state.in_flight.clear()
         state.late = 0.0
-        self._refresh(state)
-        blamed = min(running, key=running.get) if running else None
+        self.index.refresh(state)
+        blamed = min(running, key=running.__getitem__) if running else None
         if blamed is not None:
             self.losses[blamed] = self.losses.get(blamed, 0) + 1
         requeued = [s for s in running if s not in self._holders]  # not held elsewhere
@@ -259,142 +213,10 @@ class Scheduler:
             return max(self.pass_length, self.known)
         return None
 
-    # -- bookkeeping ----------------------------------------------------------
-    def _refresh(self, w: WorkerState, bulk: bool = False) -> None:
-        """Bring the sums and heaps up to date after any change to ``w``."""
-        old = w.counted
-        new = (w.seconds_per_batch, w.effective_seconds, len(w.in_flight)) if w.alive else None
-        if old != new:
-            if old is not None:
-                self._alive -= 1
-                self._in_flight -= old[2]
-                if old[0] and (new is None or new[0] != old[0]):
-                    del self._times[bisect.bisect_left(self._times, old[0])]
-                if old[1] is None:
-                    self._unmeasured -= 1
-                elif new is None or new[1] != old[1]:
-                    self._add_rate(-1.0 / old[1])
-            if new is not None:
-                self._alive += 1
-                self._in_flight += new[2]
-                if new[0] and (old is None or new[0] != old[0]):
-                    if bulk:
-                        self._times.append(new[0])  # sorted once at the end
-                    else:
-                        bisect.insort(self._times, new[0])
-                if new[1] is None:
-                    self._unmeasured += 1
-                elif old is None or new[1] != old[1]:
-                    self._add_rate(1.0 / new[1])
-            w.counted = new
-        w.version += 1
-        push = self._append if bulk else self._push
-        if new is not None:
-            _, effective, n = new
-            free = n < self.credits
-            if effective:
-                push(self._all_measured, (n + 1) * effective, w)
-                if free:
-                    push(self._free_measured, (n + 1) * effective, w)
-            else:
-                push(self._all_unmeasured, n, w)
-                if free:
-                    push(self._free_unmeasured, n, w)
-        if w.status != "lost" and w.in_flight:
-            began = self._began(w)
-            push(self._running, began, w)
-            estimate = w.effective_seconds or self.typical_batch_seconds()
-            if estimate:
-                push(self._late, began + _LATE_RATIO * estimate, w)
-
-    @staticmethod
-    def _began(w: WorkerState) -> float:
-        """When the oldest request of ``w`` began running (requests run one after another)."""
-        return max(min(w.in_flight.values()), w.last_done)
-
-    def _raise_late(self, now: float) -> None:
-        """A request that has run much longer than its worker's estimate says the worker is
-        at least that slow: raise the estimate now rather than when (if) it finishes."""
-        late = self._late
-        while late and late[0][0] < now:
-            entry = heapq.heappop(late)
-            w = entry[4]
-            if entry[3] != w.version:
-                continue
-            age = now - self._began(w)
-            estimate = w.effective_seconds or self.typical_batch_seconds()
-            if estimate and age > _LATE_RATIO * estimate:
-                w.late = age
-            self._refresh(w)  # a new entry: later, or keyed by a changed typical time
-
-    def _rebuild(self) -> None:
-        """Sums and heaps from scratch: appends, one sort and one heapify per structure."""
-        self._times, self._alive, self._unmeasured, self._in_flight = [], 0, 0, 0
-        heaps = (
-            self._free_measured,
-            self._all_measured,
-            self._free_unmeasured,
-            self._all_unmeasured,
-            self._running,
-            self._late,
-        )
-        for heap in heaps:
-            heap.clear()
-        for w in self.workers.values():
-            w.counted = None
-        for w in self.workers.values():
-            self._refresh(w, bulk=True)
-        self._times.sort()
-        self._rate_sum = self._exact_rate_sum()
-        for heap in heaps:
-            heapq.heapify(heap)
-
-    def _exact_rate_sum(self) -> float:
-        return math.fsum(1.0 / w.counted[1] for w in self.workers.values() if w.counted and w.counted[1])
-
-    def _add_rate(self, delta: float) -> None:
-        self._rate_updates += 1
-        if self._rate_updates % _RESUM_EVERY == 0:
-            self._rate_sum = self._exact_rate_sum()
-        else:
-            self._rate_sum += delta
-
-    @staticmethod
-    def _append(heap: list[_Entry], key: float, w: WorkerState) -> None:
-        heap.append((key, w.tie, w.order, w.version, w))
-
-    def _push(self, heap: list[_Entry], key: float, w: WorkerState) -> None:
-        heapq.heappush(heap, (key, w.tie, w.order, w.version, w))
-        if len(heap) > 4 * len(self.workers) + 64:  # mostly stale entries: drop them
-            heap[:] = [e for e in heap if e[3] == e[4].version]
-            heapq.heapify(heap)
-
-    @staticmethod
-    def _top(heap: list[_Entry], exclude: WorkerState | None = None) -> _Entry | None:
-        while heap and heap[0][3] != heap[0][4].version:
-            heapq.heappop(heap)
-        if not heap or heap[0][4] is not exclude:
-            return heap[0] if heap else None
-        held = heapq.heappop(heap)
-        second = Scheduler._top(heap)
-        heapq.heappush(heap, held)
-        return second
-
-    def _best(
-        self, measured: list[_Entry], unmeasured: list[_Entry], exclude: WorkerState | None = None
-    ) -> tuple[float, WorkerState] | None:
-        """(drain time, worker) of the soonest-draining worker of the two heaps."""
-        m = self._top(measured, exclude)
-        u = self._top(unmeasured, exclude)
-        if u is not None:
-            u = ((u[0] + 1) * (self.typical_batch_seconds() or 1.0),) + u[1:]
-        best = min((e for e in (m, u) if e is not None), default=None)
-        return None if best is None else (best[0], best[4])
-
     def _assign(self, w: WorkerState, seq: int, now: float) -> None:
         w.in_flight[seq] = now
         self._holders.setdefault(seq, []).append(w)
-        self._refresh(w)
+        self.index.refresh(w)
 
     def _unhold(self, seq: int, w: WorkerState) -> None:
         holders = self._holders.get(seq)
@@ -402,9 +224,6 @@ class Scheduler:
             holders.remove(w)
             if not holders:
                 del self._holders[seq]
-
-    def _total_rate(self, typical: float) -> float:
-        return self._rate_sum + self._unmeasured / typical
 
     # -- decisions ----------------------------------------------------------
     def next_dispatch(self, now: float | None = None) -> tuple[str, int] | None:
@@ -414,19 +233,23 @@ class Scheduler:
         limit = self.delivered + self.window
         if self._pending[0] >= limit:
             return None
-        best = self._best(self._free_measured, self._free_unmeasured)
+        best = self.index.best(self.index.free_measured, self.index.free_unmeasured)
         if best is None:
             return None
         now = self._now(now)
-        if self._late and self._late[0][0] < now:
-            self._raise_late(now)
-            best = self._best(self._free_measured, self._free_unmeasured)
+        if self.index.late and self.index.late[0][0] < now:
+            self.index.raise_late(now)
+            best = self.index.best(self.index.free_measured, self.index.free_unmeasured)
+            if best is None:  # raising estimates frees no credit; kept for the type checker
+                return None
         mine, worker = best
         index = 0
         typical = self.typical_batch_seconds()
-        if typical is not None and self._alive > 1:
-            soonest = self._best(self._all_measured, self._all_unmeasured)[0]
-            total_rate = self._total_rate(typical)
+        if typical is not None and self.index.alive > 1:
+            any_worker = self.index.best(self.index.all_measured, self.index.all_unmeasured)
+            assert any_worker is not None  # more than one alive
+            soonest = any_worker[0]
+            total_rate = self.index.total_rate(typical)
             if mine > soonest and self._keep_for_others(worker, mine, soonest, total_rate, typical, now):
                 return None
             if mine > _SLOW_RATIO * soonest:
@@ -454,7 +277,7 @@ class Scheduler:
         if others_rate <= 0:
             return False
         remaining = len(self._pending) + max(end - self.known, 0)
-        others_queued = self._in_flight - len(worker.in_flight)
+        others_queued = self.index.in_flight - len(worker.in_flight)
         others_finish = max((remaining + others_queued) / others_rate, soonest)
         if mine <= others_finish:
             return False
@@ -464,10 +287,10 @@ class Scheduler:
 
     def _resize_window(self) -> None:
         typical = self.typical_batch_seconds()
-        if typical is None or not self._alive:
+        if typical is None or not self.index.alive:
             return
-        slowest_queue = self.credits * self._times[-1]
-        needed = int(self._total_rate(typical) * slowest_queue) + self._alive + self.credits
+        slowest_queue = self.credits * self.index.times[-1]
+        needed = int(self.index.total_rate(typical) * slowest_queue) + self.index.alive + self.credits
         self.window = min(max(self.base_window, needed), self.max_window)
 
     def completed(self, address: str, seq: int, now: float | None = None) -> tuple[bool, list[str]]:
@@ -491,7 +314,7 @@ class Scheduler:
             prev = state.seconds_per_batch
             state.seconds_per_batch = sample if prev is None else (1 - _ALPHA) * prev + _ALPHA * sample
         self.done.add(seq)
-        self._refresh(state)
+        self.index.refresh(state)
         if state.completed % 8 == 1:
             self._resize_window()
         return True, self._forget(seq)
@@ -502,7 +325,7 @@ class Scheduler:
         if state is not None and state.in_flight.pop(seq, None) is not None:
             state.late = 0.0
             self._unhold(seq, state)
-            self._refresh(state)
+            self.index.refresh(state)
         self.done.add(seq)
         return self._forget(seq)
 
@@ -510,14 +333,13 @@ class Scheduler:
         others = self._holders.pop(seq, [])
         for w in others:
             del w.in_flight[seq]  # its lateness stays: it says how slow w is until w finishes something
-            self._refresh(w)
+            self.index.refresh(w)
         return [w.address for w in others]
 
     # -- stragglers -----------------------------------------------------------
     def typical_batch_seconds(self) -> float | None:
         """Median measured seconds per batch of the alive workers."""
-        times = self._times
-        return times[len(times) // 2] if times else None
+        return self.index.typical()
 
     def hedge(self, factor: float, min_seconds: float, now: float | None = None) -> list[tuple[str, int]]:
         """Duplicate overdue batches that are needed soon onto workers with a free credit."""
@@ -525,11 +347,11 @@ class Scheduler:
         if typical is None:
             return []
         now = self._now(now)
-        self._raise_late(now)
+        self.index.raise_late(now)
         limit = max(factor * typical, min_seconds)
-        horizon = min(self.delivered + max(self._alive, 1), self.known)
+        horizon = min(self.delivered + max(self.index.alive, 1), self.known)
         stuck = []  # workers whose oldest request began before now - limit (exact test below)
-        running = self._running
+        running = self.index.running
         while running and running[0][0] <= now - limit + 1e-9:
             entry = heapq.heappop(running)
             if entry[3] == entry[4].version:
@@ -550,7 +372,7 @@ class Scheduler:
                     overdue.append((seq, holder))
         out = []
         for seq, holder in sorted(overdue, key=lambda item: item[0]):
-            best = self._best(self._free_measured, self._free_unmeasured, exclude=holder)
+            best = self.index.best(self.index.free_measured, self.index.free_unmeasured, exclude=holder)
             if best is None:
                 break
             target = best[1]

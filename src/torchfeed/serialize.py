@@ -18,16 +18,12 @@ import io
 import pickle
 import threading
 from collections import ChainMap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import cloudpickle
 import numpy as np
 import torch
-
-from . import buffers, notices
-
-ALIGN = 64  # every buffer starts on a 64-byte boundary of the receive block
 
 _state = threading.local()
 
@@ -70,7 +66,7 @@ def _reduce_tensor(t: torch.Tensor):
             t = t.contiguous()
     raw = t.reshape(-1).view(torch.uint8).numpy()
     dtype_name = str(t.dtype).split(".", 1)[1]
-    return _rebuild_tensor, (pickle.PickleBuffer(raw), dtype_name, tuple(t.shape), requires_grad)
+    return _rebuild_tensor, (_buffer(raw), dtype_name, tuple(t.shape), requires_grad)
 
 
 def _rebuild_ndarray(buf, dtype, shape):
@@ -83,15 +79,23 @@ def _reduce_ndarray(a: np.ndarray):
     if not a.flags.c_contiguous:
         a = np.ascontiguousarray(a)
     raw = a.reshape(-1).view(np.uint8)
-    return _rebuild_ndarray, (pickle.PickleBuffer(raw), a.dtype, a.shape)
+    return _rebuild_ndarray, (_buffer(raw), a.dtype, a.shape)
 
 
-_REDUCERS = {torch.Tensor: _reduce_tensor, np.ndarray: _reduce_ndarray}
+def _buffer(raw: np.ndarray) -> pickle.PickleBuffer:
+    """An out-of-band buffer over a contiguous array, without a copy."""
+    # numpy declares the buffer protocol to type checkers only for Python >= 3.12
+    return pickle.PickleBuffer(raw)  # type: ignore[arg-type,unused-ignore]
+
+
+_REDUCERS: dict[type, Callable[[Any], Any]] = {torch.Tensor: _reduce_tensor, np.ndarray: _reduce_ndarray}
 
 
 # The C pickler reads ``dispatch_table`` once, in __init__: it must be a class attribute.
 class _Pickler(pickle.Pickler):
-    dispatch_table = ChainMap(_REDUCERS, copyreg.dispatch_table)
+    # copyreg's table is typed with narrower reducers than Callable[[Any], Any]; same at run time
+    dispatch_table = ChainMap(_REDUCERS, copyreg.dispatch_table)  # type: ignore[arg-type]
+    buffers: list[memoryview]  # set by dumps() (the bytes-apart picklers append to it)
 
 
 class _CloudPickler(cloudpickle.Pickler):
@@ -172,45 +176,7 @@ def dumps_reply(obj: Any) -> tuple[bytes, list[memoryview]]:
     return meta, buffers
 
 
-# -- receiving ---------------------------------------------------------------
-
-_warned_pin = False
-
-
-def _cuda_pinnable() -> bool:
-    global _warned_pin
-    if torch.cuda.is_available():
-        return True
-    if not _warned_pin:
-        _warned_pin = True
-        notices.warn(
-            "pin_memory=True but CUDA is not available: batches are received into ordinary memory instead"
-        )
-    return False
-
-
-def check_pinnable(pin: bool) -> None:
-    """Warn (once, at the user's line) when ``pin`` is asked for and cannot be had."""
-    if pin:
-        _cuda_pinnable()
-
-
-def allocate(lengths: Sequence[int], pin: bool = False) -> list[memoryview]:
-    """One block holding every buffer of a message, each 64-byte aligned.
-
-    With ``pin=True`` and CUDA available the block is page-locked host memory, so the
-    tensors rebuilt from it can be copied to the GPU asynchronously.
-    """
-    offsets = []
-    total = 0
-    for n in lengths:
-        offsets.append(total)
-        total += (n + ALIGN - 1) // ALIGN * ALIGN
-    if pin and _cuda_pinnable():
-        arr = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True).numpy()  # torch caches these
-    else:
-        arr = buffers.empty_array(max(total, 1))
-    return [memoryview(arr[o : o + n]) for o, n in zip(offsets, lengths)]
+# -- receiving (the receive block itself comes from buffers.allocate) ---------------
 
 
 class _Unpickler(pickle.Unpickler):

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from . import auth, client, serialize, wire
+from .buffers import check_pinnable
 from .errors import SerializationError
 
 log = logging.getLogger("torchfeed.client")
@@ -229,7 +230,7 @@ class Session:
         """Low-level asynchronous call: ``callback(ok, value)`` receives the outcome on a
         connection's reader thread. Returns the :class:`~torchfeed.client.Call`."""
         timeout = self.timeout if timeout is None else timeout
-        serialize.check_pinnable(pin_memory)
+        check_pinnable(pin_memory)
         try:
             meta, buffers = serialize.dumps((func, tuple(args or ()), dict(kwargs or {})), by_value=True)
         except Exception as exc:

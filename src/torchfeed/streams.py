@@ -27,7 +27,7 @@ import threading
 from collections import deque
 from typing import Any
 
-from . import errors, sampling
+from . import errors, seeding
 from .context import WorkerSetup, own_copy, worker_context
 
 BATCH, END, ERROR, NEED = 0, 1, 2, 3
@@ -107,9 +107,9 @@ class Stream:
 
     def _start(self, dataset, state: bytes | None, rng: bytes | None) -> None:
         """``iter(dataset)`` at the stream's position: from its state, else replayed."""
-        sampling.use(self._pass.stream)
+        seeding.use(self._pass.stream)
         if rng is not None:
-            sampling._set_global_states(pickle.loads(rng))
+            seeding.set_global_states(pickle.loads(rng))
         self._holder = dataset if stateful(dataset) else None
         if state is not None and self._holder is not None:
             self._holder.load_state_dict(pickle.loads(state))
@@ -121,10 +121,6 @@ class Stream:
                 self._iterator.load_state_dict(pickle.loads(state))
         if state is None and self._number:
             self._replay(self._number)
-
-    @property
-    def is_stateful(self) -> bool:
-        return self._holder is not None
 
     def _replay(self, batches: int) -> None:
         """Draw and drop the items of ``batches`` batches (a restarted stream without state)."""
@@ -145,7 +141,7 @@ class Stream:
                 return number, END, None, None, None, self._inbox.taken
             try:
                 with _DRAWING, worker_context(self._pass.info):
-                    sampling.use(self._pass.stream)
+                    seeding.use(self._pass.stream)
                     items = self._next_items()
                     state, rng = self._capture()
                 batch = self._collate(items)  # outside the context, as the map-style fetcher
@@ -165,7 +161,7 @@ class Stream:
         if self._holder is None:
             return None, None
         state = pickle.dumps(self._holder.state_dict(), protocol=5)
-        return state, pickle.dumps(sampling._global_states(), protocol=5)
+        return state, pickle.dumps(seeding.global_states(), protocol=5)
 
     def _next_items(self):
         if self._batch_size is None:

@@ -34,13 +34,17 @@ def _plain(key: Any) -> Any:
 def _resolve(dataset: Any, parts: list[RemoteDataset]) -> Mapper:
     """Collect the RemoteDatasets under ``dataset`` into ``parts``; return key -> (part, key)."""
     if isinstance(dataset, RemoteDataset):
-        for known in parts:
-            if known is dataset:
-                break
+        seen = [i for i, part in enumerate(parts) if part is dataset]
+        if seen:  # the same dataset twice (ConcatDataset([d, d])): one part
+            number = seen[0]
         else:
             parts.append(dataset)
             number = len(parts) - 1
-        return lambda key, _n=number: (_n, _plain(key))
+
+        def to_part(key: Any) -> tuple[int, Any]:
+            return number, _plain(key)
+
+        return to_part
     if isinstance(dataset, Subset):
         inner = _resolve(dataset.dataset, parts)
         indices = dataset.indices

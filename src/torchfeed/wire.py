@@ -29,7 +29,6 @@ from .errors import FrameTooLarge, ProtocolError
 MAGIC = b"TFED"
 VERSION = 2  # 2: sealed records after the handshake
 HEADER = struct.Struct("<4sBBHQIII")
-LENGTH = struct.Struct("<Q")
 
 # message kinds
 HELLO = 1  # worker -> client: nonce (handshake step 1)
@@ -162,7 +161,7 @@ def send_frame(
 ) -> None:
     """Send one message with a single gathered write where possible (no joining copies)."""
     lengths = [memoryview(b).nbytes for b in buffers]
-    parts = [pack_header(kind, request_id, len(meta), lengths, flags)]
+    parts: list[bytes | memoryview] = [pack_header(kind, request_id, len(meta), lengths, flags)]
     if meta:
         parts.append(meta)
     parts.extend(memoryview(b).cast("B") for b, n in zip(buffers, lengths) if n)

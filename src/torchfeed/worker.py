@@ -32,7 +32,6 @@ the executors after the request they are running.
 from __future__ import annotations
 
 import logging
-import pickle
 import queue
 import resource
 import secrets
@@ -41,23 +40,18 @@ import socket
 import struct
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from . import auth, errors, sampling, serialize, wire, workerstats
+from . import auth, wire, workerstats
 from .addrfile import announce, read_address_file  # noqa: F401  (read_address_file: old import path)
 from .doorman import Doorman
-from .errors import FrameTooLarge, LimitExceeded, ProtocolError, TorchfeedError
-from .limits import check_reply
+from .errors import LimitExceeded, TorchfeedError
+from .serverconn import ServerConnection
 
 log = logging.getLogger("torchfeed.worker")
 
 HANDSHAKE_TIMEOUT = 10.0
-# replies up to this size are sealed and written by the thread that made them when nothing
-# is queued before them (see ServerConnection.send); larger ones always go to the writer
-_DIRECT_BYTES = 64 * 1024
-_SEALED = -1  # outbox entry: already sealed bytes (the rest of a direct write)
 
 
 @dataclass(frozen=True)
@@ -133,260 +127,6 @@ class Registry:
 
     def __len__(self) -> int:
         return len(self._objects)
-
-
-def _describe_exception(exc: BaseException) -> bytes:
-    return pickle.dumps(errors.describe_exception(exc), protocol=5)
-
-
-class ServerConnection:
-    """One authenticated client connection on the worker (see the NOTE above)."""
-
-    _ids = iter(range(1, 1 << 62))
-
-    def __init__(self, server: WorkerServer, sock: socket.socket, peer: str, channel):
-        self.server = server
-        self.sock = sock
-        self.peer = peer
-        self.id = next(self._ids)
-        self.channel = channel
-        self.channel.send_stall_timeout = server.timeout
-        self.limits: ConnectionLimits = server.limits
-        self.cancelled: set = set()
-        self.closed = False
-        self._cond = threading.Condition()
-        self._outbox: deque = deque()
-        self.unsent_bytes = 0
-        self.queued = 0  # calls received and not yet answered
-        self.queued_bytes = 0  # their size
-        self.waiting_ids: set = set()  # their request ids (what CANCEL may name)
-        self.sending = False  # the writer is inside a send
-        self.waiting_for_room = False  # the reader is paused by back pressure
-
-    def start(self) -> None:
-        """Start the writer, then the reader; if either cannot start (no threads left), close."""
-        try:
-            threading.Thread(target=self._write_loop, name=f"torchfeed-tx-{self.id}", daemon=True).start()
-            threading.Thread(target=self.serve, name=f"torchfeed-rx-{self.id}", daemon=True).start()
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        with self._cond:
-            if self.closed:
-                return
-            self.closed = True
-            self._outbox.clear()
-            self.unsent_bytes = 0
-            self._cond.notify_all()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-        self.server.registry.drop_owner(self.id)
-        self.server.forget(self)
-
-    # -- writer thread -------------------------------------------------------
-    def send(self, kind: int, request_id: int = 0, meta: bytes = b"", buffers=(), flags: int = 0) -> None:
-        """Send a message, or queue it for the writer; never blocks.
-
-        A small message with nothing queued before it is sealed and written here, without
-        blocking (no hop to the writer thread: the usual case for small replies); what the
-        socket does not take at once goes to the front of the outbox for the writer.
-        """
-        size = len(meta) + sum(memoryview(b).nbytes for b in buffers)
-        with self._cond:
-            if self.closed:
-                return
-            if self._outbox or self.sending or size > _DIRECT_BYTES:
-                self._outbox.append((kind, request_id, meta, buffers, flags, size))
-                self.unsent_bytes += size
-                self._cond.notify_all()
-                return
-            self.sending = True  # the writer keeps out until the rest, if any, is queued
-        rest: memoryview | None = None
-        try:
-            rest = self.channel.write_nowait(self.channel.seal(kind, request_id, meta, buffers, flags))
-        except OSError as exc:
-            if not self.closed:
-                log.info("could not write to client %s: %s", self.peer, exc)
-            self.close()
-        finally:
-            with self._cond:
-                self.sending = False
-                if rest is not None and len(rest) and not self.closed:
-                    self._outbox.appendleft((_SEALED, 0, rest, (), 0, len(rest)))
-                    self.unsent_bytes += len(rest)
-                if self._outbox:  # queued meanwhile: the writer waited for us
-                    self._cond.notify_all()
-
-    def _write_loop(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while (not self._outbox or self.sending) and not self.closed:
-                        self._cond.wait()
-                    if self.closed:
-                        return
-                    kind, rid, meta, buffers, flags, size = self._outbox.popleft()
-                    self.sending = True
-                if kind == _SEALED:  # the rest of a message send() began to write
-                    self.channel.write(meta)
-                else:
-                    self.channel.send(kind, rid, meta, buffers, flags)
-                del meta, buffers
-                with self._cond:
-                    self.sending = False
-                    self.unsent_bytes -= size
-                    self._cond.notify_all()
-        except (OSError, TimeoutError) as exc:
-            if not self.closed:
-                log.info("could not write to client %s: %s", self.peer, exc)
-        except Exception:  # a bug here must cost one connection, never the worker
-            log.exception("unexpected error writing to %s", self.peer)
-        finally:
-            self.close()
-
-    def busy(self) -> bool:
-        """Replies waiting or being sent, or reading paused for them: judged by the writer."""
-        return bool(self._outbox) or self.sending or self.waiting_for_room
-
-    def silent_for(self, now: float) -> float:
-        return now - self.channel.last_activity
-
-    # -- reader thread -----------------------------------------------------
-    def serve(self) -> None:
-        try:
-            self._read_loop()
-        except (ConnectionError, OSError) as exc:
-            if not self.closed:
-                log.info("client %s disconnected: %s", self.peer, exc)
-        except ProtocolError as exc:
-            log.warning("dropping client %s: %s", self.peer, exc)
-        except Exception:  # a bug here must cost one connection, never the worker
-            log.exception("unexpected error serving %s", self.peer)
-        finally:
-            self.close()
-
-    def _read_loop(self) -> None:
-        channel = self.channel
-        frame_limits = self.limits.frame_limits()
-        while not self.closed:
-            self._wait_for_room()
-            try:
-                frame = channel.read_header(frame_limits)
-            except FrameTooLarge as exc:  # authentic but too big: answer it, keep the connection
-                channel.skip(exc.frame)
-                self._refuse(exc.frame.request_id, exc)
-                continue
-            kind = frame.kind
-            if kind in (wire.CALL, wire.CALL_REF):
-                refusal = self._over_limits(frame)
-                if refusal is not None:
-                    channel.skip(frame)
-                    self._refuse(frame.request_id, refusal)
-                    continue
-                channel.read_meta(frame)
-                buffers = serialize.allocate(frame.buffer_lengths) if frame.buffer_lengths else []
-                channel.read_buffers(buffers)
-                with self._cond:
-                    self.queued += 1
-                    self.queued_bytes += frame.size
-                    self.waiting_ids.add(frame.request_id)
-                self.server.tasks.put((self, frame, buffers))
-                del buffers  # the task owns them now
-                continue
-            channel.read_meta(frame)
-            channel.skip(frame, meta=False)
-            if kind == wire.PING:
-                self.send(wire.PONG, frame.request_id)
-            elif kind == wire.RELEASE:
-                self.server.registry.release(pickle.loads(frame.meta), self.id)
-            elif kind == wire.CANCEL:
-                with self._cond:  # only requests still waiting can be skipped
-                    self.cancelled.update(rid for rid in pickle.loads(frame.meta) if rid in self.waiting_ids)
-            elif kind == wire.STATS:  # [stats hook] from counters only; send() never blocks
-                self.send(wire.REPLY, frame.request_id, workerstats.reply(self.server))
-            else:
-                raise ProtocolError(f"a client may not send {wire.KIND_NAMES[kind]} messages")
-
-    def _over_limits(self, frame: wire.Frame) -> LimitExceeded | None:
-        lim = self.limits
-        if frame.size > lim.max_call_bytes:
-            return LimitExceeded(
-                f"a call of {frame.size:,} bytes (pickled arguments plus buffers) exceeds the worker's limit of "
-                f"{lim.max_call_bytes:,}: pass less data per call (build large objects inside the dataset on "
-                "the worker) or start the worker with a larger --max-call-bytes"
-            )
-        if self.queued >= lim.max_queued_requests or self.queued_bytes + frame.size > lim.max_queued_bytes:
-            return LimitExceeded(
-                f"this client has {self.queued} requests ({self.queued_bytes:,} bytes) waiting on the worker (the "
-                f"limits are {lim.max_queued_requests} requests and {lim.max_queued_bytes:,} bytes): wait for "
-                "replies before sending more, or start the worker with a larger --max-queued-requests"
-            )
-        return None
-
-    def _wait_for_room(self) -> None:
-        """Back pressure: stop reading while too many reply bytes wait to be sent."""
-        with self._cond:
-            self.waiting_for_room = True
-            while self.unsent_bytes > self.limits.max_unsent_bytes and not self.closed:
-                self._cond.wait(1.0)
-            self.waiting_for_room = False
-
-    def _refuse(self, rid: int, exc: BaseException) -> None:
-        log.info("refused a request from %s: %s", self.peer, exc)
-        self.server.counters.refused()  # [stats hook]
-        self.send(wire.ERROR, rid, _describe_exception(exc))
-
-    # -- executor threads ----------------------------------------------------
-    def execute(self, frame: wire.Frame, buffers) -> None:
-        try:
-            self._execute(frame, buffers)
-        finally:
-            self._answered(frame)
-
-    def _execute(self, frame: wire.Frame, buffers) -> None:
-        rid = frame.request_id
-        if rid in self.cancelled:
-            self.cancelled.discard(rid)
-            return
-        try:
-            payload = serialize.loads_call(frame.meta, buffers, self.server.registry)
-            if frame.kind == wire.CALL:
-                func, args, kwargs = payload
-            else:
-                ref_id, args, kwargs = payload
-                func = self.server.registry.get(ref_id, self.server.address)
-            if not getattr(func, "manages_rng", False):
-                sampling.restore_outside()  # seeded loading may have left its seeds behind
-            result = func(*(args or ()), **(kwargs or {}))
-            flags = frame.flags & wire.FLAG_RREF
-            if flags:
-                ref = self.server.registry.put(result, self.id, self.limits.max_refs)
-                meta, out = pickle.dumps(ref), []
-            else:
-                meta, out = serialize.dumps_reply(result)
-                check_reply(meta, out, getattr(func, "reply_limits", None))
-            del result
-        except BaseException as exc:  # user code may raise anything, SystemExit and Ctrl-C included
-            self._reply(wire.ERROR, rid, _describe_exception(exc), [])
-            return
-        self._reply(wire.REPLY, rid, meta, out, flags)
-
-    def _reply(self, kind: int, rid: int, meta: bytes, buffers, flags: int = 0) -> None:
-        self.cancelled.discard(rid)
-        self.server.counters.replied(kind, meta, buffers)  # [stats hook]
-        self.send(kind, rid, meta, buffers, flags)
-
-    def _answered(self, frame: wire.Frame) -> None:
-        with self._cond:
-            self.queued -= 1
-            self.queued_bytes -= frame.size
-            self.waiting_ids.discard(frame.request_id)
-            self.cancelled.discard(frame.request_id)
 
 
 class WorkerServer:

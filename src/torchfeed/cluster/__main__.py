@@ -7,24 +7,15 @@ import os
 import sys
 
 from ..errors import TorchfeedError
+from ..util import pid_alive
 from .discovery import wait_for_addresses
 from .env import choose_port
 
 
 def _alive(pid: int):
     def check() -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
         # a zombie child (exited, not yet reaped by the batch shell) counts as dead
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return True
+        return pid_alive(pid)
 
     return check
 

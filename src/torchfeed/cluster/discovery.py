@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from ..addrfile import read_address_file
 from ..errors import Timeout, TorchfeedError
-from .env import _int_var, environment
+from .env import environment, int_var
 
 ENV_WORKERS = "TORCHFEED_WORKERS"
 ENV_ADDRESS_FILE = "TORCHFEED_ADDRESS_FILE"
@@ -96,7 +96,7 @@ def workers(
                 f"with `torchfeed worker --address-file FILE` and pass address_file=FILE "
                 f"(or set {ENV_ADDRESS_FILE})"
             )
-        count = expected if expected is not None else _int_var(os.environ, ENV_NUM_WORKERS, 1)
+        count = expected if expected is not None else int_var(os.environ, ENV_NUM_WORKERS, 1)
         addresses = wait_for_addresses(path, count, timeout)
     return split_workers(addresses, rank, world_size, shared=shared)
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from ..errors import TorchfeedError
+from ..util import free_port
 
 PORT_MIN = 15000
 PORT_SPAN = 15000  # derived ports lie in [15000, 30000): below Linux's ephemeral range
@@ -114,12 +115,10 @@ def choose_port(
     """
     environ = os.environ if environ is None else environ
     if environ.get("MASTER_PORT"):
-        return _int_var(environ, "MASTER_PORT")
+        return int_var(environ, "MASTER_PORT")
     job_id = job_id or _job_id(environ)
     if not job_id:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return s.getsockname()[1]
+        return free_port(host)
     for attempt in range(attempts):
         port = derive_port(job_id, attempt)
         if port_is_free(port, host):
@@ -133,7 +132,7 @@ def choose_port(
 # -- helpers ----------------------------------------------------------------------
 
 
-def _int_var(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
+def int_var(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
     value = environ.get(name)
     if value is None or value == "":
         if default is None:
@@ -199,17 +198,17 @@ def expand_tasks_per_node(expr: str) -> list[int]:
 
 
 def _from_env_vars(environ: Mapping[str, str]) -> Environment:
-    rank, world = _int_var(environ, "RANK"), _int_var(environ, "WORLD_SIZE")
-    local_world = _int_var(environ, "LOCAL_WORLD_SIZE", 1)
-    node_rank = _int_var(environ, "GROUP_RANK", _int_var(environ, "NODE_RANK", rank // max(local_world, 1)))
+    rank, world = int_var(environ, "RANK"), int_var(environ, "WORLD_SIZE")
+    local_world = int_var(environ, "LOCAL_WORLD_SIZE", 1)
+    node_rank = int_var(environ, "GROUP_RANK", int_var(environ, "NODE_RANK", rank // max(local_world, 1)))
     return Environment(
         rank,
-        _int_var(environ, "LOCAL_RANK", 0),
+        int_var(environ, "LOCAL_RANK", 0),
         world,
         local_world,
         node_rank,
         environ.get("MASTER_ADDR"),
-        _int_var(environ, "MASTER_PORT", 0),
+        int_var(environ, "MASTER_PORT", 0),
         "torchrun" if "TORCHELASTIC_RUN_ID" in environ else "env",
         _job_id(environ),
     )
@@ -219,7 +218,7 @@ def _slurm_rank0_host(environ: Mapping[str, str], nodes: list[str]) -> str:
     """Node of rank 0: first node of the lowest het group taking part in the step."""
     if environ.get("SLURM_HET_SIZE"):
         in_step = set(nodes)
-        for g in range(_int_var(environ, "SLURM_HET_SIZE")):
+        for g in range(int_var(environ, "SLURM_HET_SIZE")):
             group = expand_hostlist(environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{g}", ""))
             mine = [n for n in group if n in in_step]
             if mine:
@@ -228,18 +227,18 @@ def _slurm_rank0_host(environ: Mapping[str, str], nodes: list[str]) -> str:
 
 
 def _from_slurm(environ: Mapping[str, str]) -> Environment:
-    rank = _int_var(environ, "SLURM_PROCID")
-    world = _int_var(environ, "SLURM_STEP_NUM_TASKS")
+    rank = int_var(environ, "SLURM_PROCID")
+    world = int_var(environ, "SLURM_STEP_NUM_TASKS")
     nodes = expand_hostlist(environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST", ""))
     counts = expand_tasks_per_node(environ.get("SLURM_STEP_TASKS_PER_NODE") or str(world))
     me = environ.get("SLURMD_NODENAME")
     if me in nodes and len(counts) == len(nodes):
         local_world = counts[nodes.index(me)]
     else:
-        local_world = counts[0] if len(set(counts)) == 1 else _int_var(environ, "SLURM_NTASKS_PER_NODE", 1)
+        local_world = counts[0] if len(set(counts)) == 1 else int_var(environ, "SLURM_NTASKS_PER_NODE", 1)
     job = environ.get("SLURM_JOB_ID")
     if environ.get("MASTER_PORT"):
-        port = _int_var(environ, "MASTER_PORT")
+        port = int_var(environ, "MASTER_PORT")
     elif environ.get("SLURM_STEP_RESV_PORTS"):  # ports Slurm reserved for this step (srun --resv-ports)
         port = int(re.split(r"[-,]", environ["SLURM_STEP_RESV_PORTS"])[0])
     else:
@@ -247,10 +246,10 @@ def _from_slurm(environ: Mapping[str, str]) -> Environment:
     addr = environ.get("MASTER_ADDR") or (_slurm_rank0_host(environ, nodes) if nodes else None)
     return Environment(
         rank,
-        _int_var(environ, "SLURM_LOCALID", 0),
+        int_var(environ, "SLURM_LOCALID", 0),
         world,
         local_world,
-        _int_var(environ, "SLURM_NODEID", 0),
+        int_var(environ, "SLURM_NODEID", 0),
         addr,
         port,
         "slurm",
@@ -261,13 +260,11 @@ def _from_slurm(environ: Mapping[str, str]) -> Environment:
 def _mpi(
     environ: Mapping[str, str], source: str, rank: str, size: str, local_rank: str, local_size: str
 ) -> Environment:
-    r, world = _int_var(environ, rank), _int_var(environ, size)
-    lr, lws = _int_var(environ, local_rank, 0), _int_var(environ, local_size, 1)
+    r, world = int_var(environ, rank), int_var(environ, size)
+    lr, lws = int_var(environ, local_rank, 0), int_var(environ, local_size, 1)
     job = _job_id(environ)
     addr = environ.get("MASTER_ADDR") or ("127.0.0.1" if lws >= world else None)
-    port = _int_var(environ, "MASTER_PORT", 0) or derive_port(
-        job or f"{source}:{environ.get('HOSTNAME', '')}"
-    )
+    port = int_var(environ, "MASTER_PORT", 0) or derive_port(job or f"{source}:{environ.get('HOSTNAME', '')}")
     return Environment(r, lr, world, lws, r // max(lws, 1), addr, port, source, job)
 
 
@@ -293,7 +290,7 @@ def _from_dask(environ: Mapping[str, str]) -> Environment | None:
     node_hosts = sorted(set(hosts))
     same = [a for a, h in zip(addresses, hosts) if h == host]
     job = str(info.get("address") or info.get("id") or "dask")
-    port = _int_var(environ, "MASTER_PORT", 0) or derive_port(job)
+    port = int_var(environ, "MASTER_PORT", 0) or derive_port(job)
     return Environment(
         rank,
         same.index(me.address),
@@ -346,7 +343,7 @@ def environment(environ: Mapping[str, str] | None = None) -> Environment:
             return _mpi(environ, "mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
         return _mpi(environ, "pmi", "PMI_RANK", "PMI_SIZE", "PMI_LOCAL_RANK", "PMI_LOCAL_SIZE")
     job = _job_id(environ)
-    port = _int_var(environ, "MASTER_PORT", 0) or (derive_port(job) if job else 0)
+    port = int_var(environ, "MASTER_PORT", 0) or (derive_port(job) if job else 0)
     return Environment(master_addr=environ.get("MASTER_ADDR", "127.0.0.1"), master_port=port, job_id=job)
 
 
@@ -465,7 +462,7 @@ def device_group(gpus_per_model: int | None = None, *, local_rank: int | None = 
     """
     import torch
 
-    g = gpus_per_model if gpus_per_model is not None else _int_var(os.environ, ENV_GPUS_PER_MODEL, 1)
+    g = gpus_per_model if gpus_per_model is not None else int_var(os.environ, ENV_GPUS_PER_MODEL, 1)
     if g < 1:
         raise ValueError(f"gpus_per_model must be >= 1, got {g}")
     r = environment().local_rank if local_rank is None else local_rank

@@ -17,6 +17,7 @@ import torch
 from distributed.comm.addressing import get_address_host
 
 from ..errors import RemoteError
+from ..util import free_port, restore_env
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +86,6 @@ def _describe_worker(dask_worker=None) -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "name": str(dask_worker.name)}
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _natural(text: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
@@ -146,11 +141,7 @@ def _run_rank(fn, args: tuple, kwargs: dict, spec: _Rank, backend: str | None, i
             spec.rank, spec.world_size, spec.worker, _qualname(type(exc)), str(exc), traceback.format_exc()
         ) from None
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_env(saved)
 
 
 def run(
@@ -197,7 +188,7 @@ def run(
         )
     order = _order_workers(infos)
     master = order[0]
-    port = client.run(_free_port, workers=[master])[master]
+    port = client.run(free_port, "", workers=[master])[master]
     master_addr = get_address_host(master)
     hosts: dict[str, list[str]] = {}
     for addr in order:

@@ -14,6 +14,7 @@ import distributed
 import torch
 
 from ..datasets.storage import open_url
+from ..util import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -61,18 +62,7 @@ def _plain(value: Any) -> Any:
 def _write(fs, root: str, path: str, data: bytes) -> str:
     target = f"{root.rstrip('/')}/{path}"
     if "file" in (fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)):
-        directory, name = os.path.split(target)
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)  # readers see the old file or the whole new one
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        atomic_write(target, data)  # readers see the old file or the whole new one
         return target
     fs.pipe_file(target, data)  # one PUT: object stores publish an object whole or not at all
     return fs.unstrip_protocol(target)
@@ -104,7 +94,7 @@ class ResultsHandler:
         return {"key": self.key, "inline_limit": self.inline_limit}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["key"], inline_limit=state["inline_limit"])
+        ResultsHandler.__init__(self, state["key"], inline_limit=state["inline_limit"])
 
     def _queue(self, kind: str) -> distributed.Queue:
         queue = self._queues.get(kind)
@@ -228,7 +218,11 @@ class ResultsHandler:
                 if f.key in reported or f.status not in ("error", "cancelled"):
                     continue
                 reported.add(f.key)
-                exc = f.exception() if f.status == "error" else distributed.client.FutureCancelledError(f.key)
+                exc = (
+                    f.exception()
+                    if f.status == "error"
+                    else distributed.client.FutureCancelledError(f.key, reason=None)
+                )
                 if raise_errors:
                     raise exc
                 log.error("%s failed: %s", f.key, exc)

@@ -19,6 +19,7 @@ from distributed.comm.addressing import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from .. import auth
+from ..util import restore_env
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +56,16 @@ class _Process:
         self._forwarder.start()
 
     def _forward(self) -> None:
-        for line in self.popen.stderr:
+        stderr = self.popen.stderr
+        assert stderr is not None  # stderr=PIPE
+        for line in stderr:
             self.tail.append(line)
             sys.stderr.write(line)
-        self.popen.stderr.close()
+        stderr.close()
 
     def read_address(self, deadline: float) -> str:
         stdout = self.popen.stdout
+        assert stdout is not None  # stdout=PIPE
         with selectors.DefaultSelector() as sel:
             sel.register(stdout, selectors.EVENT_READ)
             while time.monotonic() < deadline:
@@ -88,7 +92,8 @@ class _Process:
             self.popen.kill()
             self.popen.wait()
         for stream in (self.popen.stdin, self.popen.stdout):
-            stream.close()
+            if stream is not None:
+                stream.close()
         self._forwarder.join(1.0)
 
 
@@ -135,10 +140,7 @@ class _WorkerProcesses(WorkerPlugin):
             p.wait(max(0.0, deadline - time.monotonic()))
         if self._saved_secret is not None:
             (previous,), self._saved_secret = self._saved_secret, None
-            if previous is None:
-                os.environ.pop(auth.ENV_SECRET, None)
-            else:
-                os.environ[auth.ENV_SECRET] = previous
+            restore_env({auth.ENV_SECRET: previous})
 
 
 async def _start_on_worker(
@@ -269,9 +271,5 @@ def stop_workers(client: distributed.Client) -> None:
             exc,
         )
     if _exported and os.environ.get(auth.ENV_SECRET) == _exported.get("ours"):
-        previous = _exported.get("previous")
-        if previous is None:
-            os.environ.pop(auth.ENV_SECRET, None)
-        else:
-            os.environ[auth.ENV_SECRET] = previous
+        restore_env({auth.ENV_SECRET: _exported.get("previous")})
     _exported.clear()

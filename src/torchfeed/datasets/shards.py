@@ -138,7 +138,8 @@ class ShardReader:
                             raise StopIteration
                         raise NeedShard()
                     self._granted.append(tuple(shard))
-                self._current = self._open(*self._granted[self._done], skip=self._emitted)
+                index, buffer_seed = self._granted[self._done]
+                self._current = self._open(index, buffer_seed, skip=self._emitted)
             try:
                 sample = next(self._current)
             except StopIteration:

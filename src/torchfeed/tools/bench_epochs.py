@@ -1,5 +1,5 @@
 """Benchmark cases of issue 12: what the loader costs the trainer, across epoch boundaries,
-and with many trainers sharing many workers (see :mod:`torchfeed.bench` for the others).
+and with many trainers sharing many workers (see :mod:`torchfeed.tools.bench` for the others).
 
 * ``epochs``: 4 sleep-bound workers, one 4x slower, epochs of 64 batches of 8, timed over
   5 consecutive passes including the gaps between them (start and tail of every pass).
@@ -20,24 +20,23 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 from torch.utils.data import DataLoader
 from torch.utils.data._utils.collate import default_collate
 
 from . import bench
-from .bench import (
+from .bench import STRAGGLER_BATCH, STRAGGLER_SLEEP, STRAGGLER_SLOWDOWN, STRAGGLER_WORKERS
+from .measure import (
     BIG,
     PREFETCH,
-    STRAGGLER_BATCH,
-    STRAGGLER_SLEEP,
-    STRAGGLER_SLOWDOWN,
-    STRAGGLER_WORKERS,
     Context,
     CountSampler,
     Result,
     SleepyDataset,
-    _own_cpu_seconds,
-    _process_cpu_seconds,
+    TinyDataset,
+    own_cpu_seconds,
+    process_cpu_seconds,
     touch,
 )
 
@@ -71,11 +70,11 @@ def _passes(loader, passes: int) -> float:
 
 
 def case_epochs(ctx: Context) -> Result:
-    from .loader import RemoteDataLoader, RemoteDataset
+    from ..loader import RemoteDataLoader, RemoteDataset
 
     nw, slow = STRAGGLER_WORKERS, STRAGGLER_SLOWDOWN
     length = EPOCH_BATCHES * STRAGGLER_BATCH
-    single = bench._single_rate(min(1.5, max(0.3, ctx.seconds / 4)))
+    single = bench.single_rate(min(1.5, max(0.3, ctx.seconds / 4)))
     ideal = single * (nw - 1 + 1 / slow)
     slow_pid = ctx.workers.processes[0].pid
     torch_loader = DataLoader(
@@ -85,12 +84,14 @@ def case_epochs(ctx: Context) -> Result:
         persistent_workers=True,
         prefetch_factor=PREFETCH,
     )
-    rds = RemoteDataset(
+    rds: RemoteDataset[Any] = RemoteDataset(
         ctx.workers.addresses[:nw], SleepyDataset, length, STRAGGLER_SLEEP, slow_pids={slow_pid: slow}
     )
-    ours = RemoteDataLoader(rds, batch_size=STRAGGLER_BATCH, prefetch_factor=PREFETCH, seed=0)
+    ours: RemoteDataLoader[Any] = RemoteDataLoader(
+        rds, batch_size=STRAGGLER_BATCH, prefetch_factor=PREFETCH, seed=0
+    )
     ours_pids = [p.pid for p in ctx.workers.processes[:nw]]
-    sides = {"torch": torch_loader, "torchfeed": ours}
+    sides: dict[str, Any] = {"torch": torch_loader, "torchfeed": ours}
     fractions: dict[str, list[float]] = {k: [] for k in sides}
     cpu: dict[str, list[float]] = {k: [] for k in sides}
     workers_cpu: dict[str, list[float]] = {k: [] for k in sides}
@@ -100,9 +101,9 @@ def case_epochs(ctx: Context) -> Result:
         for r in range(max(ctx.repeats, 3)):
             for name, loader in sides.items():
                 pids = ours_pids if name == "torchfeed" else [w.pid for w in loader._iterator._workers]
-                own, wk = _own_cpu_seconds(), sum(map(_process_cpu_seconds, pids))
+                own, wk = own_cpu_seconds(), sum(map(process_cpu_seconds, pids))
                 elapsed = _passes(loader, EPOCH_PASSES)
-                own, wk = _own_cpu_seconds() - own, sum(map(_process_cpu_seconds, pids)) - wk
+                own, wk = own_cpu_seconds() - own, sum(map(process_cpu_seconds, pids)) - wk
                 batches = EPOCH_PASSES * EPOCH_BATCHES
                 fractions[name].append(batches * STRAGGLER_BATCH / elapsed / ideal)
                 cpu[name].append(own * 1e3 / batches)
@@ -143,9 +144,7 @@ def case_epochs(ctx: Context) -> Result:
 
 
 def case_tiny(ctx: Context) -> Result:
-    runs = bench._run_pair(
-        ctx, bench._pair(ctx, ctx.n, bench.TinyDataset(BIG), bench.TinyDataset, (BIG,), {}, 1)
-    )
+    runs = bench.run_pair(ctx, bench.make_pair(ctx, ctx.n, TinyDataset(BIG), TinyDataset, (BIG,), {}, 1))
     rate = {k: _median(v) for k, v in runs.rates.items()}
     ratio = rate["torchfeed"] / rate["torch"]
     cpu_ratio = runs.trainer_ms["torchfeed"] / max(runs.trainer_ms["torch"], 1e-9)
@@ -163,7 +162,7 @@ def case_tiny(ctx: Context) -> Result:
         ratio >= 5.0 and cpu_ratio <= 1 / 3,
         notes=notes,
         runs=runs.rates,
-        cpu_ms=bench._cpu(runs),
+        cpu_ms=bench.cpu_per_batch(runs),
     )
 
 
@@ -177,7 +176,7 @@ class ForkedWorkers:
     def __init__(self, n: int, timeout: float = 120.0):
         self._dir = tempfile.mkdtemp(prefix="torchfeed-bench-")
         path = os.path.join(self._dir, "workers")
-        code = f"from torchfeed.bench_epochs import _fork_workers; _fork_workers({n}, {path!r})"
+        code = f"from torchfeed.tools.bench_epochs import _fork_workers; _fork_workers({n}, {path!r})"
         self._proc = subprocess.Popen(
             [sys.executable, "-c", code],
             stdin=subprocess.PIPE,
@@ -222,7 +221,7 @@ def _fork_workers(n: int, path: str) -> None:
     """In a fresh process: import once, fork ``n`` workers announcing into ``path``."""
     import torch  # noqa: F401 - imported before forking: shared by the children
 
-    from .worker import run_worker
+    from ..worker import run_worker
 
     children = []
     for _ in range(n):
@@ -256,6 +255,7 @@ def shared_trainer(kind: str, addresses: list[str], start_at: float, seconds: fl
     import warnings
 
     warnings.filterwarnings("ignore", message="This DataLoader will create")  # the point of the case
+    loader: Any  # either kind of loader
     if kind == "torch":
         loader = DataLoader(
             SleepyDataset(BIG, SHARED_SLEEP),
@@ -265,9 +265,9 @@ def shared_trainer(kind: str, addresses: list[str], start_at: float, seconds: fl
             prefetch_factor=PREFETCH,
         )
     else:
-        from .loader import RemoteDataLoader, RemoteDataset
+        from ..loader import RemoteDataLoader, RemoteDataset
 
-        rds = RemoteDataset(addresses, SleepyDataset, BIG, SHARED_SLEEP)
+        rds: RemoteDataset[Any] = RemoteDataset(addresses, SleepyDataset, BIG, SHARED_SLEEP)
         loader = RemoteDataLoader(
             rds, batch_size=SHARED_BATCH, sampler=CountSampler(10**7), prefetch_factor=PREFETCH
         )
@@ -279,11 +279,11 @@ def shared_trainer(kind: str, addresses: list[str], start_at: float, seconds: fl
         if now < start_at:
             continue
         if cpu0 is None:
-            cpu0, first = _own_cpu_seconds(), now
+            cpu0, first = own_cpu_seconds(), now
         if now > end:
             break
         count += 1
-    cpu = _own_cpu_seconds() - cpu0 if cpu0 is not None else 0.0
+    cpu = own_cpu_seconds() - cpu0 if cpu0 is not None else 0.0
     print(
         json.dumps(
             {"batches": count, "cpu_ms": cpu * 1e3 / max(count, 1), "late": (first or end) - start_at}
@@ -296,7 +296,7 @@ def shared_trainer(kind: str, addresses: list[str], start_at: float, seconds: fl
 def _run_trainers(kind: str, addresses: list[str], warmup: float, seconds: float, log) -> list[dict]:
     start_at = time.time() + warmup
     code = (
-        "import sys, json; from torchfeed.bench_epochs import shared_trainer; "
+        "import sys, json; from torchfeed.tools.bench_epochs import shared_trainer; "
         "shared_trainer(sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]))"
     )
     procs = [

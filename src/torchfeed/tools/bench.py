@@ -13,339 +13,44 @@ by reference. Run with ``torchfeed bench [CASE ...]`` or ``benchmarks/compare.py
 from __future__ import annotations
 
 import gc
-import io
 import math
 import os
 import platform
-import resource
 import secrets
 import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
-import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
+from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
-if TYPE_CHECKING:
-    from .local import LocalWorkers
-
-PAGE = 4096
-PREFETCH = 2  # prefetch_factor of both loaders (torch's default)
-
-
-# -- datasets (loaded by reference on the workers) ----------------------------------
-
-
-class JpegDecodeDataset(Dataset):
-    """Decode a 256x256 JPEG with Pillow, crop 224x224, return a uint8 CHW tensor and a label.
-
-    ``images`` distinct JPEGs (smooth random colour fields with fine noise, so they compress
-    like photos: ~13 kB each) are made deterministically from ``seed`` at construction.
-    The crop offset is derived from the index, so every process crops sample i alike.
-    """
-
-    def __init__(
-        self,
-        length: int,
-        images: int = 64,
-        size: int = 256,
-        crop: int = 224,
-        quality: int = 90,
-        seed: int = 0,
-    ):
-        from PIL import Image
-
-        self.length, self.size, self.crop = length, size, crop
-        rng = np.random.default_rng(seed)
-        self.jpegs: list[bytes] = []
-        for _ in range(images):
-            coarse = Image.fromarray(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8))
-            smooth = np.asarray(coarse.resize((size, size), Image.BICUBIC), dtype=np.int16)
-            noisy = smooth + rng.integers(-6, 7, smooth.shape, dtype=np.int16)
-            buf = io.BytesIO()
-            Image.fromarray(noisy.clip(0, 255).astype(np.uint8)).save(buf, "JPEG", quality=quality)
-            self.jpegs.append(buf.getvalue())
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, i: int):
-        from PIL import Image
-
-        img = Image.open(io.BytesIO(self.jpegs[i % len(self.jpegs)])).convert("RGB")
-        span = self.size - self.crop + 1
-        h = (i * 2654435761) & 0xFFFFFFFF
-        top, left = h % span, (h // span) % span
-        img = img.crop((left, top, left + self.crop, top + self.crop))
-        return torch.from_numpy(np.array(img)).permute(2, 0, 1), i % 1000
-
-
-class ReadyTensorDataset(Dataset):
-    """Return one of a few precomputed float32 tensors (3x224x224 by default): pure transfer."""
-
-    def __init__(self, length: int, shape: Sequence[int] = (3, 224, 224), distinct: int = 4, seed: int = 0):
-        gen = torch.Generator().manual_seed(seed)
-        self.length = length
-        self.tensors = [torch.rand(tuple(shape), generator=gen) for _ in range(distinct)]
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, i: int):
-        return self.tensors[i % len(self.tensors)]
-
-
-class TinyDataset(Dataset):
-    """A scalar tensor and an int per sample: measures per-batch overhead."""
-
-    def __init__(self, length: int):
-        self.length = length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, i: int):
-        return torch.tensor(float(i)), i
-
-
-class SleepyDataset(Dataset):
-    """I/O-bound samples: each sleeps ``seconds`` times the slowness factor of this process.
-
-    The factor comes from ``slow_pids`` (process id -> factor; torchfeed worker processes)
-    or from ``slow_worker_ids`` (torch DataLoader worker id -> factor).
-    """
-
-    def __init__(
-        self,
-        length: int,
-        seconds: float = 0.002,
-        slow_pids: dict[int, float] | None = None,
-        slow_worker_ids: dict[int, float] | None = None,
-        stall_pids: dict[int, tuple] | None = None,
-        stall_worker_ids: dict[int, tuple] | None = None,
-    ):
-        self.length = length
-        self.seconds = seconds
-        self.slow_pids = dict(slow_pids or {})
-        self.slow_worker_ids = dict(slow_worker_ids or {})
-        # (every this many samples, stall this many seconds), by pid or torch worker id
-        self.stall_pids = dict(stall_pids or {})
-        self.stall_worker_ids = dict(stall_worker_ids or {})
-        self.loaded = 0  # samples loaded by this process's copy
-
-    def __len__(self) -> int:
-        return self.length
-
-    def factor(self) -> float:
-        f = self.slow_pids.get(os.getpid())
-        if f is None and self.slow_worker_ids:
-            info = get_worker_info()
-            if info is not None:
-                f = self.slow_worker_ids.get(info.id)
-        return f or 1.0
-
-    def stall(self) -> tuple | None:
-        st = self.stall_pids.get(os.getpid())
-        if st is None and self.stall_worker_ids:
-            info = get_worker_info()
-            if info is not None:
-                st = self.stall_worker_ids.get(info.id)
-        return st
-
-    def __getitem__(self, i: int):
-        time.sleep(self.seconds * self.factor())
-        self.loaded += 1
-        st = self.stall()
-        if st is not None and self.loaded % st[0] == 0:
-            time.sleep(st[1])
-        return torch.tensor(float(i)), i
-
-
-# -- measuring ------------------------------------------------------------------------
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
-
-
-def touch(batch) -> int:
-    """The consumer: read one byte of every 4 KiB page of every tensor of the batch.
-
-    Cheap, identical on both sides, and it makes every page of the data resident (lazily
-    mapped shared memory included), so no loader gets away without delivering the bytes.
-    """
-    total = 0
-    for t in _tensors(batch):
-        total += int(t.reshape(-1).view(torch.uint8)[::PAGE].sum())
-    return total
-
-
-def batch_megabytes(batch) -> float:
-    return sum(t.numel() * t.element_size() for t in _tensors(batch)) / 1e6
-
-
-class CountSampler(Sampler):
-    """Indices 0..n-1; ``n`` is changed between epochs to size each measurement."""
-
-    def __init__(self, n: int = 0):
-        self.n = n
-
-    def __iter__(self):
-        return iter(range(self.n))
-
-    def __len__(self) -> int:
-        return self.n
-
-
-def _process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux /proc; 0 where unavailable)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-def _own_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process, no children
-    return usage.ru_utime + usage.ru_stime
-
-
-class Side:
-    """One loader plus its sampler; ``epoch(batches)`` returns the seconds one pass took.
-
-    ``worker_pids()`` lists the processes doing the loading, for CPU accounting.
-    """
-
-    def __init__(
-        self, name: str, loader, sampler: CountSampler, batch_size: int, worker_pids: Callable[[], list[int]]
-    ):
-        self.name, self.loader, self.sampler, self.batch_size = name, loader, sampler, batch_size
-        self.worker_pids = worker_pids
-
-    def epoch(self, batches: int) -> float:
-        self.sampler.n = batches * self.batch_size
-        count = 0
-        timeline = TIMELINE if hasattr(self.loader, "stats") else None  # [stats hook] --plot
-        start = time.perf_counter()
-        for batch in self.loader:
-            touch(batch)
-            count += 1
-            if timeline is not None:
-                timeline.sample(self.loader)
-        elapsed = time.perf_counter() - start
-        if count != batches:
-            raise RuntimeError(f"{self.name} yielded {count} batches, expected {batches}")
-        return elapsed
-
-    def close(self) -> None:
-        it = getattr(self.loader, "_iterator", None)  # torch's persistent workers
-        if it is not None:
-            it._shutdown_workers()
-            self.loader._iterator = None
-        self.loader = None
-
-
-def _calibrate(side: Side, warm_seconds: float, first: int) -> float:
-    """Warm up (start-up pass, then passes until one lasts ``warm_seconds``); batches/s."""
-    side.epoch(first)  # starts processes / builds the worker-side fetchers
-    n = first
-    for _ in range(8):
-        elapsed = side.epoch(n)
-        if elapsed >= warm_seconds:
-            break
-        n = min(8 * n, max(2 * n, math.ceil(n * 1.2 * warm_seconds / max(elapsed, 1e-4))))
-    return n / elapsed
-
-
-@dataclass
-class Runs:
-    """Batches/s of every timed run, and CPU milliseconds per batch over all of them."""
-
-    rates: dict[str, list[float]]
-    trainer_ms: dict[str, float]  # CPU of the consuming process (all its threads)
-    workers_ms: dict[str, float]  # CPU of the loading processes together
-
-
-def measure(sides: Sequence[Side], seconds: float, repeats: int, log: Callable[[str], None]) -> Runs:
-    """Warm up every side, then time ``repeats`` rounds, alternating."""
-    warm = min(2.0, max(0.15, seconds / 4))
-    sizes = {}
-    for s in sides:
-        rate = _calibrate(s, warm, first=2 * PREFETCH * 4)
-        sizes[s.name] = max(8, round(rate * seconds))
-        log(f"    warm-up {s.name}: ~{rate:.1f} batches/s -> {sizes[s.name]} batches per run")
-    runs = Runs({s.name: [] for s in sides}, {s.name: 0.0 for s in sides}, {s.name: 0.0 for s in sides})
-    for r in range(repeats):
-        for s in sides:
-            n = sizes[s.name]
-            pids = s.worker_pids()
-            own, workers = _own_cpu_seconds(), sum(map(_process_cpu_seconds, pids))
-            elapsed = s.epoch(n)
-            own, workers = _own_cpu_seconds() - own, sum(map(_process_cpu_seconds, pids)) - workers
-            runs.rates[s.name].append(n / elapsed)
-            runs.trainer_ms[s.name] += own * 1e3 / (n * repeats)
-            runs.workers_ms[s.name] += workers * 1e3 / (n * repeats)
-            log(
-                f"    run {r + 1} {s.name}: {n} batches in {elapsed:.2f} s = {n / elapsed:.1f} batches/s; "
-                f"CPU per batch: trainer {own * 1e3 / n:.2f} ms, workers {workers * 1e3 / n:.2f} ms"
-            )
-    return runs
-
-
-# -- cases ---------------------------------------------------------------------------
-
-
-@dataclass
-class Result:
-    case: str
-    metric: str
-    torch: float  # value shown in the torch column (rate, or fraction of ideal)
-    torchfeed: float
-    target: float  # ratio target (or fraction target for "straggler")
-    target_text: str
-    passed: bool
-    fraction: bool = False  # values are fractions of an ideal rate
-    notes: list[str] = field(default_factory=list)
-    runs: dict[str, list[float]] = field(default_factory=dict)
-    cpu_ms: dict[str, tuple[float, float]] = field(
-        default_factory=dict
-    )  # side -> (trainer, workers) per batch
-
-    @property
-    def ratio(self) -> float:
-        return self.torchfeed / self.torch if self.torch else float("inf")
-
-
-@dataclass
-class Context:
-    workers: LocalWorkers
-    n: int  # workers per comparison (cases cpu, transfer, overhead)
-    seconds: float
-    repeats: int
-    log: Callable[[str], None]
-
-
-BIG = 1 << 40  # dataset length: the samplers choose how many indices are used
-
-
-def _pair(
+from ..util import cpu_count
+from . import measure as measure_module
+from .measure import (
+    BIG,
+    PREFETCH,
+    Context,
+    CountSampler,
+    JpegDecodeDataset,
+    ReadyTensorDataset,
+    Result,
+    Runs,
+    Side,
+    SleepyDataset,
+    TinyDataset,
+    batch_megabytes,
+    measure,
+    touch,
+)
+
+
+def make_pair(
     ctx: Context, n_workers: int, torch_ds: Dataset, factory, fargs: tuple, fkwargs: dict, batch_size: int
 ) -> list[Side]:
-    from .loader import RemoteDataLoader, RemoteDataset
+    from ..loader import RemoteDataLoader, RemoteDataset
 
     ts, rs = CountSampler(), CountSampler()
     tl = DataLoader(
@@ -356,8 +61,10 @@ def _pair(
         persistent_workers=True,
         prefetch_factor=PREFETCH,
     )
-    rds = RemoteDataset(ctx.workers.addresses[:n_workers], factory, *fargs, **fkwargs)
-    rl = RemoteDataLoader(rds, batch_size=batch_size, sampler=rs, prefetch_factor=PREFETCH)
+    rds: RemoteDataset[Any] = RemoteDataset(ctx.workers.addresses[:n_workers], factory, *fargs, **fkwargs)
+    rl: RemoteDataLoader[Any] = RemoteDataLoader(
+        rds, batch_size=batch_size, sampler=rs, prefetch_factor=PREFETCH
+    )
     ours = [p.pid for p in ctx.workers.processes[:n_workers]]
 
     def torch_pids():
@@ -370,7 +77,7 @@ def _pair(
     ]
 
 
-def _run_pair(ctx: Context, sides: list[Side]) -> Runs:
+def run_pair(ctx: Context, sides: list[Side]) -> Runs:
     try:
         return measure(sides, ctx.seconds, ctx.repeats, ctx.log)
     finally:
@@ -379,7 +86,7 @@ def _run_pair(ctx: Context, sides: list[Side]) -> Runs:
         gc.collect()
 
 
-def _cpu(runs: Runs) -> dict[str, tuple[float, float]]:
+def cpu_per_batch(runs: Runs) -> dict[str, tuple[float, float]]:
     return {k: (runs.trainer_ms[k], runs.workers_ms[k]) for k in runs.rates}
 
 
@@ -396,7 +103,7 @@ def _ratio_result(case, metric, runs: Runs, per_batch, target, notes=()) -> Resu
         ratio >= target,
         notes=list(notes),
         runs={k: [x * per_batch for x in v] for k, v in runs.rates.items()},
-        cpu_ms=_cpu(runs),
+        cpu_ms=cpu_per_batch(runs),
     )
 
 
@@ -404,7 +111,7 @@ def case_cpu(ctx: Context) -> Result:
     batch = 32
     ds = JpegDecodeDataset(BIG)
     sizes = [len(j) for j in ds.jpegs]
-    runs = _run_pair(ctx, _pair(ctx, ctx.n, ds, JpegDecodeDataset, (BIG,), {}, batch))
+    runs = run_pair(ctx, make_pair(ctx, ctx.n, ds, JpegDecodeDataset, (BIG,), {}, batch))
     return _ratio_result(
         "cpu",
         "samples/s",
@@ -422,7 +129,7 @@ def case_transfer(ctx: Context) -> Result:
     batch = 64
     ds = ReadyTensorDataset(BIG)
     mb = batch_megabytes(default_collate([ds[i] for i in range(batch)]))
-    runs = _run_pair(ctx, _pair(ctx, ctx.n, ds, ReadyTensorDataset, (BIG,), {}, batch))
+    runs = run_pair(ctx, make_pair(ctx, ctx.n, ds, ReadyTensorDataset, (BIG,), {}, batch))
     return _ratio_result(
         "transfer",
         "MB/s",
@@ -434,7 +141,7 @@ def case_transfer(ctx: Context) -> Result:
 
 
 def case_overhead(ctx: Context) -> Result:
-    runs = _run_pair(ctx, _pair(ctx, ctx.n, TinyDataset(BIG), TinyDataset, (BIG,), {}, 1))
+    runs = run_pair(ctx, make_pair(ctx, ctx.n, TinyDataset(BIG), TinyDataset, (BIG,), {}, 1))
     return _ratio_result(
         "overhead", "items/s", runs, 1, 3.0, [f"scalar tensor + int, batch_size=1, {ctx.n} workers"]
     )
@@ -446,7 +153,7 @@ STRAGGLER_SLEEP = 0.002
 STRAGGLER_BATCH = 8
 
 
-def _single_rate(seconds: float, tries: int = 3) -> float:
+def single_rate(seconds: float, tries: int = 3) -> float:
     """Samples/s of one fast worker: the dataset and collation in this process, no loader.
 
     Best of ``tries`` stretches of ``seconds / tries`` (like the loaders' best run).
@@ -470,7 +177,7 @@ def _fraction_of_ideal(
     name: str, ctx: Context, ideal: float, torch_ds: Dataset, remote_kwargs: dict, notes: list[str]
 ) -> Result:
     """Run both loaders on sleep-bound workers; report each rate as a fraction of ``ideal``."""
-    sides = _pair(
+    sides = make_pair(
         ctx,
         STRAGGLER_WORKERS,
         torch_ds,
@@ -479,7 +186,7 @@ def _fraction_of_ideal(
         remote_kwargs,
         STRAGGLER_BATCH,
     )
-    runs = _run_pair(ctx, sides)
+    runs = run_pair(ctx, sides)
     best = {k: max(v) * STRAGGLER_BATCH for k, v in runs.rates.items()}
     frac = {k: v / ideal for k, v in best.items()}
     target = 0.9
@@ -495,13 +202,13 @@ def _fraction_of_ideal(
         fraction=True,
         notes=notes,
         runs={k: [x * STRAGGLER_BATCH / ideal for x in v] for k, v in runs.rates.items()},
-        cpu_ms=_cpu(runs),
+        cpu_ms=cpu_per_batch(runs),
     )
 
 
 def case_straggler(ctx: Context) -> Result:
     nw, slow = STRAGGLER_WORKERS, STRAGGLER_SLOWDOWN
-    single = _single_rate(min(1.5, max(0.3, ctx.seconds / 4)))
+    single = single_rate(min(1.5, max(0.3, ctx.seconds / 4)))
     ideal = single * (nw - 1 + 1 / slow)
     slow_pid = ctx.workers.processes[0].pid
     torch_ds = SleepyDataset(BIG, STRAGGLER_SLEEP, slow_worker_ids={0: slow})
@@ -517,7 +224,7 @@ def case_straggler(ctx: Context) -> Result:
 def case_stall(ctx: Context) -> Result:
     """Issue scenario: 4 workers, one 4x slower, one stalling 5 s every 50 of its batches."""
     nw, slow = STRAGGLER_WORKERS, STRAGGLER_SLOWDOWN
-    single = _single_rate(min(1.5, max(0.3, ctx.seconds / 4)))
+    single = single_rate(min(1.5, max(0.3, ctx.seconds / 4)))
     batch_seconds = STRAGGLER_BATCH / single
     stall_share = STALL_EVERY_BATCHES * batch_seconds / (STALL_EVERY_BATCHES * batch_seconds + STALL_SECONDS)
     ideal = single * (nw - 2 + 1 / slow + stall_share)  # each worker's own average rate, summed
@@ -554,7 +261,7 @@ CASES: dict[str, tuple[Callable[[Context], Result], str]] = {
 
 
 def machine_info() -> dict[str, str]:
-    from . import __version__
+    from .. import __version__
 
     model = ""
     try:
@@ -562,10 +269,7 @@ def machine_info() -> dict[str, str]:
             model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
     except OSError:
         pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
+    usable = cpu_count()
     load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
     return {
         "cpu": f"{model or platform.processor() or '?'}, {os.cpu_count()} cores ({usable} usable)",
@@ -585,7 +289,7 @@ def run_cases(
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
 ) -> list[Result]:
     """Run the named cases (all when empty) and return their results."""
-    from .local import LocalWorkers
+    from ..local import LocalWorkers
 
     names = list(names) or list(CASES)
     unknown = [n for n in names if n not in CASES]
@@ -668,20 +372,17 @@ def format_notes(results: Sequence[Result]) -> list[str]:
     return lines
 
 
-TIMELINE = None  # a plots.Timeline while `torchfeed bench --plot F.png` runs [stats hook]
-
-
 def run_bench(args) -> int:
     """Entry point of ``torchfeed bench``."""
-    global TIMELINE
-    plot = getattr(args, "plot", None)
+    plot: str | None = getattr(args, "plot", None)
+    timeline = None
     if plot:
-        from . import plots
+        from .. import plots
 
         if not plots.available():
             print("torchfeed bench: --plot needs matplotlib: pip install 'torchfeed[plot]'", file=sys.stderr)
             return 2
-        TIMELINE = plots.Timeline()
+        timeline = measure_module.TIMELINE = plots.Timeline()
     info = machine_info()
     for k, v in info.items():
         print(f"{k}: {v}")
@@ -700,9 +401,9 @@ def run_bench(args) -> int:
     for line in format_notes(results):
         print(line)
     print(f"load average at the end: {machine_info()['load average (1/5/15 min)']}")
-    if plot:
-        TIMELINE.plot(plot, title="torchfeed bench: " + ", ".join(r.case for r in results))
-        TIMELINE = None
+    if timeline is not None and plot:
+        measure_module.TIMELINE = None
+        timeline.plot(plot, title="torchfeed bench: " + ", ".join(r.case for r in results))
         print(f"plot of the torchfeed runs (per-worker samples/s, the trainer's wait): {plot}")
     return 0
 

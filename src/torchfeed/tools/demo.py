@@ -16,21 +16,21 @@ is downloaded.
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import sys
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from .client import parse_address
-from .loader import RemoteDataLoader, RemoteDataset
-from .local import LocalWorkers
-from .plots import Timeline
+from ..client import parse_address
+from ..loader import RemoteDataLoader, RemoteDataset
+from ..local import LocalWorkers
+from ..plots import Timeline
+from ..util import cpu_count
 
 N_TEST = 300
 PIXEL_MEAN = 0.305  # of the digits scaled to [0, 1]
@@ -275,7 +275,7 @@ def _compare_loading(
         f"\nloading throughput of the augmented training set (loading only, no model, batch {args.batch_size}, "
         f"~{seconds:g} s each):"
     )
-    remote_loader = RemoteDataLoader(remote, batch_size=args.batch_size, shuffle=True)
+    remote_loader: RemoteDataLoader[Any] = RemoteDataLoader(remote, batch_size=args.batch_size, shuffle=True)
     remote_rate, _ = measure_loading(remote_loader, seconds)
     remote_label = f"torchfeed.RemoteDataLoader  ({n_remote} remote worker{'s' if n_remote != 1 else ''})"
     torch_label = f"torch DataLoader(num_workers={args.workers})"
@@ -293,13 +293,6 @@ def _compare_loading(
     _say(f"  {torch_label:<{pad}}{torch_rate:>9,.0f} samples/s")
     _say(f"  {'ratio torchfeed / torch':<{pad}}{remote_rate / torch_rate:>9.2f}x")
     return remote_rate, torch_rate
-
-
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def _is_this_machine(address: str) -> bool:
@@ -355,16 +348,18 @@ def run_demo(args) -> int:
                 # Workers here use cores too: more trainer threads than cores left makes every
                 # small step wait on oversubscribed threads (about 10x slower on 2 cores).
                 threads_before = torch.get_num_threads()
-                torch.set_num_threads(max(1, _cpu_count() - on_this_machine))
+                torch.set_num_threads(max(1, cpu_count() - on_this_machine))
                 stack.callback(torch.set_num_threads, threads_before)
-            remote = RemoteDataset(addresses, AugmentedDigits, train_x, train_y)
+            remote: RemoteDataset[Any] = RemoteDataset(addresses, AugmentedDigits, train_x, train_y)
             _say(
                 "each worker holds the training set and augments it (shift <= 1 px, rotation <= 12 deg, "
                 "scale 0.9-1.1, noise)\n"
             )
 
             model = SmallCNN()
-            loader = RemoteDataLoader(remote, batch_size=args.batch_size, shuffle=True, seed=seed)
+            loader: RemoteDataLoader[Any] = RemoteDataLoader(
+                remote, batch_size=args.batch_size, shuffle=True, seed=seed
+            )
             t0 = time.perf_counter()
             timeline = Timeline(every=0.1)
             test_acc = _train(model, loader, epochs, test_images, test_labels, timeline)

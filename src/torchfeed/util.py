@@ -1,0 +1,141 @@
+"""Small operating-system helpers used across the layers (no torch, no other torchfeed module).
+
+One home for idioms that were written several times: a free TCP port, whether a process is
+alive, an atomic file write, a doubling backoff, the CPUs this process may use, and saving and
+restoring environment variables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import socket
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import BinaryIO
+
+__all__ = [
+    "atomic_write",
+    "cpu_count",
+    "double_delay",
+    "free_port",
+    "fsync_dir",
+    "pid_alive",
+    "restore_env",
+    "saved_env",
+    "umask",
+]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that nothing listens on now (the OS picks it; another process may take it later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited; a zombie (exited, not reaped) is dead."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: it exists
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux), or it went away meanwhile: the signal check stands
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one), at least 1."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def double_delay(previous: float, first: float, most: float) -> float:
+    """The next delay of an exponential backoff: ``first`` after 0, then twice the last, at most ``most``."""
+    return min(max(previous * 2, first), most)
+
+
+def umask() -> int:
+    """This process's file-mode creation mask, read without changing it (0o022 where unknown)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Flush a directory's entries (a rename in it) to disk; best effort."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(
+    path: str | os.PathLike[str],
+    content: bytes | Callable[[BinaryIO], object],
+    temp_prefix: str | None = None,
+) -> None:
+    """Write a file so that readers see either the old file or the whole new one, never a part.
+
+    ``content`` is the bytes, or a function writing them to the open file. They go to a
+    temporary file in the same directory (named ``temp_prefix`` + pid + random, default
+    ``.NAME.tmp-``), are flushed to disk, and the file is renamed over ``path``. The new file
+    gets the usual mode (0666 less the umask); the temporary file is removed on any failure.
+    """
+    path = os.fspath(path)
+    directory, name = os.path.split(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    prefix = temp_prefix if temp_prefix is not None else f".{name}.tmp-"
+    tmp = os.path.join(directory, f"{prefix}{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 & ~umask())
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if isinstance(content, (bytes, bytearray, memoryview)):
+                f.write(content)
+            else:
+                content(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(directory)
+
+
+def restore_env(saved: Mapping[str, str | None]) -> None:
+    """Put environment variables back as ``saved`` has them (``None``: the variable was unset)."""
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@contextlib.contextmanager
+def saved_env(names: Iterable[str]) -> Iterator[dict[str, str | None]]:
+    """Within the block, change the named environment variables freely; they are restored after."""
+    saved = {key: os.environ.get(key) for key in names}
+    try:
+        yield saved
+    finally:
+        restore_env(saved)
