@@ -253,6 +253,7 @@ def test_left_out_event_lines_are_counted_when_the_period_ends(monkeypatch, capl
 
 
 # -- on real workers ---------------------------------------------------------------------
+@pytest.mark.slow
 def test_worker_removed_and_added_again_in_a_pass(workers2):
     ds = torchfeed.RemoteDataset(workers2, SleepDataset, 120, 0.02)  # 80 ms per batch
     loader = torchfeed.RemoteDataLoader(ds, batch_size=4)
@@ -270,6 +271,7 @@ def test_worker_removed_and_added_again_in_a_pass(workers2):
     ds.add_workers([gone])
 
 
+@pytest.mark.slow
 def test_stalled_worker_is_hedged(fresh_workers):
     w = fresh_workers(2)
     slow = w.processes[0].pid
@@ -280,6 +282,7 @@ def test_stalled_worker_is_hedged(fresh_workers):
     assert s.workers[w.addresses[0]].hedged > 0 and s.workers[w.addresses[1]].hedged == 0, s
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["map", "iterable"])
 def test_connection_closed_on_purpose_is_no_lost_worker(fresh_workers, caplog, kind):
     from stream_datasets import Counting
@@ -303,6 +306,7 @@ def test_connection_closed_on_purpose_is_no_lost_worker(fresh_workers, caplog, k
     ]
 
 
+@pytest.mark.slow
 def test_prefetched_batches_count_their_bytes(workers2):
     ds = torchfeed.RemoteDataset(workers2, RangeDataset, 64, 4096)  # every batch the same size
     loader = torchfeed.RemoteDataLoader(ds, batch_size=4, seed=1, per_sample_seeding=True)  # predictable

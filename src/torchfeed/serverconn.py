@@ -31,6 +31,9 @@ log = logging.getLogger("torchfeed.worker")
 # is queued before them (see ServerConnection.send); larger ones always go to the writer
 _DIRECT_BYTES = 64 * 1024
 _SEALED = -1  # outbox entry: already sealed bytes (the rest of a direct write)
+# what one outbox entry counts in unsent_bytes on top of its payload (about its memory): the
+# limit on unsent bytes then bounds the entries too, even replies with no payload (PONG)
+ENTRY_BYTES = 64
 
 
 def _describe_exception(exc: BaseException) -> bytes:
@@ -99,8 +102,9 @@ class ServerConnection:
             if self.closed:
                 return
             if self._outbox or self.sending or size > _DIRECT_BYTES:
-                self._outbox.append((kind, request_id, meta, buffers, flags, size))
-                self.unsent_bytes += size
+                # an entry is charged its overhead too: empty replies (PONG) are bounded as well
+                self._outbox.append((kind, request_id, meta, buffers, flags, size + ENTRY_BYTES))
+                self.unsent_bytes += size + ENTRY_BYTES
                 self._cond.notify_all()
                 return
             self.sending = True  # the writer keeps out until the rest, if any, is queued
@@ -115,8 +119,8 @@ class ServerConnection:
             with self._cond:
                 self.sending = False
                 if rest is not None and len(rest) and not self.closed:
-                    self._outbox.appendleft((_SEALED, 0, rest, (), 0, len(rest)))
-                    self.unsent_bytes += len(rest)
+                    self._outbox.appendleft((_SEALED, 0, rest, (), 0, len(rest) + ENTRY_BYTES))
+                    self.unsent_bytes += len(rest) + ENTRY_BYTES
                 if self._outbox:  # queued meanwhile: the writer waited for us
                     self._cond.notify_all()
 

@@ -142,7 +142,7 @@ class _Buckets:
     def __init__(self):
         self.sec = -1
         self.slots = [[0.0, 0.0, 0, 0] for _ in range(_SLOTS)]
-        self.totals = [0.0, 0.0, 0, 0]
+        self.totals: list = [0.0, 0.0, 0, 0]  # sums of the slots
 
     def advance(self, sec: int) -> None:
         last = self.sec
@@ -348,7 +348,8 @@ class Accounting:
             sec = self._sec(now)
             window = self._window
             window.advance(sec)
-            wait_30, busy_30, samples_30, batches_30 = (max(v, 0) for v in window.totals)
+            wait_30, busy_30 = max(window.totals[0], 0.0), max(window.totals[1], 0.0)  # float sums drift
+            samples_30, batches_30 = int(window.totals[2]), int(window.totals[3])
             end = self._pass_end if self._pass_end is not None else now
             pass_seconds = max(end - self._pass_start, 0.0)
             # a wait in progress counts too: a trainer stuck in __next__ is input-bound
