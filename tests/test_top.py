@@ -27,8 +27,16 @@ def top(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.fixture
+def fresh2():
+    """Two workers of this test alone: the shared ones carry errors other tests provoked."""
+    with torchfeed.LocalWorkers(2) as w:
+        yield w.addresses
+
+
 @pytest.mark.slow
-def test_once_json_on_busy_workers(workers2, tmp_path):
+def test_once_json_on_busy_workers(fresh2, tmp_path):
+    workers2 = fresh2
     ds = torchfeed.RemoteDataset(workers2, SleepDataset, 200, 0.001)
     assert len(list(torchfeed.RemoteDataLoader(ds, batch_size=4))) == 50
     listing = tmp_path / "workers.txt"
