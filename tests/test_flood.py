@@ -11,11 +11,11 @@ import pytest
 from helpers import wait_for
 from torchfeed import auth, wire, worker, workerstats
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = pytest.mark.timeout(60)
 
 
 def test_ping_flood_from_a_client_that_never_reads_pauses_its_reader():
-    limit = 1 << 20  # 1 MiB of replies waiting: with about 64 bytes charged per reply, ~16k PONGs
+    limit = 1 << 18  # 256 KiB of replies waiting: with 64 bytes charged per reply, ~4k PONGs
     srv = worker.WorkerServer(port=0, timeout=30, limits=worker.ConnectionLimits(max_unsent_bytes=limit))
     srv.listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # accepted sockets inherit it
     srv.start()
@@ -37,7 +37,8 @@ def test_ping_flood_from_a_client_that_never_reads_pauses_its_reader():
         threading.Thread(target=flood, name="test-ping-flood", daemon=True).start()
         assert wait_for(lambda: srv.connections(), timeout=5)
         conn = srv.connections()[0]
-        assert wait_for(lambda: conn.waiting_for_room, timeout=8), (conn.unsent_bytes, ended)
+        # generous: under load the flooding thread shares this process's GIL with the worker's reader
+        assert wait_for(lambda: conn.waiting_for_room, timeout=30), (conn.unsent_bytes, ended)
         assert conn.unsent_bytes <= limit + 4096, conn.unsent_bytes  # bounded: no entry grows it further
         assert workerstats.query(srv.address, timeout=5)["clients"] == 2  # others are still served
     finally:
