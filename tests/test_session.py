@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 
 import pytest
@@ -123,3 +124,66 @@ def test_remote_ref_call_returns_a_cancellable_handle(workers2):
     time.sleep(1.0)  # the call would have answered by now: a cancelled call's callback never runs
     assert cancelled == []
     sleeper.release()
+
+
+def _slow_object():
+    time.sleep(0.4)
+    return bytearray(10)
+
+
+@pytest.mark.slow
+def test_a_cancelled_rref_call_frees_its_object():
+    """The reply of a cancelled rref call (a fresh reference id) is dropped unread: the object
+    it names must be released, or cancelled calls would use up the worker's --max-refs."""
+    with torchfeed.LocalWorkers(1, extra_args=["--max-refs", "2"]) as w, torchfeed.Session(timeout=20) as s:
+        address = w.addresses[0]
+        for _ in range(2):
+            call = s.call(address, _slow_object, rref=True, callback=lambda ok, value: None)
+            time.sleep(0.2)  # the worker has started it
+            call.cancel()
+            time.sleep(0.5)  # its reply arrives and is dropped
+        ref = s.rpc_async(address, bytearray, args=(1,), rref=True).wait()  # room again
+        assert ref.alive
+
+
+def _blob(n: int):
+    import numpy as np
+
+    return np.zeros(n, dtype=np.uint8)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_fork_while_another_thread_holds_the_buffer_pool(workers2):
+    """A fork while a parent thread is inside the receive-block pool must not leave the
+    child's copy of its lock held (the child's first large reply would wait forever)."""
+    from torchfeed import buffers
+
+    address = workers2[0]
+    torchfeed.rpc_async(address, _blob, args=(1 << 20,), timeout=10).wait()  # imports warm
+    held, release = threading.Event(), threading.Event()
+
+    def inside_the_pool():
+        with buffers.pool._lock:  # what a reader thread does while leasing a block
+            held.set()
+            release.wait()
+
+    threading.Thread(target=inside_the_pool, daemon=True).start()
+    held.wait()
+    pid = os.fork()
+    if pid == 0:  # child: one large reply, within a deadline
+        out = []
+
+        def go():
+            try:
+                torchfeed.rpc_async(address, _blob, args=(1 << 20,), timeout=5).wait()
+                out.append(0)
+            except BaseException:  # noqa: BLE001 - any failure is reported by the exit status
+                out.append(1)
+
+        t = threading.Thread(target=go, daemon=True)
+        t.start()
+        t.join(12)
+        os._exit(0 if out == [0] else 9 if not out else 8)
+    release.set()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0  # 9: the child deadlocked on the pool's lock

@@ -10,6 +10,7 @@ garbage collected, so steady-state batches land in memory that is already mapped
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -83,6 +84,16 @@ class BlockPool:
 
 
 pool = BlockPool()
+
+
+def _after_fork_in_child() -> None:
+    # another thread of the parent may have held the lock at the fork: the child's copy
+    # would stay locked forever (its cached blocks are still valid memory)
+    pool._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def empty_array(nbytes: int) -> np.ndarray:

@@ -238,6 +238,9 @@ class Connection:
                 if pending is None:  # a heartbeat, or cancelled or expired: drain and drop
                     channel.read_meta(frame)
                     channel.skip(frame, meta=False)
+                    if frame.kind == wire.REPLY and frame.flags & wire.FLAG_RREF:
+                        # an object kept for a call nobody waits for any more: free it
+                        self.release_later(pickle.loads(frame.meta))
                     if frame.kind == wire.BYE:
                         raise ProtocolError(
                             f"worker closed the connection: {frame.meta.decode(errors='replace')}"

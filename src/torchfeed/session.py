@@ -93,7 +93,15 @@ class Session:
         )
         self.heartbeat_interval = 0.0
         self.heartbeat_timeout = 0.0
-        self.set_heartbeat(interval, limit)
+        try:
+            self.set_heartbeat(interval, limit)
+        except ValueError as exc:
+            if heartbeat_interval is not None and heartbeat_timeout is not None:
+                raise
+            raise ValueError(
+                f"{exc} (from TORCHFEED_HEARTBEAT_INTERVAL / TORCHFEED_HEARTBEAT_TIMEOUT in the "
+                "environment, or their defaults 2 and 15: set both)"
+            ) from None
         self.timeout = float(timeout)
         self.secret = secret
         self._fresh_state()
