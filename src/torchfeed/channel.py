@@ -93,34 +93,39 @@ class Channel:
             return [self._send_aead.encrypt(nonce, bytes(data), None)]
         return [data, self._send_aead.encrypt(nonce, b"", data)]
 
+    @staticmethod
+    def _plaintexts(kind: int, request_id: int, meta: bytes, views: list, flags: int):
+        """The plaintext of each record of a message, in order (the layout in the module doc)."""
+        lengths = [len(v) for v in views]
+        yield memoryview(wire.pack_fixed(kind, request_id, len(meta), len(lengths), flags))
+        table = [memoryview(struct.pack(f"<{len(lengths)}Q", *lengths))] if lengths else []
+        for payload in table + ([memoryview(meta)] if meta else []) + views:
+            for start in range(0, len(payload), CHUNK):
+                yield payload[start : start + CHUNK]
+
     def send(
         self, kind: int, request_id: int = 0, meta: bytes = b"", buffers: Sequence = (), flags: int = 0
     ) -> None:
         """Seal and send one message; large buffers are sealed chunk by chunk."""
-        views = [memoryview(b).cast("B") for b in buffers]
-        lengths = [len(v) for v in views]
-        parts: list = []
-        parts += self._seal_small(wire.pack_fixed(kind, request_id, len(meta), len(lengths), flags))
+        records = self._plaintexts(kind, request_id, meta, [memoryview(b).cast("B") for b in buffers], flags)
+        parts: list = self._seal_small(next(records))  # the header
         pending = sum(memoryview(p).nbytes for p in parts)
         offset = 0  # used part of the outgoing scratch
-        table = [memoryview(struct.pack(f"<{len(lengths)}Q", *lengths))] if lengths else []
-        for payload in table + ([memoryview(meta)] if meta else []) + views:
-            for start in range(0, len(payload), CHUNK):
-                chunk = payload[start : start + CHUNK]
-                nonce = self._next_send_nonce()
-                if self.encrypt:
-                    if self._scratch_out is None:
-                        self._scratch_out = bytearray(_SEND_BATCH + CHUNK + TAG)
-                    out = memoryview(self._scratch_out)[offset : offset + len(chunk) + TAG]
-                    self._send_aead.encrypt_into(nonce, chunk, None, out)
-                    offset += len(out)
-                    parts.append(out)
-                else:
-                    parts += [chunk, self._send_aead.encrypt(nonce, b"", chunk)]
-                pending += len(chunk) + TAG
-                if pending >= _SEND_BATCH:
-                    self._write(parts)
-                    parts, pending, offset = [], 0, 0
+        for chunk in records:
+            nonce = self._next_send_nonce()
+            if self.encrypt:
+                if self._scratch_out is None:
+                    self._scratch_out = bytearray(_SEND_BATCH + CHUNK + TAG)
+                out = memoryview(self._scratch_out)[offset : offset + len(chunk) + TAG]
+                self._send_aead.encrypt_into(nonce, chunk, None, out)
+                offset += len(out)
+                parts.append(out)
+            else:
+                parts += [chunk, self._send_aead.encrypt(nonce, b"", chunk)]
+            pending += len(chunk) + TAG
+            if pending >= _SEND_BATCH:
+                self._write(parts)
+                parts, pending, offset = [], 0, 0
         if parts:
             self._write(parts)
 
@@ -133,12 +138,11 @@ class Channel:
         views = [memoryview(b).cast("B") for b in buffers]
         if len(meta) > CHUNK or 8 * len(views) > CHUNK or any(len(v) > CHUNK for v in views):
             raise ValueError("seal() takes small messages only; use send()")
-        records = self._seal_small(wire.pack_fixed(kind, request_id, len(meta), len(views), flags))
-        if views:
-            records += self._seal_small(struct.pack(f"<{len(views)}Q", *(len(v) for v in views)))
-        for payload in ([meta] if meta else []) + [v for v in views if len(v)]:
-            records += self._seal_small(payload)
-        return b"".join(records)
+        return b"".join(
+            sealed
+            for plaintext in self._plaintexts(kind, request_id, meta, views, flags)
+            for sealed in self._seal_small(plaintext)
+        )
 
     def write_nowait(self, data: bytes) -> memoryview:
         """Write what the socket takes now of ``data`` without blocking; return the rest
