@@ -367,22 +367,9 @@ class Accounting:
             held = inflight.get
             for address in table if workers is None else workers:  # the hot loop: one row each
                 w = table.get(address, _EMPTY)
-                state = state_of(address, "serving")
-                if w.draining and state == "serving":
-                    state = "draining"
                 if w.sec < sec:
                     w.advance(sec)
-                ws[address] = WorkerStats(
-                    address,
-                    state,
-                    w.recent / span,
-                    w.batches,
-                    w.samples,
-                    held(address, 0),
-                    w.spb,
-                    w.requeued,
-                    w.hedged,
-                )
+                ws[address] = _row(address, w, state_of(address, "serving"), span, held(address, 0))
             if len(ws) < len(table):  # workers removed from the loader: shown until drained
                 for address in [a for a in table if a not in ws]:
                     w = table[address]
@@ -390,18 +377,7 @@ class Accounting:
                         del table[address]  # removed and drained: forgotten
                         continue
                     w.advance(sec)
-                    state = state_of(address, "serving")
-                    ws[address] = WorkerStats(
-                        address,
-                        "draining" if w.draining and state == "serving" else state,
-                        w.recent / span,
-                        w.batches,
-                        w.samples,
-                        held(address, 0),
-                        w.spb,
-                        w.requeued,
-                        w.hedged,
-                    )
+                    ws[address] = _row(address, w, state_of(address, "serving"), span, held(address, 0))
             out = LoaderStats(
                 wait_fraction=min((self._pass_wait + pending) / max(pass_seconds, 1e-9), 1.0),
                 wait_fraction_30s=min((wait_30 + pending) / span, 1.0),
@@ -439,6 +415,15 @@ _EMPTY = _Worker()  # what a worker that delivered nothing shows (its counts sta
 
 
 INPUT_BOUND = 0.3  # wait fractions above this are called input-bound
+
+
+def _row(address: str, w, state: str, span: float, inflight: int) -> WorkerStats:
+    """One worker's row of a snapshot (``state`` is its membership state)."""
+    if w.draining and state == "serving":
+        state = "draining"
+    return WorkerStats(
+        address, state, w.recent / span, w.batches, w.samples, inflight, w.spb, w.requeued, w.hedged
+    )
 
 
 def advise(s: LoaderStats, batches: int, busy: float) -> str:
