@@ -286,6 +286,22 @@ def test_poison_sample_gives_up_and_names_it(fresh_workers, caplog):
     assert sum(p.poll() is not None for p in w.processes) == 3
 
 
+def test_connection_closed_on_purpose_blames_no_batch(fresh_workers):
+    """Closing a connection mid-pass (close_connections, LocalWorkers.close) says nothing
+    about the batch the worker was running: with max_retries=0 a single blamed loss would be
+    a PoisonSampleError (it was, at exit, when LocalWorkers closed under a live pass)."""
+    from helpers import SleepDataset
+
+    w = fresh_workers(2)
+    ds = torchfeed.RemoteDataset(w.addresses, SleepDataset, 40, 0.02)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4, max_retries=0, timeout=60)
+    it = iter(loader)
+    got = [next(it)[1]]
+    client.close_connections(w.addresses[:1])  # it holds a batch: 20 ms per sample
+    got += [b[1] for b in it]
+    assert sorted(torch.cat(got).tolist()) == list(range(40))
+
+
 @pytest.mark.slow
 def test_python_exception_is_not_retried(fresh_workers):
     from helpers import FailingDataset

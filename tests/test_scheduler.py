@@ -143,9 +143,20 @@ def test_slow_worker_gets_a_batch_needed_later():
 
 
 def test_look_ahead_is_clamped_to_the_window():
-    s, _ = make(list(FAST3_SLOW), credits=1, window=8, batches=8, estimates=FAST3_SLOW)
+    s, _ = make(list(FAST3_SLOW), credits=1, window=8, max_window=8, batches=8, estimates=FAST3_SLOW)
     got = dict(dispatch_all(s))
     assert got["slow"] == 7  # the highest batch inside the window
+
+
+def test_slow_worker_waits_for_its_batch_to_be_pulled():
+    # at the start of a pass only some batches are pulled: the slow worker must not take
+    # the highest of them (needed long before it could finish it) but wait for batch 13
+    s, _ = make(list(FAST3_SLOW), credits=1, batches=6, estimates=FAST3_SLOW)
+    got = dict(dispatch_all(s))
+    assert "slow" not in got and sorted(got.values()) == [0, 1, 2]
+    while s.known < 14:
+        s.add_batch()
+    assert s.next_dispatch() == ("slow", 13)
 
 
 def test_no_look_ahead_without_measurements():
@@ -154,21 +165,33 @@ def test_no_look_ahead_without_measurements():
 
 
 # -- window ---------------------------------------------------------------------------
-def test_window_bounds_batches_and_widens_with_measured_rates():
-    s, clock = make(list(FAST3_SLOW), credits=2, window=4, max_window=16, estimates=FAST3_SLOW)
+def test_window_is_sized_from_carried_estimates():
+    s, _ = make(list(FAST3_SLOW), credits=2, window=4, max_window=16, estimates=FAST3_SLOW)
+    # others deliver 3.25 batches/s while the slow one drains 2 credits * 4 s: 26 + 4 + 2
+    assert s.window == 16  # clamped at max_window, before any result of this pass
+    while s.wants_more():
+        s.add_batch()
+    assert s.known == 16
+    dispatch_all(s)
+    assert all(seq < 16 for w in s.workers.values() for seq in w.in_flight)
+
+
+def test_window_widens_with_measured_rates():
+    s, clock = make(list(FAST3_SLOW), credits=2, window=4, max_window=32)
     while s.wants_more():
         s.add_batch()
     assert s.known == 4
     dispatch_all(s)
     assert all(seq < 4 for w in s.workers.values() for seq in w.in_flight)
     seq = holding(s, "f1")[0]
-    clock.advance(1.0)  # as estimated: the estimate stays 1.0
+    clock.advance(1.0)
     s.completed("f1", seq)
-    # others deliver 3.25 batches/s while the slow one drains 2 credits * 4 s: 26 + 4 + 2
-    assert s.window == 16  # clamped at max_window
+    # measured: 1 s per batch, the others count as typical (the median): 4 batches/s while
+    # the slowest known drains its 2 credits: 8 + 4 workers + 2 credits
+    assert s.window == 14
     while s.wants_more():
         s.add_batch()
-    assert s.known == s.delivered + 16
+    assert s.known == s.delivered + 14
 
 
 def test_window_stays_without_measurements():
@@ -208,6 +231,15 @@ def test_a_batch_that_kills_every_worker_is_blamed_each_time():
         assert s.worker_lost(worker) == ([0], 0)
     assert s.losses == {0: 3}  # the loader raises PoisonSampleError past max_retries
     assert s.next_dispatch() is None and s.serving_workers() == []
+
+
+def test_connections_closed_on_purpose_blame_no_batch():
+    s, clock = make(["a", "b", "c"], credits=1, batches=1)
+    for _ in range(3):
+        worker, seq = s.next_dispatch()
+        clock.advance(0.5)
+        assert s.worker_lost(worker, blame=False) == ([0], None)  # requeued, not blamed
+    assert s.losses == {}
 
 
 def test_batch_held_by_a_duplicate_is_not_requeued():
@@ -347,9 +379,9 @@ def test_end_known_from_exhausted_without_pass_length():
 
 
 def test_without_a_known_end_the_slow_worker_looks_ahead_as_before():
-    s, _ = make(list(FAST3_SLOW), credits=1, batches=8, estimates=FAST3_SLOW)
+    s, _ = make(list(FAST3_SLOW), credits=1, batches=20, estimates=FAST3_SLOW)
     assert s.pass_end() is None
-    assert dict(dispatch_all(s))["slow"] == 7
+    assert dict(dispatch_all(s))["slow"] == 13
 
 
 def test_long_pass_slow_worker_still_helps():
@@ -359,7 +391,9 @@ def test_long_pass_slow_worker_still_helps():
 
 def test_pass_length_counts_batches_not_added_yet():
     # the window holds only 8 batches, but 40 are coming: the slow worker is useful
-    s, _ = make(list(FAST3_SLOW), credits=1, window=8, batches=8, estimates=FAST3_SLOW, pass_length=40)
+    s, _ = make(
+        list(FAST3_SLOW), credits=1, window=8, max_window=8, batches=8, estimates=FAST3_SLOW, pass_length=40
+    )
     assert "slow" in dict(dispatch_all(s))
 
 

@@ -26,8 +26,10 @@ def test_input_bound_run_says_add_workers(workers2):
     s = loader.stats()
     assert s.wait_fraction > 0.7, s
     assert s.advice.startswith("input-bound"), s.advice
-    need = int(s.advice.split("about ")[1].split()[0])
-    assert need > 2 and "(now 2)" in s.advice, s.advice
+    # a consumer that does nothing could take batches at a huge rate: "about N" or "more than 1000"
+    assert ("about " in s.advice or "more than 1000 " in s.advice) and "(now 2)" in s.advice, (s.advice, s)
+    if "about " in s.advice:
+        assert int(s.advice.split("about ")[1].split()[0]) > 2, s.advice
     assert s.batches == 100 and s.samples == 400
     assert s.bytes_received > 0
     assert set(s.workers) == set(workers2)

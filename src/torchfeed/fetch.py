@@ -17,7 +17,7 @@ from torch.utils.data._utils.collate import (
 
 from . import buffers, seeding
 from .context import WorkerSetup, worker_context
-from .seeding import mix_seed, seed_all
+from .seeding import extend_seed, mix_seed, seed_all
 
 # seed tags that keep the collate's and a __getitems__ call's streams apart from samples'
 _COLLATE_TAG = 0xC011A7E
@@ -122,8 +122,9 @@ class Fetcher:
             seed_all(mix_seed(seed, _BATCH_TAG, index_key(index[0]) if len(index) else 0))
             return getitems(index)
         data = []
+        prefix = mix_seed(seed)  # mixed once per batch: each sample's seed is mix_seed(seed, key)
         for i in index:
-            seed_all(mix_seed(seed, index_key(i)))
+            seed_all(extend_seed(prefix, index_key(i)))
             data.append(dataset[i])
         return data
 

@@ -211,7 +211,7 @@ class MapPass:
             if predict:
                 self._next_head = False  # decided once per pass
             head = self._next_head or None
-            free = passplan.free_credits(sched) if head is not None else None
+            room = passplan.prefetch_room(sched) if head is not None else None
         for address, seq, idx in sends:
             self._send(address, seq, idx)
         self._send_cancels(cancels)
@@ -219,10 +219,10 @@ class MapPass:
             head = self._plan.next_head(self) if self._plan.next_head is not None else None
             with self._lock:
                 self._next_head = head or False
-                free = passplan.free_credits(sched) if head else None
-        if head and free:
+                room = passplan.prefetch_room(sched) if head else None
+        if head and room and room[0]:
             head.waker = self._poke
-            head.fill(free)
+            head.fill(*room)
         if more:  # the window allows more pulls (a head's results wake this thread themselves)
             with self._lock:
                 self._wake()
@@ -288,7 +288,7 @@ class MapPass:
         state = self._sched.workers.get(address)
         if state is None or state.status == "lost":
             return  # every pending request of a dead connection reports it: act once
-        requeued, blamed = self._sched.worker_lost(address)
+        requeued, blamed = self._sched.worker_lost(address, blame=not self._quiet(exc))
         self._errors[address] = repr(exc)
         self._source.worker_lost(address, exc)
         for seq in requeued:

@@ -159,13 +159,17 @@ def delivered(acc, sched: Scheduler, address: str, samples: int) -> None:
     )
 
 
-def free_credits(sched) -> dict[str, int]:
-    """Credits a pass's scheduler leaves unused, per worker (for the next pass's prefetch)."""
-    return {
-        w.address: sched.credits - len(w.in_flight)
-        for w in sched.workers.values()
-        if w.alive and len(w.in_flight) < sched.credits
-    }
+def prefetch_room(sched) -> tuple[dict[str, int], dict[str, int], int]:
+    """What a pass's scheduler leaves for the next pass's prefetch (``Head.fill``'s arguments):
+    unused credits per worker, requests each of those workers still holds, and the batches
+    of the pass not loaded yet."""
+    free: dict[str, int] = {}
+    busy: dict[str, int] = {}
+    for w in sched.workers.values():
+        if w.alive and len(w.in_flight) < sched.credits:
+            free[w.address] = sched.credits - len(w.in_flight)
+            busy[w.address] = len(w.in_flight)
+    return free, busy, max(sched.known - sched.delivered - len(sched.done), 0)
 
 
 def hedges(sched, factor: float | None, min_seconds: float, acc=None) -> list[tuple[str, int]]:

@@ -33,6 +33,7 @@ from .errors import WorkerLost
 from .resume import shuffle_seed
 
 _LOOKAHEAD_RATIO = 1.5  # a worker this much slower than the fastest gets later batches
+_LOOKAHEAD_MARGIN = 1.15  # ... needed this much later than it is expected to finish them
 
 
 class ResultSink(Protocol):
@@ -138,8 +139,16 @@ class Head:
         )
 
     # -- sending (the dispatch thread of the pass that ends; no lock held) ------------------
-    def fill(self, free: dict[str, int]) -> None:
-        """Send predicted batches to the credits the ending pass leaves free."""
+    def fill(self, free: dict[str, int], busy: dict[str, int], loading: int) -> None:
+        """Send predicted batches to the credits the ending pass leaves free.
+
+        ``free``: unused credits per worker; ``busy``: requests each worker still holds for
+        the ending pass; ``loading``: that pass's batches not loaded yet. A worker much slower
+        than the fastest gets, for each of its credits, the first predicted batch that the
+        consumer will need only after the worker can have finished it: by then all workers
+        together load the ending pass's ``loading`` batches and as many of this pass's as
+        the one looked for.
+        """
         with self._lock:
             if self._dead:
                 return
@@ -147,14 +156,17 @@ class Head:
             fastest = min(self._estimates.values(), default=None)
             rate = sum(1.0 / s for s in self._estimates.values() if s > 0)
             for address in sorted(free, key=lambda a: self._estimates.get(a, fastest or 0.0)):
-                n = free[address] - self._in_flight.get(address, 0)
+                mine = self._in_flight.get(address, 0)
+                queued = busy.get(address, 0) + mine
                 own = self._estimates.get(address)
-                start = 0
-                if own and fastest and own > _LOOKAHEAD_RATIO * fastest:
-                    start = int((rate - 1.0 / own) * own)  # what the others load meanwhile
-                for _ in range(max(n, 0)):
+                slow = bool(own and fastest and own > _LOOKAHEAD_RATIO * fastest)
+                for _ in range(max(free[address] - mine, 0)):
                     if not self._unsent:
                         break
+                    start = 0
+                    if slow:
+                        assert own is not None
+                        start = max(int(rate * own * (queued + 1) * _LOOKAHEAD_MARGIN) - loading, 0)
                     i = bisect.bisect_left(self._unsent, start)
                     if i >= len(self._unsent):
                         break
@@ -162,6 +174,7 @@ class Head:
                     entry = self._entries[seq]
                     entry.state, entry.address, entry.started = "sending", address, time.monotonic()
                     self._in_flight[address] = self._in_flight.get(address, 0) + 1
+                    queued += 1
                     picks.append((address, seq))
         for address, seq in picks:
             self._send(address, seq)

@@ -123,6 +123,7 @@ class Scheduler:
         self.done: set[int] = set()  # completed, not yet delivered
         self.losses: dict[int, int] = {}  # seq -> worker deaths blamed on it
         self.hedged: set[int] = set()  # seqs that were duplicated once
+        self._resize_window()  # from the carried estimates, if any: the first pull covers it
 
     def _now(self, now: float | None) -> float:
         return self.clock() if now is None else now
@@ -159,8 +160,11 @@ class Scheduler:
             state.status = "draining"
             self.index.refresh(state)
 
-    def worker_lost(self, address: str) -> tuple[list[int], int | None]:
-        """Mark a worker dead. Return its batches now pending again, and the blamed one."""
+    def worker_lost(self, address: str, blame: bool = True) -> tuple[list[int], int | None]:
+        """Mark a worker dead. Return its batches now pending again, and the blamed one.
+
+        ``blame=False``: the connection was closed on purpose, which says nothing about the
+        batch it was running (no death is counted against it)."""
         state = self.workers.get(address)
         if state is None or state.status == "lost":
             return [], None
@@ -171,7 +175,7 @@ class Scheduler:
         state.in_flight.clear()
         state.late = 0.0
         self.index.refresh(state)
-        blamed = min(running, key=running.__getitem__) if running else None
+        blamed = min(running, key=running.__getitem__) if running and blame else None
         if blamed is not None:
             self.losses[blamed] = self.losses.get(blamed, 0) + 1
         requeued = [s for s in running if s not in self._holders]  # not held elsewhere
@@ -256,6 +260,8 @@ class Scheduler:
                 # Some other worker (maybe busy now) would finish the lowest batch much
                 # sooner: keep it for them and give this one a batch needed later.
                 target = min(self.delivered + int(total_rate * mine), limit - 1)
+                if target >= self.known and not self.exhausted:
+                    return None  # not pulled from the sampler yet: an earlier one would hold up the rest
                 index = bisect.bisect_left(self._pending, target)
                 below_limit = bisect.bisect_left(self._pending, limit)
                 if index >= below_limit:
@@ -306,11 +312,14 @@ class Scheduler:
         started = state.in_flight.pop(seq)
         state.late = 0.0
         self._unhold(seq, state)
-        # time this request had the worker to itself (requests queue behind each other)
+        # time this request had the worker to itself (requests queue behind each other); the
+        # first result of a pass on a worker measured before is not a sample: the worker may
+        # have spent part of that time on the previous pass's requests
         sample = now - max(started, state.last_done)
+        carried = state.completed == 0 and self._estimates.get(address)
         state.last_done = now
         state.completed += 1
-        if sample > 0:
+        if sample > 0 and not carried:
             prev = state.seconds_per_batch
             state.seconds_per_batch = sample if prev is None else (1 - _ALPHA) * prev + _ALPHA * sample
         self.done.add(seq)
