@@ -53,6 +53,25 @@ def test_mix_seed_is_well_mixed():
     assert 28 < sum(flips) / len(flips) < 36
 
 
+def test_seed_all_gives_each_generator_its_own_documented_seed():
+    import random
+
+    import numpy as np
+
+    from torchfeed.seeding import INT63, extend_seed, seed_all
+
+    assert extend_seed(mix_seed(3), 99) == mix_seed(3, 99)  # a prefix mixed once
+    for seed in (0, 1, 2**64 - 1, mix_seed(5, 7)):
+        seed_all(seed)
+        drawn = (random.random(), float(np.random.rand()), float(torch.rand(())))
+        random.seed(mix_seed(seed, 1))
+        np.random.seed(mix_seed(seed, 2) & 0xFFFFFFFF)  # numpy's integer seeding takes 32 bits
+        torch.manual_seed(mix_seed(seed, 3) & INT63)
+        assert drawn == (random.random(), float(np.random.rand()), float(torch.rand(())))
+        seed_all(seed)
+        assert torch.initial_seed() == mix_seed(seed, 3) & INT63
+
+
 def test_same_seed_same_batches_any_number_of_workers(workers2, three):
     one = run(workers2[:1], seed=5, shuffle=True, epochs=2)
     many = run(three, seed=5, shuffle=True, epochs=2)

@@ -170,6 +170,36 @@ def test_prefetch_and_resume(rds):
     assert deep_equal(part + list(it), expected[1])
 
 
+# -- where the next pass's first batches go ----------------------------------------------------
+FAST3_SLOW = {"f1": 1.0, "f2": 1.0, "f3": 1.0, "slow": 4.0}  # seconds per batch: 3.25 batches/s in all
+
+
+def test_prefetch_places_the_slow_workers_batches_by_when_they_are_needed():
+    from torchfeed.prefetch import place
+
+    unsent = list(range(32))
+    free = dict.fromkeys(FAST3_SLOW, 2)
+    picks = place(unsent, FAST3_SLOW, free, dict.fromkeys(FAST3_SLOW, 0), 0, {})
+    got: dict[str, list[int]] = {}
+    for address, seq in picks:
+        got.setdefault(address, []).append(seq)
+    assert sorted(got["f1"] + got["f2"] + got["f3"]) == [0, 1, 2, 3, 4, 5]  # the fast ones: the lowest
+    # the slow one finishes its first in 4 s and its second in 8 s, while all deliver 3.25
+    # batches/s: 13 and 26 batches, plus a 15% margin
+    assert got["slow"] == [14, 29]
+    assert 14 not in unsent and 29 not in unsent and 6 in unsent
+
+
+def test_prefetch_counts_the_ending_passs_batches_and_queue():
+    from torchfeed.prefetch import place
+
+    free, busy = {"slow": 1}, {"slow": 1}  # one request of the ending pass still ahead of it
+    assert place(list(range(32)), FAST3_SLOW, free, busy, 10, {}) == [("slow", 19)]  # 29 - 10 still loading
+    assert place(list(range(32)), FAST3_SLOW, {"slow": 2}, {"slow": 0}, 40, {}) == [("slow", 0), ("slow", 1)]
+    # a batch it could not finish in time is not given at all
+    assert place(list(range(8)), FAST3_SLOW, {"slow": 2}, {"slow": 0}, 0, {}) == []
+
+
 class FailingSampler(Sampler):
     """Raises after ``good`` indices (beyond the first window: on the dispatch thread)."""
 

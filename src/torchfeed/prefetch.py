@@ -80,6 +80,45 @@ def predict(loader, epoch: int, count: int, shuffle_generator: torch.Generator |
     return list(itertools.islice(iter(BatchSampler(ahead, batches.batch_size, batches.drop_last)), count))
 
 
+def place(
+    unsent: list[int],
+    estimates: dict[str, float],
+    free: dict[str, int],
+    busy: dict[str, int],
+    loading: int,
+    prefetching: dict[str, int],
+) -> list[tuple[str, int]]:
+    """Which predicted batches go to which worker now, as (address, seq); taken out of
+    ``unsent`` (sorted positions of batches not sent yet).
+
+    ``free``: credits the ending pass leaves unused per worker; ``busy``: requests each worker
+    still holds for that pass; ``loading``: that pass's batches not loaded yet;
+    ``prefetching``: predicted batches each worker holds already; ``estimates``: seconds
+    per batch. Faster workers go first and take the lowest batches. A worker much slower
+    than the fastest gets, for each of its credits, the first batch the consumer will need
+    only after the worker can have finished it (behind the requests it holds): by then all
+    workers together load the ending pass's ``loading`` batches and as many of this pass's
+    as the one looked for, with a margin.
+    """
+    picks = []
+    fastest = min(estimates.values(), default=None)
+    rate = sum(1.0 / s for s in estimates.values() if s > 0)
+    for address in sorted(free, key=lambda a: estimates.get(a, fastest or 0.0)):
+        mine = prefetching.get(address, 0)
+        queued = busy.get(address, 0) + mine
+        own = estimates.get(address)
+        for _ in range(max(free[address] - mine, 0)):
+            start = 0
+            if own and fastest and own > _LOOKAHEAD_RATIO * fastest:
+                start = max(int(rate * own * (queued + 1) * _LOOKAHEAD_MARGIN) - loading, 0)
+            i = bisect.bisect_left(unsent, start)
+            if i >= len(unsent):
+                break
+            picks.append((address, unsent.pop(i)))
+            queued += 1
+    return picks
+
+
 class _Entry:
     __slots__ = ("state", "address", "rid", "started", "result", "nbytes", "owner")
 
@@ -140,42 +179,16 @@ class Head:
 
     # -- sending (the dispatch thread of the pass that ends; no lock held) ------------------
     def fill(self, free: dict[str, int], busy: dict[str, int], loading: int) -> None:
-        """Send predicted batches to the credits the ending pass leaves free.
-
-        ``free``: unused credits per worker; ``busy``: requests each worker still holds for
-        the ending pass; ``loading``: that pass's batches not loaded yet. A worker much slower
-        than the fastest gets, for each of its credits, the first predicted batch that the
-        consumer will need only after the worker can have finished it: by then all workers
-        together load the ending pass's ``loading`` batches and as many of this pass's as
-        the one looked for.
-        """
+        """Send predicted batches to the credits the ending pass leaves free (see :func:`place`:
+        ``free``, ``busy`` and ``loading`` are its arguments)."""
         with self._lock:
             if self._dead:
                 return
-            picks = []
-            fastest = min(self._estimates.values(), default=None)
-            rate = sum(1.0 / s for s in self._estimates.values() if s > 0)
-            for address in sorted(free, key=lambda a: self._estimates.get(a, fastest or 0.0)):
-                mine = self._in_flight.get(address, 0)
-                queued = busy.get(address, 0) + mine
-                own = self._estimates.get(address)
-                slow = bool(own and fastest and own > _LOOKAHEAD_RATIO * fastest)
-                for _ in range(max(free[address] - mine, 0)):
-                    if not self._unsent:
-                        break
-                    start = 0
-                    if slow:
-                        assert own is not None
-                        start = max(int(rate * own * (queued + 1) * _LOOKAHEAD_MARGIN) - loading, 0)
-                    i = bisect.bisect_left(self._unsent, start)
-                    if i >= len(self._unsent):
-                        break
-                    seq = self._unsent.pop(i)
-                    entry = self._entries[seq]
-                    entry.state, entry.address, entry.started = "sending", address, time.monotonic()
-                    self._in_flight[address] = self._in_flight.get(address, 0) + 1
-                    queued += 1
-                    picks.append((address, seq))
+            picks = place(self._unsent, self._estimates, free, busy, loading, self._in_flight)
+            for address, seq in picks:
+                entry = self._entries[seq]
+                entry.state, entry.address, entry.started = "sending", address, time.monotonic()
+                self._in_flight[address] = self._in_flight.get(address, 0) + 1
         for address, seq in picks:
             self._send(address, seq)
 
