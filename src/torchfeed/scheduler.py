@@ -312,14 +312,11 @@ class Scheduler:
         started = state.in_flight.pop(seq)
         state.late = 0.0
         self._unhold(seq, state)
-        # time this request had the worker to itself (requests queue behind each other); the
-        # first result of a pass on a worker measured before is not a sample: the worker may
-        # have spent part of that time on the previous pass's requests
+        # time this request had the worker to itself (requests queue behind each other)
         sample = now - max(started, state.last_done)
-        carried = state.completed == 0 and self._estimates.get(address)
         state.last_done = now
         state.completed += 1
-        if sample > 0 and not carried:
+        if sample > 0:
             prev = state.seconds_per_batch
             state.seconds_per_batch = sample if prev is None else (1 - _ALPHA) * prev + _ALPHA * sample
         self.done.add(seq)
