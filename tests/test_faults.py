@@ -302,6 +302,21 @@ def test_connection_closed_on_purpose_blames_no_batch(fresh_workers):
     assert sorted(torch.cat(got).tolist()) == list(range(40))
 
 
+def test_the_batch_that_killed_the_worker_is_the_one_blamed(fresh_workers):
+    """The worker dies in the first sample of batch 5, right after answering batch 4: batch
+    4's reply must have left before batch 5 started, or the client, which blames the oldest
+    request still running, names the innocent batch 4 (it did when replies of long calls
+    were handed to the writer thread while the executor went on)."""
+    w = fresh_workers(1)
+    for _ in range(3):
+        ds = torchfeed.RemoteDataset(w.addresses, PoisonDataset, 40, 20, 0.002)
+        loader = torchfeed.RemoteDataLoader(ds, batch_size=4, max_retries=0, timeout=30)
+        with pytest.raises(torchfeed.PoisonSampleError) as info:
+            list(loader)
+        assert info.value.indices == [20, 21, 22, 23]
+        w.restart(0)
+
+
 @pytest.mark.slow
 def test_python_exception_is_not_retried(fresh_workers):
     from helpers import FailingDataset

@@ -12,7 +12,6 @@ import logging
 import pickle
 import socket
 import threading
-import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -31,10 +30,6 @@ log = logging.getLogger("torchfeed.worker")
 # replies up to this size are sealed and written by the thread that made them when nothing
 # is queued before them (see ServerConnection.send); larger ones always go to the writer
 _DIRECT_BYTES = 64 * 1024
-# A reply to a call that ran this long goes through the writer thread when the executor has
-# another call of this connection waiting: a send on a busy loopback costs ~0.1-0.3 ms,
-# which the next call need not wait for, while the hop to the writer costs ~30 µs.
-_HAND_OFF_SECONDS = 0.002
 _SEALED = -1  # outbox entry: already sealed bytes (the rest of a direct write)
 # what one outbox entry counts in unsent_bytes on top of its payload (about its memory): the
 # limit on unsent bytes then bounds the entries too, even replies with no payload (PONG)
@@ -95,27 +90,18 @@ class ServerConnection:
         self.server.forget(self)
 
     # -- writer thread -------------------------------------------------------
-    def send(
-        self,
-        kind: int,
-        request_id: int = 0,
-        meta: bytes = b"",
-        buffers=(),
-        flags: int = 0,
-        direct: bool = True,
-    ) -> None:
+    def send(self, kind: int, request_id: int = 0, meta: bytes = b"", buffers=(), flags: int = 0) -> None:
         """Send a message, or queue it for the writer; never blocks.
 
         A small message with nothing queued before it is sealed and written here, without
-        blocking (no hop to the writer thread: the usual case for small replies), unless
-        ``direct`` is False; what the socket does not take at once goes to the front of the
-        outbox for the writer.
+        blocking (no hop to the writer thread: the usual case for small replies); what the
+        socket does not take at once goes to the front of the outbox for the writer.
         """
         size = len(meta) + sum(memoryview(b).nbytes for b in buffers)
         with self._cond:
             if self.closed:
                 return
-            if not direct or self._outbox or self.sending or size > _DIRECT_BYTES:
+            if self._outbox or self.sending or size > _DIRECT_BYTES:
                 # an entry is charged its overhead too: empty replies (PONG) are bounded as well
                 self._outbox.append((kind, request_id, meta, buffers, flags, size + ENTRY_BYTES))
                 self.unsent_bytes += size + ENTRY_BYTES
@@ -271,7 +257,6 @@ class ServerConnection:
         if rid in self.cancelled:
             self.cancelled.discard(rid)
             return
-        started = time.monotonic()
         try:
             payload = serialize.loads_call(frame.meta, buffers, self.server.registry)
             if frame.kind == wire.CALL:
@@ -294,14 +279,12 @@ class ServerConnection:
         except BaseException as exc:  # user code may raise anything, SystemExit and Ctrl-C included
             self._reply(wire.ERROR, rid, _describe_exception(exc), [])
             return
-        # this call is still counted in `queued`: more than one means another one waits
-        hand_off = self.queued > 1 and time.monotonic() - started >= _HAND_OFF_SECONDS
-        self._reply(wire.REPLY, rid, meta, out, flags, direct=not hand_off)
+        self._reply(wire.REPLY, rid, meta, out, flags)
 
-    def _reply(self, kind: int, rid: int, meta: bytes, buffers, flags: int = 0, direct: bool = True) -> None:
+    def _reply(self, kind: int, rid: int, meta: bytes, buffers, flags: int = 0) -> None:
         self.cancelled.discard(rid)
         self.server.counters.replied(kind, meta, buffers)  # [stats hook]
-        self.send(kind, rid, meta, buffers, flags, direct)
+        self.send(kind, rid, meta, buffers, flags)
 
     def _answered(self, frame: wire.Frame) -> None:
         with self._cond:

@@ -11,9 +11,7 @@ One process serves many clients with these threads:
   **writer** (sends the connection's replies from its outbox, in order). Executors never
   block on a socket: a small reply with nothing queued before it is written at once with
   a non-blocking send (what the socket does not take goes to the front of the outbox),
-  unless its call ran 2 ms or more while another call of the connection waits (then the
-  writer sends it while the executor starts that call); anything else is appended to the
-  outbox. So a client that stops reading stalls its own
+  anything else is appended to the outbox. So a client that stops reading stalls its own
   writer and nobody else; a writer that makes no progress for ``timeout`` seconds closes
   its connection;
 * ``parallel`` **executors**, shared by all connections, run user code;
