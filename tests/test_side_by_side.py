@@ -231,3 +231,27 @@ def test_worker_init_fn_configures_the_loading_copy_every_epoch(remote):
     )
     for _ in range(2):
         compare(persistent, lambda: theirs)
+
+
+# -- a RemoteDataset inside torch's own DataLoader (code ported step by step) -------------------
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_torch_dataloader_with_worker_processes_over_a_remote_dataset(remote, context):
+    """torch's DataLoader(num_workers=2) over a RemoteDataset: each of its worker processes
+    (forked, or spawned with the dataset pickled) builds the dataset again on the remote
+    workers for itself, and the batches are those of the local dataset."""
+    ds = remote(Plain, 37)
+    kw = dict(batch_size=4, num_workers=2, multiprocessing_context=context)
+    ours = list(DataLoader(ds, **kw))
+    assert deep_equal(ours, list(DataLoader(Plain(37), **kw)))
+    assert ds[5] is not None  # the parent's own built datasets still work
+
+
+def test_a_pickled_remote_dataset_carries_no_secret(workers2):
+    import pickle
+
+    ds = torchfeed.RemoteDataset(workers2, Plain, 5)
+    ds.secret = b"x" * 40  # as if given explicitly
+    state = pickle.loads(pickle.dumps(ds)).__dict__
+    assert state["secret"] is None and b"x" * 40 not in pickle.dumps(ds)

@@ -142,8 +142,45 @@ class RemoteDataset(Dataset[T_co]):
         self._watch_stamp = None
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._pid = os.getpid()  # the process whose connections own the built datasets
         self._build_on(workers, strict=True, wait=True)
         self.workers = list(workers)
+
+    def __getstate__(self) -> dict:
+        """A pickled RemoteDataset (torch's DataLoader workers started with ``spawn``) carries
+        its addresses, factory, arguments and settings; the datasets are built again in the
+        process that loads it, on that process's default session. An explicit secret does
+        not travel (a pickle may be written anywhere): the receiving process discovers it
+        (``TORCHFEED_SECRET``, ``TORCHFEED_SECRET_FILE`` or the default file)."""
+        state = self.__dict__.copy()
+        for name in ("_lock", "_thread", "_refs", "_listeners", "_lost", "session"):
+            del state[name]
+        state["secret"] = None
+        state["_pid"] = None  # built nowhere yet for the receiving process
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.session = client.default_session()
+        self._lock = threading.RLock()
+        self._thread = None
+        self._refs = {}
+        self._listeners = weakref.WeakSet()
+        self._lost = {}
+
+    def _own_process(self) -> None:
+        """In a process forked from the one that built this dataset (torch's DataLoader
+        workers, ``num_workers > 0``), the built datasets belong to the parent's connections,
+        which the child may not use: build them again for this process, once."""
+        if self._pid == os.getpid():
+            return
+        self._pid = os.getpid()
+        self._lock = threading.RLock()  # a parent thread may have held it at the fork
+        self._thread = None  # the parent's membership thread does not exist here
+        self._refs = {}  # the parent's remote objects: released with the parent's connections
+        self._lost = {}
+        log.info("forked process %d: building %r again on its workers", self._pid, self)
+        self._build_on(self.workers, strict=True, wait=True)
 
     # -- building ---------------------------------------------------------------
     def _build_on(self, workers: Sequence[str], strict: bool, wait: bool = False) -> dict[str, BaseException]:
@@ -387,9 +424,11 @@ class RemoteDataset(Dataset[T_co]):
 
     # -- dataset protocol ----------------------------------------------------------------
     def ref(self, address: str) -> client.RemoteRef:
+        self._own_process()
         return self._refs[address]
 
     def alive_workers(self) -> list[str]:
+        self._own_process()
         with self._lock:
             return [w for w in self.workers if w in self._refs and self._refs[w].alive]
 
