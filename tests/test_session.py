@@ -187,3 +187,48 @@ def test_fork_while_another_thread_holds_the_buffer_pool(workers2):
     release.set()
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0  # 9: the child deadlocked on the pool's lock
+
+
+def test_a_connect_that_straddles_close_is_undone(workers2, monkeypatch):
+    """close() while another thread is in its handshake: that connection must not survive
+    in the closed session (it did: close() had emptied the cache before it was stored)."""
+    in_handshake, real = threading.Event(), auth.client_handshake
+
+    def slow_handshake(*args, **kwargs):
+        in_handshake.set()
+        time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(auth, "client_handshake", slow_handshake)
+    session = torchfeed.Session(timeout=10)
+    outcome: list = []
+
+    def connect():
+        try:
+            outcome.append(session.connect(workers2[0]))
+        except BaseException as exc:  # noqa: BLE001 - the outcome is the point
+            outcome.append(exc)
+
+    t = threading.Thread(target=connect)
+    t.start()
+    assert in_handshake.wait(10)
+    session.close()
+    t.join(10)
+    assert isinstance(outcome[0], torchfeed.ConnectionClosed), outcome
+    assert "closed while connecting" in str(outcome[0])
+    assert [c for c in session.connections() if not c.closed] == []
+    monkeypatch.setattr(auth, "client_handshake", real)
+    assert session.rpc_async(workers2[0], _square, args=(3,)).wait() == 9  # a later call reconnects
+    session.close()
+
+
+def test_stopping_local_workers_closes_every_sessions_connections_quietly():
+    session = torchfeed.Session(timeout=20)
+    w = torchfeed.LocalWorkers(1)
+    try:
+        torchfeed.RemoteDataset(w.addresses, list, range(4), session=session)
+        conn = session.connections()[0]
+    finally:
+        w.close()
+    assert conn.closed and isinstance(conn.error, torchfeed.ConnectionClosed), conn.error
+    session.close()

@@ -164,9 +164,9 @@ class LocalWorkers:
         """Stop the workers (this process's connections to them close first, quietly)."""
         _open.discard(self)
         if self.addresses:
-            from .client import close_connections
+            from .session import close_connections_everywhere
 
-            close_connections(self.addresses)
+            close_connections_everywhere(self.addresses)  # every session's, not only the default's
         for p in self.processes:
             if p.poll() is None:
                 try:

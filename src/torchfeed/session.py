@@ -35,7 +35,7 @@ import torch
 
 from . import auth, client, serialize, wire
 from .buffers import check_pinnable
-from .errors import SerializationError
+from .errors import ConnectionClosed, SerializationError
 
 log = logging.getLogger("torchfeed.client")
 
@@ -108,6 +108,7 @@ class Session:
         _sessions.add(self)
 
     def _fresh_state(self) -> None:
+        self._generation = 0  # close() counts up: a connect() that straddles it is undone
         self._lock = threading.Lock()
         self._conns: dict[tuple[str, bytes], client.Connection] = {}
         self._connecting: dict[tuple[str, bytes], threading.Lock] = {}
@@ -153,9 +154,17 @@ class Session:
                 conn = self._conns.get(key)
                 if conn is not None and not conn.closed:
                     return conn
+                generation = self._generation
             conn = client.Connection(key[0], sec, self.timeout if timeout is None else timeout, session=self)
             with self._lock:
-                self._conns[key] = conn
+                closed_meanwhile = generation != self._generation
+                if not closed_meanwhile:
+                    self._conns[key] = conn
+            if closed_meanwhile:
+                conn.close()
+                raise ConnectionClosed(
+                    f"the session was closed while connecting to worker {key[0]}; call again to reconnect"
+                )
             return conn
 
     def connections(self) -> list[client.Connection]:
@@ -178,6 +187,7 @@ class Session:
         with self._lock:
             conns = list(self._conns.values())
             self._conns.clear()
+            self._generation += 1
         for c in conns:
             c.close()
         deadline = time.monotonic() + join_timeout
@@ -330,6 +340,12 @@ def default_session() -> Session:
             if _default is None:
                 _default = Session()
     return _default
+
+
+def close_connections_everywhere(addresses: Sequence[client.Address]) -> None:
+    """Close every session's connections to these workers (they are being stopped on purpose)."""
+    for s in list(_sessions):
+        s.close_connections(addresses)
 
 
 def _after_fork_in_child() -> None:
