@@ -232,3 +232,23 @@ def test_stopping_local_workers_closes_every_sessions_connections_quietly():
         w.close()
     assert conn.closed and isinstance(conn.error, torchfeed.ConnectionClosed), conn.error
     session.close()
+
+
+def test_the_old_heartbeat_globals_read_and_set_the_default_session():
+    old = client.HEARTBEAT_INTERVAL, client.HEARTBEAT_TIMEOUT
+    try:
+        client.HEARTBEAT_TIMEOUT = 9.0  # what code written for the old globals does
+        assert client.default_session().heartbeat_timeout == 9.0
+        client.HEARTBEAT_INTERVAL = 0.5
+        assert client.default_session().heartbeat_interval == 0.5
+        torchfeed.set_heartbeat(1.0, 7.0)
+        assert (client.HEARTBEAT_INTERVAL, client.HEARTBEAT_TIMEOUT) == (1.0, 7.0)  # no stale copy
+        with pytest.raises(ValueError, match="interval < timeout"):
+            client.HEARTBEAT_TIMEOUT = 0.5
+    finally:
+        torchfeed.set_heartbeat(*old)
+
+
+def test_remote_dataset_timeout_read_on_the_class_is_the_default_sessions():
+    assert torchfeed.RemoteDataset.timeout == client.default_session().timeout
+    assert isinstance(torchfeed.RemoteDataset.timeout * 2, float)

@@ -14,8 +14,10 @@ import itertools
 import logging
 import pickle
 import socket
+import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -45,13 +47,31 @@ Address = str | tuple[str, int]
 Callback = Callable[[bool, Any], None]
 
 
-def __getattr__(name: str) -> float:
-    # the heartbeat settings moved into the session; these names still read them
-    if name == "HEARTBEAT_INTERVAL":
+class _Module(types.ModuleType):
+    """This module's type: ``HEARTBEAT_INTERVAL`` and ``HEARTBEAT_TIMEOUT`` were module
+    globals read by the keeper; the settings moved into the default session, and these
+    names still read and set them there (checked as ``set_heartbeat`` checks them)."""
+
+    @property
+    def HEARTBEAT_INTERVAL(self) -> float:  # noqa: N802 - the old global's name
         return sessions.default_session().heartbeat_interval
-    if name == "HEARTBEAT_TIMEOUT":
+
+    @HEARTBEAT_INTERVAL.setter
+    def HEARTBEAT_INTERVAL(self, value: float) -> None:  # noqa: N802
+        s = sessions.default_session()
+        s.set_heartbeat(value, s.heartbeat_timeout)
+
+    @property
+    def HEARTBEAT_TIMEOUT(self) -> float:  # noqa: N802 - the old global's name
         return sessions.default_session().heartbeat_timeout
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+    @HEARTBEAT_TIMEOUT.setter
+    def HEARTBEAT_TIMEOUT(self, value: float) -> None:  # noqa: N802
+        s = sessions.default_session()
+        s.set_heartbeat(s.heartbeat_interval, value)
+
+
+sys.modules[__name__].__class__ = _Module
 
 
 def set_heartbeat(interval: float = 2.0, timeout: float = 15.0) -> None:

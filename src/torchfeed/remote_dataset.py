@@ -72,6 +72,15 @@ def read_workers_file(path: str) -> list[str]:
     return [client.format_address(a) for a in read_address_file(path)]
 
 
+class _SessionTimeout:
+    """``RemoteDataset.timeout`` before construction: read on the class, the default
+    session's timeout; on an instance not given one yet, None (then the instance's session's).
+    Assigning the class attribute replaces it for the datasets built afterwards."""
+
+    def __get__(self, obj, objtype=None) -> float | None:
+        return client.default_session().timeout if obj is None else None
+
+
 class RemoteDataset(Dataset[T_co]):
     """A dataset built on remote workers.
 
@@ -107,8 +116,8 @@ class RemoteDataset(Dataset[T_co]):
         The shared secret: the session's unless set here.
     """
 
-    # None on the class means "the session's": every instance holds a number (see Attributes)
-    timeout: float = None  # type: ignore[assignment]
+    # read on the class: the default session's (120 unless changed); an instance holds a number
+    timeout: float = _SessionTimeout()  # type: ignore[assignment]
     secret: SecretLike = None  # None: the session's
 
     def __init__(
