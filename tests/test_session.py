@@ -252,3 +252,52 @@ def test_the_old_heartbeat_globals_read_and_set_the_default_session():
 def test_remote_dataset_timeout_read_on_the_class_is_the_default_sessions():
     assert torchfeed.RemoteDataset.timeout == client.default_session().timeout
     assert isinstance(torchfeed.RemoteDataset.timeout * 2, float)
+
+
+def _after(seconds: float, value):
+    time.sleep(seconds)
+    return value
+
+
+def test_sessions_dropped_without_close_leave_nothing_behind(workers2):
+    import gc
+
+    from helpers import wait_for
+
+    def own_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    def use_and_drop():
+        session = torchfeed.Session(timeout=10)
+        assert session.rpc_async(workers2[0], _square, args=(4,)).wait() == 16
+
+    use_and_drop()  # imports and pools warmed up
+    gc.collect()
+    threads, fds = threading.active_count(), own_fds()
+    for _ in range(10):
+        use_and_drop()
+    gc.collect()
+    # each dropped session's connection, reader thread and keeper are gone (they lived until exit)
+    assert wait_for(lambda: threading.active_count() <= threads and own_fds() <= fds, timeout=10), (
+        threading.active_count() - threads,
+        own_fds() - fds,
+    )
+
+
+def test_a_dropped_session_finishes_its_calls_and_keeps_its_references(workers2):
+    import gc
+
+    future = torchfeed.Session(timeout=10).rpc_async(workers2[0], _after, args=(0.3, "done"))
+    gc.collect()  # the session is unreachable but for the call in flight
+    assert future.wait() == "done"
+    ref = (
+        torchfeed.Session(timeout=10)
+        .rpc_async(workers2[0], functools.partial, args=(_square,), rref=True)
+        .wait()
+    )
+    gc.collect()  # the session is unreachable but for the reference
+    got: list = []
+    done = threading.Event()
+    ref.call((5,), callback=lambda ok, value: (got.append((ok, value)), done.set()))
+    assert done.wait(10) and got == [(True, 25)]
+    assert ref.alive

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -118,12 +119,13 @@ def reply_bytes() -> int:
 
 
 class _Pending:
-    __slots__ = ("callback", "pin", "deadline")
+    __slots__ = ("callback", "pin", "deadline", "session")
 
-    def __init__(self, callback: Callback, pin: bool, deadline: float | None):
+    def __init__(self, callback: Callback, pin: bool, deadline: float | None, session: Session | None):
         self.callback = callback
         self.pin = pin
         self.deadline = deadline
+        self.session = session  # a call in flight keeps its session (and so this connection) open
 
 
 class Connection:
@@ -133,7 +135,10 @@ class Connection:
     def __init__(
         self, address: Address, secret: auth.Secret, timeout: float = 120.0, *, session: Session | None = None
     ):
-        self.session = session if session is not None else sessions.default_session()
+        owner = session if session is not None else sessions.default_session()
+        # weak: a session dropped without close() is collected, and its finalizer closes
+        # this connection (the reader thread refers to the connection, not to the session)
+        self._session = weakref.ref(owner)
         self.address = format_address(address)
         host, port = parse_address(address)
         self.secret = secret
@@ -173,7 +178,13 @@ class Connection:
             target=self._read_loop, name=f"torchfeed-rx-{self.address}", daemon=True
         )
         self._thread.start()
-        self.session.watch(self)
+        owner.watch(self)
+
+    @property
+    def session(self) -> Session | None:
+        """The session looking after this connection; None once that session was collected
+        (its connections are then closed)."""
+        return self._session()
 
     # -- sending ---------------------------------------------------------
     def _send(self, kind: int, request_id: int = 0, meta: bytes = b"", buffers=(), flags: int = 0) -> None:
@@ -198,7 +209,7 @@ class Connection:
         with self._pending_lock:
             if self.closed:
                 raise self._lost_error()
-            self._pending[rid] = _Pending(callback, pin, deadline)
+            self._pending[rid] = _Pending(callback, pin, deadline, self._session())
         try:
             self._send(kind, rid, meta, buffers, flags)
         except BaseException as exc:
@@ -327,7 +338,9 @@ class Connection:
             self.closed = True
             self.error = exc
             pending, self._pending = self._pending, {}
-        self.session.forget(self)
+        owner = self._session()
+        if owner is not None:
+            owner.forget(self)
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -380,9 +393,12 @@ class Connection:
                 )
             except Exception:
                 log.exception("a result callback failed")
+        owner = self._session()
+        if owner is None:  # collected: its finalizer closes this connection
+            return
         # alive: a record arrived, or a large upload to it made progress (it reads)
         heard = self.channel.last_activity
-        if waiting and now - heard > self.session.heartbeat_timeout:
+        if waiting and now - heard > owner.heartbeat_timeout:
             self._fail(
                 WorkerLost(
                     f"worker {self.address} sent nothing for {now - heard:.1f} s "
@@ -394,9 +410,7 @@ class Connection:
         try:
             if releases:
                 self._send(wire.RELEASE, meta=pickle.dumps(releases))
-            elif now - self.last_tx > self.session.heartbeat_interval and self._send_lock.acquire(
-                blocking=False
-            ):
+            elif now - self.last_tx > owner.heartbeat_interval and self._send_lock.acquire(blocking=False):
                 try:
                     self.channel.send(wire.PING)
                     self.last_tx = now

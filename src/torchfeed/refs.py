@@ -45,6 +45,7 @@ class RemoteRef:
         self.address = conn.address
         self.ref_id = ref_id
         self._conn = conn
+        self._session = conn.session  # a reference keeps its session, so its connection, open
         self._finalizer = weakref.finalize(self, conn.release_later, ref_id)
 
     def __reduce__(self):

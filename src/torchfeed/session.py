@@ -106,11 +106,16 @@ class Session:
         self.secret = secret
         self._fresh_state()
         _sessions.add(self)
+        # dropped without close(): its connections are closed when it is collected (calls
+        # in flight and remote references keep it alive until they are done)
+        weakref.finalize(self, _close_dropped, self._conns)
 
     def _fresh_state(self) -> None:
         self._generation = 0  # close() counts up: a connect() that straddles it is undone
         self._lock = threading.Lock()
-        self._conns: dict[tuple[str, bytes], client.Connection] = {}
+        if not hasattr(self, "_conns"):
+            self._conns: dict[tuple[str, bytes], client.Connection] = {}
+        self._conns.clear()  # the same dict: the finalizer closes what it holds
         self._connecting: dict[tuple[str, bytes], threading.Lock] = {}
         self._watched: weakref.WeakSet[client.Connection] = weakref.WeakSet()
         self._keeper: threading.Thread | None = None
@@ -340,6 +345,15 @@ def default_session() -> Session:
             if _default is None:
                 _default = Session()
     return _default
+
+
+def _close_dropped(conns: dict) -> None:
+    """Finalizer of a session collected without close(): close its connections."""
+    for conn in list(conns.values()):
+        try:
+            conn.close()
+        except Exception:  # noqa: BLE001 - from garbage collection: never raise
+            log.debug("closing a dropped session's connection", exc_info=True)
 
 
 def close_connections_everywhere(addresses: Sequence[client.Address]) -> None:
