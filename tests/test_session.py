@@ -301,3 +301,61 @@ def test_a_dropped_session_finishes_its_calls_and_keeps_its_references(workers2)
     ref.call((5,), callback=lambda ok, value: (got.append((ok, value)), done.set()))
     assert done.wait(10) and got == [(True, 25)]
     assert ref.alive
+
+
+def _stall_replies_after(nbytes: int, stalled: threading.Event, gate: threading.Event):
+    """A relay hook: the worker's bytes stop after ``nbytes`` (mid-reply) until ``gate``."""
+    from relay import W2C_SEALED
+
+    def hook(conn, direction, offset, data):
+        if direction == "w2c" and offset > W2C_SEALED + nbytes:
+            stalled.set()
+            gate.wait(30)
+        return data
+
+    return hook
+
+
+def test_a_worker_stalling_in_the_middle_of_a_reply_is_lost_by_heartbeat(workers2):
+    """The request leaves the pending table when its reply's header arrives; a worker that
+    then stops in the middle of the body must still be declared lost (it hung forever)."""
+    from relay import Relay
+
+    stalled, gate = threading.Event(), threading.Event()
+    relay = Relay(workers2[0], _stall_replies_after(1 << 20, stalled, gate))
+    session = torchfeed.Session(timeout=30, heartbeat_interval=0.2, heartbeat_timeout=1.5)
+    try:
+        future = session.rpc_async(relay.address, bytes, args=(8 << 20,))
+        assert stalled.wait(10)
+        start = time.monotonic()
+        with pytest.raises(torchfeed.WorkerLost, match="sent nothing"):
+            future.wait()
+        assert time.monotonic() - start < 10
+    finally:
+        gate.set()
+        relay.close()
+        session.close()
+
+
+def test_a_call_cancelled_while_its_reply_arrives_is_not_called_back(workers2):
+    from helpers import wait_for
+    from relay import Relay
+
+    stalled, gate = threading.Event(), threading.Event()
+    relay = Relay(workers2[0], _stall_replies_after(1 << 20, stalled, gate))
+    session = torchfeed.Session(timeout=30)
+    try:
+        make = session.rpc_async(relay.address, functools.partial, args=(bytes,), rref=True).wait()
+        got: list = []
+        call = make.call((8 << 20,), callback=lambda ok, value: got.append(ok))
+        assert stalled.wait(10)
+        assert wait_for(lambda: call.conn.num_pending() == 0)  # its header is in: the body arrives
+        call.cancel()
+        gate.set()
+        # replies come in order: once a later call is answered, the cancelled one was received
+        assert session.rpc_async(relay.address, _square, args=(3,)).wait() == 9
+        assert got == []
+    finally:
+        gate.set()
+        relay.close()
+        session.close()

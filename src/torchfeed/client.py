@@ -169,6 +169,9 @@ class Connection:
         self._send_lock = threading.Lock()
         self._pending_lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
+        # [request id, cancelled] of the reply whose body the reader thread is receiving: it
+        # left _pending with its header, yet it still waits (keeper) and can be cancelled
+        self._receiving: list | None = None
         self._ids = itertools.count(1)
         self._releases: list = []
         self.last_tx = time.monotonic()
@@ -232,6 +235,8 @@ class Connection:
             for rid in request_ids:
                 if self._pending.pop(rid, None) is not None:
                     ids.append(rid)
+                elif self._receiving is not None and self._receiving[0] == rid:
+                    self._receiving[1] = True  # its reply is arriving: dropped once received
         if ids and not self.closed:
             try:
                 self._send(wire.CANCEL, meta=pickle.dumps(ids))
@@ -266,16 +271,10 @@ class Connection:
                         if frame.kind in (wire.REPLY, wire.ERROR)
                         else None
                     )
+                    receiving = [frame.request_id, False]  # [id, cancelled]
+                    self._receiving = receiving if pending is not None else None
                 if pending is None:  # a heartbeat, or cancelled or expired: drain and drop
-                    channel.read_meta(frame)
-                    channel.skip(frame, meta=False)
-                    if frame.kind == wire.REPLY and frame.flags & wire.FLAG_RREF:
-                        # an object kept for a call nobody waits for any more: free it
-                        self.release_later(pickle.loads(frame.meta))
-                    if frame.kind == wire.BYE:
-                        raise ProtocolError(
-                            f"worker closed the connection: {frame.meta.decode(errors='replace')}"
-                        )
+                    self._drop(frame)
                     continue
                 try:
                     channel.read_meta(frame)
@@ -283,16 +282,33 @@ class Connection:
                     channel.read_buffers(buffers)  # each record received counts as life
                 except BaseException as exc:
                     with self._pending_lock:  # the request being received fails with the connection
+                        self._receiving = None
                         closed = self.closed
-                        if not closed:
+                        if not closed and not receiving[1]:
                             self._pending[frame.request_id] = pending
-                    if closed:  # already failed by another thread: fail this one here
+                    if closed and not receiving[1]:  # already failed by another thread: fail it here
                         pending.callback(False, self._lost_error())
                     raise exc
-                self._deliver(frame, buffers, pending)
+                with self._pending_lock:
+                    self._receiving = None
+                if receiving[1]:  # cancelled while its body arrived
+                    if frame.kind == wire.REPLY and frame.flags & wire.FLAG_RREF:
+                        self.release_later(pickle.loads(frame.meta))
+                else:
+                    self._deliver(frame, buffers, pending)
                 del frame, buffers, pending  # an idle connection must not keep the last reply alive
         except BaseException as exc:  # noqa: BLE001 - the thread must fail every waiter
             self._fail(exc)
+
+    def _drop(self, frame: wire.Frame) -> None:
+        """Read past a message nobody waits for (a heartbeat, a cancelled or expired call)."""
+        self.channel.read_meta(frame)
+        self.channel.skip(frame, meta=False)
+        if frame.kind == wire.REPLY and frame.flags & wire.FLAG_RREF:
+            # an object kept for a call nobody waits for any more: free it
+            self.release_later(pickle.loads(frame.meta))
+        if frame.kind == wire.BYE:
+            raise ProtocolError(f"worker closed the connection: {frame.meta.decode(errors='replace')}")
 
     def _fail_request(self, rid: int, exc: BaseException) -> None:
         with self._pending_lock:
@@ -382,7 +398,7 @@ class Connection:
     def tick(self, now: float) -> None:
         expired = []
         with self._pending_lock:
-            waiting = bool(self._pending)
+            waiting = bool(self._pending) or self._receiving is not None  # a body may stall too
             for rid, p in list(self._pending.items()):
                 if p.deadline is not None and now > p.deadline:
                     expired.append(self._pending.pop(rid))
