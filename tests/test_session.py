@@ -359,3 +359,14 @@ def test_a_call_cancelled_while_its_reply_arrives_is_not_called_back(workers2):
         gate.set()
         relay.close()
         session.close()
+
+
+def test_cancelling_the_last_call_of_a_dropped_session_does_not_hang(workers2):
+    """The call in flight held the last reference to its session: cancel() dropped it inside
+    the connection's lock, and the session's finalizer, closing that connection, took the
+    same lock (the thread hung for good)."""
+    call = torchfeed.Session(timeout=10).call(workers2[0], time.sleep, (3,), callback=lambda ok, value: None)
+    t = threading.Thread(target=call.cancel, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "Call.cancel() hung"

@@ -255,3 +255,14 @@ def test_a_pickled_remote_dataset_carries_no_secret(workers2):
     ds.secret = b"x" * 40  # as if given explicitly
     state = pickle.loads(pickle.dumps(ds)).__dict__
     assert state["secret"] is None and b"x" * 40 not in pickle.dumps(ds)
+
+
+def test_a_copied_remote_dataset_keeps_its_session_and_secret(workers2):
+    import copy
+
+    session = torchfeed.Session(timeout=33)
+    ds = torchfeed.RemoteDataset(workers2, Plain, 5, session=session)
+    for twin in (copy.copy(ds), copy.deepcopy(ds)):
+        assert twin.session is session and twin.timeout == 33 and twin.secret is ds.secret
+        assert deep_equal(twin[3], ds[3])
+    session.close()

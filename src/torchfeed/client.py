@@ -48,6 +48,11 @@ Address = str | tuple[str, int]
 Callback = Callable[[bool, Any], None]
 
 
+if TYPE_CHECKING:  # for type checkers: the module's class below defines them at run time
+    HEARTBEAT_INTERVAL: float
+    HEARTBEAT_TIMEOUT: float
+
+
 class _Module(types.ModuleType):
     """This module's type: ``HEARTBEAT_INTERVAL`` and ``HEARTBEAT_TIMEOUT`` were module
     globals read by the keeper; the settings moved into the default session, and these
@@ -217,7 +222,8 @@ class Connection:
             self._send(kind, rid, meta, buffers, flags)
         except BaseException as exc:
             with self._pending_lock:
-                self._pending.pop(rid, None)
+                entry = self._pending.pop(rid, None)
+            del entry  # outside the lock: it may hold the last session reference
             if not isinstance(exc, OSError):
                 raise
             self._fail_async(exc)
@@ -230,13 +236,16 @@ class Connection:
 
     def cancel(self, request_ids) -> None:
         """Forget these requests; the worker skips those it has not started."""
-        ids = []
+        ids, dropped = [], []
         with self._pending_lock:
             for rid in request_ids:
-                if self._pending.pop(rid, None) is not None:
+                entry = self._pending.pop(rid, None)
+                if entry is not None:
                     ids.append(rid)
+                    dropped.append(entry)  # released after the lock: it may hold the last session reference
                 elif self._receiving is not None and self._receiving[0] == rid:
                     self._receiving[1] = True  # its reply is arriving: dropped once received
+        del dropped
         if ids and not self.closed:
             try:
                 self._send(wire.CANCEL, meta=pickle.dumps(ids))

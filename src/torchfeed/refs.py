@@ -29,7 +29,8 @@ class Call:
         return f"Call({self.conn.address}, id={self.request_id})"
 
     def cancel(self) -> None:
-        """Forget this request (its callback is not called); the worker skips it if not started."""
+        """Forget this request: its callback is not called (unless it is being called at this
+        moment, on the reader thread); the worker skips the request if it has not started."""
         self.conn.cancel([self.request_id])
 
 

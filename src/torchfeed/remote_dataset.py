@@ -72,6 +72,17 @@ def read_workers_file(path: str) -> list[str]:
     return [client.format_address(a) for a in read_address_file(path)]
 
 
+_rebuild_lock = threading.Lock()  # one rebuild at a time in a forked or spawned process
+
+
+def _renew_rebuild_lock() -> None:
+    global _rebuild_lock
+    _rebuild_lock = threading.Lock()  # a parent thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_renew_rebuild_lock)
+
+
 class _SessionTimeout:
     """``RemoteDataset.timeout`` before construction: read on the class, the default
     session's timeout; on an instance not given one yet, None (then the instance's session's).
@@ -177,19 +188,33 @@ class RemoteDataset(Dataset[T_co]):
         self._listeners = weakref.WeakSet()
         self._lost = {}
 
+    def __copy__(self) -> RemoteDataset:
+        """A copy in this process is another handle on the same built datasets, session and
+        secret (only a pickle, which may leave the process, drops them)."""
+        twin = type(self).__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        return twin
+
+    def __deepcopy__(self, memo: dict) -> RemoteDataset:
+        return self.__copy__()  # the data lives on the workers: nothing here to copy deeply
+
     def _own_process(self) -> None:
         """In a process forked from the one that built this dataset (torch's DataLoader
         workers, ``num_workers > 0``), the built datasets belong to the parent's connections,
-        which the child may not use: build them again for this process, once."""
+        which the child may not use: build them again for this process, once (other threads
+        wait; a failed build is tried again by the next call)."""
         if self._pid == os.getpid():
             return
-        self._pid = os.getpid()
-        self._lock = threading.RLock()  # a parent thread may have held it at the fork
-        self._thread = None  # the parent's membership thread does not exist here
-        self._refs = {}  # the parent's remote objects: released with the parent's connections
-        self._lost = {}
-        log.info("forked process %d: building %r again on its workers", self._pid, self)
-        self._build_on(self.workers, strict=True, wait=True)
+        with _rebuild_lock:
+            if self._pid == os.getpid():
+                return
+            self._lock = threading.RLock()  # a parent thread may have held it at the fork
+            self._thread = None  # the parent's membership thread does not exist here
+            self._refs = {}  # the parent's remote objects: released with the parent's connections
+            self._lost = {}
+            log.info("process %d: building %r again on its workers", os.getpid(), self)
+            self._build_on(self.workers, strict=True, wait=True)
+            self._pid = os.getpid()
 
     # -- building ---------------------------------------------------------------
     def _build_on(self, workers: Sequence[str], strict: bool, wait: bool = False) -> dict[str, BaseException]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -108,7 +109,8 @@ class Session:
         _sessions.add(self)
         # dropped without close(): its connections are closed when it is collected (calls
         # in flight and remote references keep it alive until they are done)
-        weakref.finalize(self, _close_dropped, self._conns)
+        finalizer = weakref.finalize(self, _close_dropped, self._conns)
+        finalizer.atexit = False  # at exit, _close_all_sessions closes what is left (and waits)
 
     def _fresh_state(self) -> None:
         self._generation = 0  # close() counts up: a connect() that straddles it is undone
@@ -348,11 +350,22 @@ def default_session() -> Session:
 
 
 def _close_dropped(conns: dict) -> None:
-    """Finalizer of a session collected without close(): close its connections."""
-    for conn in list(conns.values()):
+    """Finalizer of a session collected without close(): close its connections, on a thread
+    of its own. The last reference may go anywhere, inside a connection's lock too (a
+    cancel() dropping the last call in flight, a reader thread when the collector runs):
+    closing takes those locks, so it never runs here."""
+    if not conns or sys.is_finalizing():
+        return
+    threading.Thread(
+        target=_close_quietly, args=(list(conns.values()),), name="torchfeed-close", daemon=True
+    ).start()
+
+
+def _close_quietly(conns: list[client.Connection]) -> None:
+    for conn in conns:
         try:
             conn.close()
-        except Exception:  # noqa: BLE001 - from garbage collection: never raise
+        except Exception:  # noqa: BLE001 - nobody to report to: the session is gone
             log.debug("closing a dropped session's connection", exc_info=True)
 
 
