@@ -182,10 +182,15 @@ class RemoteDataset(Dataset[T_co]):
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.session = client.default_session()
+        self._listeners = weakref.WeakSet()
+        self._forget_built()
+
+    def _forget_built(self) -> None:
+        """This process's state before any build: another process's locks, membership
+        thread and remote objects are of no use here."""
         self._lock = threading.RLock()
         self._thread = None
         self._refs = {}
-        self._listeners = weakref.WeakSet()
         self._lost = {}
 
     def __copy__(self) -> RemoteDataset:
@@ -208,10 +213,7 @@ class RemoteDataset(Dataset[T_co]):
         with _rebuild_lock:
             if self._pid == os.getpid():
                 return
-            self._lock = threading.RLock()  # a parent thread may have held it at the fork
-            self._thread = None  # the parent's membership thread does not exist here
-            self._refs = {}  # the parent's remote objects: released with the parent's connections
-            self._lost = {}
+            self._forget_built()  # the parent's remote objects go with the parent's connections
             log.info("process %d: building %r again on its workers", os.getpid(), self)
             self._build_on(self.workers, strict=True, wait=True)
             self._pid = os.getpid()

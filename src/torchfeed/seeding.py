@@ -76,7 +76,7 @@ def seed_all(seed: int) -> None:
     costs about three times as much, ~60 µs more per sample once caches are cold, as they
     are after a sample that waited on I/O).
     """
-    h = _splitmix64(_MIX_START ^ (int(seed) & _MASK))  # the first round of each mix_seed(seed, k)
+    h = mix_seed(seed)  # the shared first round: mix_seed(seed, k) == extend_seed(h, k)
     random.seed(_splitmix64(h ^ 1))
     np.random.seed(_splitmix64(h ^ 2) & 0xFFFFFFFF)
     # the CPU generator only: torch.manual_seed also visits every accelerator backend

@@ -73,6 +73,7 @@ def case_epochs(ctx: Context) -> Result:
     from ..loader import RemoteDataLoader, RemoteDataset
 
     nw, slow = STRAGGLER_WORKERS, STRAGGLER_SLOWDOWN
+    share = nw - 1 + 1 / slow  # the ideal in fast workers: the slow one counts for 1/slow
     length = EPOCH_BATCHES * STRAGGLER_BATCH
     # The in-process rate of one fast worker moves by several percent with the machine's
     # load, so it is measured again right before every repeat, and each repeat is compared
@@ -103,7 +104,7 @@ def case_epochs(ctx: Context) -> Result:
             _passes(loader, 2)  # start-up and a measured pass (torchfeed keeps its estimates)
         for r in range(max(ctx.repeats, 3)):
             singles.append(bench.single_rate(ideal_seconds))
-            ideal = singles[-1] * (nw - 1 + 1 / slow)
+            ideal = singles[-1] * share
             for name, loader in sides.items():
                 pids = ours_pids if name == "torchfeed" else [w.pid for w in loader._iterator._workers]
                 own, wk = own_cpu_seconds(), sum(map(process_cpu_seconds, pids))
@@ -130,7 +131,7 @@ def case_epochs(ctx: Context) -> Result:
         f"(its next pass is prefetched)",
         f"ideal = {nw - 1} + 1/{slow:g} of a single fast worker, measured in this process right before "
         f"each repeat (best of three {ideal_seconds / 3:.2g} s stretches: {min(singles):.0f}-{max(singles):.0f} "
-        f"samples/s, so {min(singles) * (nw - 1 + 1 / slow):.0f}-{max(singles) * (nw - 1 + 1 / slow):.0f})",
+        f"samples/s, so {min(singles) * share:.0f}-{max(singles) * share:.0f})",
     ]
     return Result(
         "epochs",
