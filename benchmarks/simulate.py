@@ -66,7 +66,7 @@ def load_scheduler(path: str | None):
     if path is None:
         src = Path(__file__).resolve().parents[1] / "src"
         sys.path.insert(0, str(src))
-        from torchfeed.scheduler import Scheduler
+        from torchfeed.loader.scheduler import Scheduler
 
         return Scheduler
     spec = importlib.util.spec_from_file_location("scheduler_under_test", path)

@@ -12,7 +12,7 @@ import socket
 import threading
 from collections.abc import Callable
 
-from torchfeed import auth, wire
+from torchfeed.protocol import auth, wire
 
 # where the sealed stream starts in each direction: after the clear handshake frames
 C2W_SEALED = wire.HEADER.size + auth.AUTH_BYTES  # AUTH

@@ -25,7 +25,8 @@ import torch
 import torchfeed
 from helpers import RangeDataset, wait_for
 from relay import C2W_SEALED, W2C_SEALED, Relay, flip_byte_at, inject_before_sealed, replay_first_sealed
-from torchfeed import auth, client, serialize, wire
+from torchfeed import client
+from torchfeed.protocol import auth, serialize, wire
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -97,7 +98,7 @@ def relays():
 
 def fresh_call(address: str, fn=os.getpid, args=(), timeout: float = 10.0):
     """Call ``fn`` over a new connection (not the pooled one): proves the worker accepts."""
-    conn = client.Connection(address, auth.load_secret(), timeout)
+    conn = client.Connection(address, auth.load_secret(), timeout, session=client.default_session())
     done = threading.Event()
     out = {}
 
@@ -430,7 +431,7 @@ def test_wrong_secrets_are_rate_limited_per_source(spawn, tmp_path):
     answered = silent = 0
     for i in range(40):
         try:
-            client.Connection(w.address, auth.load_secret(wrong), 5).close()
+            client.Connection(w.address, auth.load_secret(wrong), 5, session=client.default_session()).close()
         except torchfeed.AuthenticationError:
             answered += 1
         except (torchfeed.ProtocolError, OSError, torchfeed.WorkerLost):
@@ -467,8 +468,8 @@ class _ThreadsRunOut:
 @pytest.mark.parametrize("which", ["torchfeed-tx", "torchfeed-rx"], ids=["writer", "reader"])
 def test_a_worker_that_cannot_start_threads_keeps_accepting(monkeypatch, which):
     """A connection whose threads cannot start is closed and forgotten; the worker goes on."""
-    from torchfeed import serverconn
-    from torchfeed import worker as worker_mod
+    from torchfeed.worker import connection as serverconn
+    from torchfeed.worker import server as worker_mod
 
     server = worker_mod.WorkerServer().start()
     monkeypatch.setattr(serverconn, "threading", _ThreadsRunOut(3, which))
@@ -500,7 +501,7 @@ def test_slow_upload_longer_than_the_timeout_is_not_cut(spawn, relays):
 
 def test_closing_while_a_reply_is_received_fails_that_request(spawn):
     w = spawn()
-    conn = client.Connection(w.address, auth.load_secret(), 10)
+    conn = client.Connection(w.address, auth.load_secret(), 10, session=client.default_session())
     done = threading.Event()
     out = []
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchfeed import buffers
+from torchfeed.protocol import buffers
 
 MB = 1 << 20
 

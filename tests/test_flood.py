@@ -9,7 +9,9 @@ import threading
 import pytest
 
 from helpers import wait_for
-from torchfeed import auth, wire, worker, workerstats
+from torchfeed.protocol import auth, wire
+from torchfeed.worker import server as worker
+from torchfeed.worker import stats as workerstats
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,8 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchfeed import auth, doorman, serverconn, wire, worker
 from torchfeed.errors import ProtocolError
+from torchfeed.protocol import auth, wire
+from torchfeed.worker import connection as serverconn
+from torchfeed.worker import doorman
+from torchfeed.worker import server as worker
 
 # Hypothesis draws an input and a seed; each example then runs that input and VARIANTS-1
 # mutations of it (truncations, bit flips, insertions, extreme length fields), because
@@ -205,7 +208,7 @@ class RecordingSocket(FakeSocket):
 
 def sealed_stream(messages, encrypt=True) -> bytes:
     out = RecordingSocket()
-    from torchfeed.channel import Channel
+    from torchfeed.protocol.channel import Channel
 
     chan = Channel(out, KEY_A, KEY_B, encrypt=encrypt)
     for kind, meta, buffers in messages:
@@ -214,7 +217,7 @@ def sealed_stream(messages, encrypt=True) -> bytes:
 
 
 def read_all(data: bytes, encrypt=True):
-    from torchfeed.channel import Channel
+    from torchfeed.protocol.channel import Channel
 
     chan = Channel(FakeSocket(data), KEY_B, KEY_A, encrypt=encrypt)
     got = []
@@ -259,7 +262,7 @@ def test_sealed_records_cannot_be_reordered_replayed_or_reflected():
     second_only = two[len(one) :]
     assert read_all(second_only) == []  # record counter: out of order
     assert len(read_all(one + one)) == 1  # replayed: the copy fails
-    from torchfeed.channel import Channel
+    from torchfeed.protocol.channel import Channel
 
     reflected = Channel(FakeSocket(one), KEY_A, KEY_B)  # our own traffic sent back to us
     with pytest.raises(ProtocolError):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torchfeed
-from torchfeed import limits
+from torchfeed.protocol import limits
 
 pytestmark = pytest.mark.timeout(180)
 

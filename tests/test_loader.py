@@ -11,7 +11,7 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, Subset
 
 import torchfeed
 from helpers import DictDataset, FailingDataset, RangeDataset, SleepDataset, deep_equal
-from torchfeed import buffers
+from torchfeed.protocol import buffers
 from torchfeed.util import free_port
 
 N = 53

@@ -13,7 +13,7 @@ from torch.utils.data import BatchSampler, RandomSampler, SubsetRandomSampler
 
 import torchfeed
 from helpers import RandomAugmentDataset, RangeDataset, deep_equal
-from torchfeed.sampling import DistributedSampler, mix_seed
+from torchfeed.loader.sampling import DistributedSampler, mix_seed
 
 N = 48
 

@@ -29,7 +29,8 @@ import torch
 
 import torchfeed
 from helpers import named_workers, wait_for
-from torchfeed import buffers, client, serialize
+from torchfeed import client
+from torchfeed.protocol import buffers, serialize
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from torchfeed.scheduler import Scheduler
+from torchfeed.loader.scheduler import Scheduler
 
 FACTOR, MIN_SECONDS = 4.0, 0.05  # the loader's straggler defaults
 

@@ -22,7 +22,8 @@ import pytest
 
 import torchfeed
 from helpers import named_workers, wait_for
-from torchfeed import auth, client, serialize, wire
+from torchfeed import client
+from torchfeed.protocol import auth, serialize, wire
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -800,7 +801,7 @@ def test_worker_and_client_share_a_secret_file(file_worker):
 
 def _handshake_pair(secret: str = SECRET):
     """A client channel and a worker channel over a socketpair, keyed by a real handshake."""
-    from torchfeed import doorman
+    from torchfeed.worker import doorman
 
     c, w = socket.socketpair()
     hello = auth.hello_meta(False)
@@ -838,7 +839,7 @@ def test_keys_differ_per_direction_and_per_connection():
 @pytest.mark.slow
 def test_reflected_records_are_rejected():
     """A relay that sends a side's own sealed records back to it gets nothing through."""
-    from torchfeed.channel import Channel
+    from torchfeed.protocol.channel import Channel
 
     c, w, client_chan, worker_keys = _handshake_pair()
     try:

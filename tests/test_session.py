@@ -10,7 +10,8 @@ import time
 import pytest
 
 import torchfeed
-from torchfeed import auth, client
+from torchfeed import client
+from torchfeed.protocol import auth
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -156,7 +157,7 @@ def _blob(n: int):
 def test_fork_while_another_thread_holds_the_buffer_pool(workers2):
     """A fork while a parent thread is inside the receive-block pool must not leave the
     child's copy of its lock held (the child's first large reply would wait forever)."""
-    from torchfeed import buffers
+    from torchfeed.protocol import buffers
 
     address = workers2[0]
     torchfeed.rpc_async(address, _blob, args=(1 << 20,), timeout=10).wait()  # imports warm

@@ -175,7 +175,7 @@ FAST3_SLOW = {"f1": 1.0, "f2": 1.0, "f3": 1.0, "slow": 4.0}  # seconds per batch
 
 
 def test_prefetch_places_the_slow_workers_batches_by_when_they_are_needed():
-    from torchfeed.prefetch import place
+    from torchfeed.loader.prefetch import place
 
     unsent = list(range(32))
     free = dict.fromkeys(FAST3_SLOW, 2)
@@ -191,7 +191,7 @@ def test_prefetch_places_the_slow_workers_batches_by_when_they_are_needed():
 
 
 def test_prefetch_counts_the_ending_passs_batches_and_queue():
-    from torchfeed.prefetch import place
+    from torchfeed.loader.prefetch import place
 
     free, busy = {"slow": 1}, {"slow": 1}  # one request of the ending pass still ahead of it
     assert place(list(range(32)), FAST3_SLOW, free, busy, 10, {}) == [("slow", 19)]  # 29 - 10 still loading
@@ -225,7 +225,7 @@ def test_sampler_error_reaches_the_consumer(rds):
 
 
 def test_pipeline_depth_rule():
-    from torchfeed.passplan import FAST_BATCH_SECONDS, SMALL_BATCH_BYTES, pipeline_depth
+    from torchfeed.loader.plan import FAST_BATCH_SECONDS, SMALL_BATCH_BYTES, pipeline_depth
 
     fast, slow = {"a": FAST_BATCH_SECONDS / 10, "b": 1.0}, {"a": 1.0}
     assert pipeline_depth(2, None, None) == 2  # first pass: nothing measured yet

@@ -18,30 +18,30 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "AuthenticationError": "errors",
     "ConnectionClosed": "errors",
-    "DistributedSampler": "sampling",
+    "DistributedSampler": "loader.sampling",
     "FrameTooLarge": "errors",
     "LimitExceeded": "errors",
     "LoaderStats": "stats",
     "LocalWorkers": "local",
     "PoisonSampleError": "errors",
     "ProtocolError": "errors",
-    "RemoteDataLoader": "loader",
-    "RemoteDataset": "remote_dataset",
+    "RemoteDataLoader": "loader.dataloader",
+    "RemoteDataset": "loader.dataset",
     "RemoteError": "errors",
     "RemoteRef": "client",
     "SerializationError": "errors",
-    "Session": "session",
+    "Session": "client.session",
     "Timeout": "errors",
     "TorchfeedError": "errors",
     "UnsafeAddressFile": "addrfile",
     "WorkerLost": "errors",
-    "WorkerServer": "worker",
+    "WorkerServer": "worker.server",
     "WorkerStats": "stats",
     "rpc_async": "client",
-    "run_worker": "worker",
+    "run_worker": "worker.server",
     "set_heartbeat": "client",
-    "set_random_seeds": "sampling",
-    "set_reply_limits": "limits",
+    "set_random_seeds": "loader.sampling",
+    "set_reply_limits": "protocol.limits",
 }
 # Names of the design this project grew from, kept importable forever.
 _ALIASES = {"RPCDataset": "RemoteDataset", "RPCDataloader": "RemoteDataLoader"}
@@ -96,6 +96,7 @@ def __dir__():
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from .addrfile import UnsafeAddressFile
     from .client import RemoteRef, rpc_async, set_heartbeat
+    from .client.session import Session
     from .errors import (
         AuthenticationError,
         ConnectionClosed,
@@ -109,14 +110,13 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         TorchfeedError,
         WorkerLost,
     )
-    from .limits import set_reply_limits
-    from .loader import RemoteDataLoader
+    from .loader.dataloader import RemoteDataLoader
+    from .loader.dataset import RemoteDataset
+    from .loader.sampling import DistributedSampler, set_random_seeds
     from .local import LocalWorkers
-    from .remote_dataset import RemoteDataset
-    from .sampling import DistributedSampler, set_random_seeds
-    from .session import Session
+    from .protocol.limits import set_reply_limits
     from .stats import LoaderStats, WorkerStats
-    from .worker import WorkerServer, run_worker
+    from .worker.server import WorkerServer, run_worker
 
     RPCDataset = RemoteDataset
     RPCDataloader = RemoteDataLoader

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .wire import Frame
+    from .protocol.wire import Frame
 
 # This module is imported by the command line before torch: keep it free of heavy imports.
 

@@ -164,7 +164,7 @@ class LocalWorkers:
         """Stop the workers (this process's connections to them close first, quietly)."""
         _open.discard(self)
         if self.addresses:
-            from .session import close_connections_everywhere
+            from .client.session import close_connections_everywhere
 
             close_connections_everywhere(self.addresses)  # every session's, not only the default's
         for p in self.processes:

@@ -18,7 +18,7 @@ import distributed
 from distributed.comm.addressing import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from .. import auth
+from ..protocol import auth
 from ..util import restore_env
 
 log = logging.getLogger(__name__)

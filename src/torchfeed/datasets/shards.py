@@ -18,8 +18,8 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..sampling import INT63, mix_seed
-from ..streams import Inbox, NeedShard
+from ..loader.sampling import INT63, mix_seed
+from ..loader.streams import Inbox, NeedShard
 
 _ORDER_TAG = 0x5A4D
 

@@ -229,7 +229,7 @@ def _fork_workers(n: int, path: str) -> None:
     """In a fresh process: import once, fork ``n`` workers announcing into ``path``."""
     import torch  # noqa: F401 - imported before forking: shared by the children
 
-    from ..worker import run_worker
+    from ..worker.server import run_worker
 
     children = []
     for _ in range(n):

@@ -32,9 +32,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from . import auth, wire
-from .errors import ProtocolError
-from .util import double_delay
+from ..errors import ProtocolError
+from ..protocol import auth, wire
+from ..util import double_delay
 
 log = logging.getLogger("torchfeed.worker")
 

@@ -15,9 +15,10 @@ from torch.utils.data._utils.collate import (
     default_convert,
 )
 
-from . import buffers, seeding
+from .. import seeding
+from ..protocol import buffers
+from ..seeding import extend_seed, mix_seed, seed_all
 from .context import WorkerSetup, worker_context
-from .seeding import extend_seed, mix_seed, seed_all
 
 # seed tags that keep the collate's and a __getitems__ call's streams apart from samples'
 _COLLATE_TAG = 0xC011A7E

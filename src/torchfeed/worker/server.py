@@ -43,11 +43,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import auth, wire, workerstats
-from .addrfile import announce, read_address_file  # noqa: F401  (read_address_file: old import path)
+from ..addrfile import announce, read_address_file  # noqa: F401  (read_address_file: old import path)
+from ..errors import LimitExceeded, TorchfeedError
+from ..protocol import auth, wire
+from . import stats as workerstats
+from .connection import ServerConnection
 from .doorman import Doorman
-from .errors import LimitExceeded, TorchfeedError
-from .serverconn import ServerConnection
 
 log = logging.getLogger("torchfeed.worker")
 

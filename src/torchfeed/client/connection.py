@@ -1,11 +1,10 @@
-"""Client side of the data plane: one persistent, multiplexed connection per worker.
+"""One persistent, multiplexed, authenticated connection to one worker.
 
-Many requests share a connection (request ids); a reader thread per connection
-receives replies straight into their final buffers and hands them to callbacks. Each
-connection belongs to a :class:`~torchfeed.Session` (session.py), whose keeper thread
-sends heartbeats, flushes reference releases, expires request deadlines and declares a
-worker lost when it stops answering. The module-level functions here (``rpc_async``,
-``connect``, ``set_heartbeat``, ...) are thin wrappers over the default session.
+Many requests share a connection (request ids); a reader thread per connection receives
+replies straight into their final buffers and hands them to callbacks. Each connection
+belongs to an owner (a :class:`~torchfeed.Session`, session.py) that it reports to
+(``watch`` when made, ``forget`` when it fails or closes) and whose heartbeat settings it
+reads; the owner's keeper thread calls :meth:`Connection.tick`.
 """
 
 from __future__ import annotations
@@ -14,20 +13,14 @@ import itertools
 import logging
 import pickle
 import socket
-import sys
 import threading
 import time
-import types
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-import torch
-
-from . import auth, errors, limits, serialize, wire
-from . import session as sessions
-from .buffers import allocate
-from .errors import (
+from .. import errors
+from ..errors import (
     ConnectionClosed,
     FrameTooLarge,
     ProtocolError,
@@ -36,11 +29,8 @@ from .errors import (
     TorchfeedError,
     WorkerLost,
 )
-from .refs import Call as Call  # re-exported: the handles live in refs.py
-from .refs import RemoteRef as RemoteRef
-
-if TYPE_CHECKING:
-    from .session import Session
+from ..protocol import auth, limits, serialize, wire
+from ..protocol.buffers import allocate
 
 log = logging.getLogger("torchfeed.client")
 
@@ -48,51 +38,15 @@ Address = str | tuple[str, int]
 Callback = Callable[[bool, Any], None]
 
 
-if TYPE_CHECKING:  # for type checkers: the module's class below defines them at run time
-    HEARTBEAT_INTERVAL: float
-    HEARTBEAT_TIMEOUT: float
+class Owner(Protocol):
+    """What a connection needs of the session that looks after it."""
 
+    heartbeat_interval: float
+    heartbeat_timeout: float
 
-class _Module(types.ModuleType):
-    """This module's type: ``HEARTBEAT_INTERVAL`` and ``HEARTBEAT_TIMEOUT`` were module
-    globals read by the keeper; the settings moved into the default session, and these
-    names still read and set them there (checked as ``set_heartbeat`` checks them)."""
+    def watch(self, connection: Connection) -> None: ...
 
-    @property
-    def HEARTBEAT_INTERVAL(self) -> float:  # noqa: N802 - the old global's name
-        return sessions.default_session().heartbeat_interval
-
-    @HEARTBEAT_INTERVAL.setter
-    def HEARTBEAT_INTERVAL(self, value: float) -> None:  # noqa: N802
-        s = sessions.default_session()
-        s.set_heartbeat(value, s.heartbeat_timeout)
-
-    @property
-    def HEARTBEAT_TIMEOUT(self) -> float:  # noqa: N802 - the old global's name
-        return sessions.default_session().heartbeat_timeout
-
-    @HEARTBEAT_TIMEOUT.setter
-    def HEARTBEAT_TIMEOUT(self, value: float) -> None:  # noqa: N802
-        s = sessions.default_session()
-        s.set_heartbeat(s.heartbeat_interval, value)
-
-
-sys.modules[__name__].__class__ = _Module
-
-
-def set_heartbeat(interval: float = 2.0, timeout: float = 15.0) -> None:
-    """Configure failure detection for the default session's connections.
-
-    Parameters
-    ----------
-    interval : float
-        Seconds between heartbeats on a quiet connection.
-    timeout : float
-        A worker that sent nothing for this long while a request waits on it is lost:
-        its batches go to other workers. Workers answer heartbeats from a thread of their
-        own, so a long ``__getitem__`` does not count as silence. Must exceed ``interval``.
-    """
-    sessions.default_session().set_heartbeat(interval, timeout)
+    def forget(self, connection: Connection) -> None: ...
 
 
 def parse_address(address: Address) -> tuple[str, int]:
@@ -126,7 +80,7 @@ def reply_bytes() -> int:
 class _Pending:
     __slots__ = ("callback", "pin", "deadline", "session")
 
-    def __init__(self, callback: Callback, pin: bool, deadline: float | None, session: Session | None):
+    def __init__(self, callback: Callback, pin: bool, deadline: float | None, session: Owner | None):
         self.callback = callback
         self.pin = pin
         self.deadline = deadline
@@ -134,13 +88,11 @@ class _Pending:
 
 
 class Connection:
-    """An authenticated connection to one worker, looked after by a :class:`~torchfeed.Session`
-    (the default session when ``session`` is None)."""
+    """An authenticated connection to one worker, looked after by ``session`` (its owner:
+    a :class:`~torchfeed.Session`, e.g. ``torchfeed.client.default_session()``)."""
 
-    def __init__(
-        self, address: Address, secret: auth.Secret, timeout: float = 120.0, *, session: Session | None = None
-    ):
-        owner = session if session is not None else sessions.default_session()
+    def __init__(self, address: Address, secret: auth.Secret, timeout: float = 120.0, *, session: Owner):
+        owner = session
         # weak: a session dropped without close() is collected, and its finalizer closes
         # this connection (the reader thread refers to the connection, not to the session)
         self._session = weakref.ref(owner)
@@ -189,7 +141,7 @@ class Connection:
         owner.watch(self)
 
     @property
-    def session(self) -> Session | None:
+    def session(self) -> Owner | None:
         """The session looking after this connection; None once that session was collected
         (its connections are then closed)."""
         return self._session()
@@ -443,96 +395,3 @@ class Connection:
                     self._send_lock.release()
         except OSError as exc:
             self._fail(exc)
-
-
-def default_session() -> Session:
-    """The :class:`~torchfeed.Session` behind this module's functions."""
-    return sessions.default_session()
-
-
-def connect(address: Address, secret: auth.SecretLike = None, timeout: float = 120.0) -> Connection:
-    """The default session's connection to ``address`` (see :meth:`Session.connect`)."""
-    return sessions.default_session().connect(address, secret, timeout)
-
-
-def close_all(join_timeout: float = 1.0) -> None:
-    """Close every connection of the default session."""
-    sessions.default_session().close(join_timeout)
-
-
-def close_connections(addresses: Sequence[Address]) -> None:
-    """Close the default session's connections to these workers (before stopping them on purpose).
-
-    Their pending requests fail with :class:`ConnectionClosed`, which loaders do not warn about.
-    """
-    sessions.default_session().close_connections(addresses)
-
-
-def call(
-    address: Address,
-    func: Callable,
-    args=None,
-    kwargs=None,
-    *,
-    rref: bool = False,
-    pin_memory: bool = False,
-    timeout: float | None = None,
-    secret: auth.SecretLike = None,
-    callback: Callback,
-) -> Call:
-    """Low-level asynchronous call on the default session: ``callback(ok, value)`` receives
-    the outcome (see :meth:`Session.call`)."""
-    return sessions.default_session().call(
-        address,
-        func,
-        args,
-        kwargs,
-        rref=rref,
-        pin_memory=pin_memory,
-        timeout=timeout,
-        secret=secret,
-        callback=callback,
-    )
-
-
-def rpc_async(
-    host: Address,
-    func: Callable,
-    args=None,
-    kwargs=None,
-    pin_memory: bool = False,
-    rref: bool = False,
-    timeout: float | None = None,
-    *,
-    secret: auth.SecretLike = None,
-) -> torch.futures.Future:
-    """Execute ``func(*args, **kwargs)`` on a worker; return a future of its result.
-
-    Uses the default :class:`~torchfeed.Session` (its connections, secret and timeout);
-    ``session.rpc_async(...)`` does the same on a session of your own.
-
-    Parameters
-    ----------
-    host : str
-        Worker address ``host:port``.
-    func : callable
-        Any callable; lambdas and local functions work (sent with cloudpickle).
-    args, kwargs : optional
-        Arguments; :class:`RemoteRef` arguments arrive as the objects they refer to.
-    pin_memory : bool
-        Receive tensors of the result into pinned memory (when CUDA is available).
-    rref : bool
-        Keep the result on the worker and return a :class:`RemoteRef` to it.
-    timeout : float, optional
-        Seconds to connect and to wait for the result (default: the session's, 120).
-    secret : optional
-        The shared secret (default: the session's, else discovered).
-
-    Returns
-    -------
-    torch.futures.Future
-        Raises :class:`RemoteError` from ``wait()`` if ``func`` raised on the worker.
-    """
-    return sessions.default_session().rpc_async(
-        host, func, args, kwargs, pin_memory, rref, timeout, secret=secret
-    )

@@ -34,9 +34,11 @@ from typing import Any
 
 import torch
 
-from . import auth, client, serialize, wire
-from .buffers import check_pinnable
-from .errors import ConnectionClosed, SerializationError
+from ..errors import ConnectionClosed, SerializationError
+from ..protocol import auth, serialize, wire
+from ..protocol.buffers import check_pinnable
+from . import connection as client
+from .refs import Call, RemoteRef
 
 log = logging.getLogger("torchfeed.client")
 
@@ -251,7 +253,7 @@ class Session:
         timeout: float | None = None,
         secret: auth.SecretLike = None,
         callback: client.Callback,
-    ) -> client.Call:
+    ) -> Call:
         """Low-level asynchronous call: ``callback(ok, value)`` receives the outcome on a
         connection's reader thread. Returns the :class:`~torchfeed.client.Call`."""
         timeout = self.timeout if timeout is None else timeout
@@ -272,7 +274,7 @@ class Session:
         def done(ok, value):
             keep.clear()
             if ok and rref:
-                value = client.RemoteRef(conn, value)
+                value = RemoteRef(conn, value)
             callback(ok, value)
 
         rid = conn.request(
@@ -284,7 +286,7 @@ class Session:
             pin=pin_memory,
             timeout=timeout,
         )
-        return client.Call(conn, rid)
+        return Call(conn, rid)
 
     def rpc_async(
         self,

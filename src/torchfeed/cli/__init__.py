@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from . import __version__
+from .. import __version__
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # `torchfeed bench` cases (the table itself, in tools/bench.py, imports torch)
@@ -50,7 +50,7 @@ def _positive(value: str) -> int:
 
 def _procs(value: str) -> int:
     if value == "auto":
-        from .util import cpu_count
+        from ..util import cpu_count
 
         return cpu_count()
     try:
@@ -199,7 +199,7 @@ def _run_workers(args) -> int:
         _watch_stdin()
     if args.procs > 1:
         return _run_many(args)
-    from .worker import ConnectionLimits, run_worker
+    from ..worker.server import ConnectionLimits, run_worker
 
     try:
         run_worker(
@@ -259,7 +259,7 @@ def _child_command(args, i: int) -> list[str]:
 
 def _run_many(args) -> int:
     """--procs N: all processes ready, their lines printed and filed, or none left running."""
-    from .pumps import Pump, to_stderr, to_stdout
+    from ..pumps import Pump, to_stderr, to_stdout
 
     children: list[subprocess.Popen] = []
     outs: list[Pump] = []
@@ -315,7 +315,7 @@ def _run_many(args) -> int:
             return 1
         addresses.append(address)
     if args.address_file:
-        from .addrfile import append_lines
+        from ..addrfile import append_lines
 
         append_lines(args.address_file, addresses)
     for address in addresses:  # one line, one write
@@ -394,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import top  # [stats hook]
 
     top.add_parser(sub)
-    from .cluster import slurm
+    from ..cluster import slurm
 
     slurm.add_parser(sub)
     return parser
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "worker":
         return _run_workers(args)
     if args.command == "demo":
-        from .tools.demo import run_demo
+        from ..tools.demo import run_demo
 
         return run_demo(args)
     if args.command == "bench":
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        from .tools.bench import run_bench
+        from ..tools.bench import run_bench
 
         return run_bench(args)
     if args.command == "top":  # [stats hook]
@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return top.run(args)
     if args.command == "slurm":
-        from .cluster import slurm
+        from ..cluster import slurm
 
         return slurm.run(args)
     return 2

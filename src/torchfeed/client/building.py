@@ -17,10 +17,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import client, serialize
-from .auth import SecretLike
-from .errors import AuthenticationError, SerializationError, WorkerLost
-from .util import double_delay
+from ..errors import AuthenticationError, SerializationError, WorkerLost
+from ..protocol import serialize
+from ..protocol.auth import SecretLike
+from ..util import double_delay
+from . import session as sessions
 
 if TYPE_CHECKING:
     from .session import Session
@@ -127,7 +128,7 @@ def connect(
 ) -> BaseException | None:
     """Connect (``session``'s cache; the default session's if None), retrying refused connections
     until ``timeout``; return the failure or None."""
-    session = session if session is not None else client.default_session()
+    session = session if session is not None else sessions.default_session()
     start = time.monotonic()
     deadline = start + timeout
     delay = _RETRY_FIRST

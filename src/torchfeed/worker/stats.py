@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from . import serialize, wire
+from ..protocol import serialize, wire
 
 _RATE_SECONDS = 0.9  # rates are measured over the last 1 to 2 seconds (the keeper ticks every second)
 
@@ -100,8 +100,8 @@ def reply(server) -> bytes:
 
 def query(address: str, secret=None, timeout: float = 10.0) -> dict[str, Any]:
     """One worker's statistics over the normal authenticated connection."""
-    from . import client
-    from .errors import Timeout
+    from .. import client
+    from ..errors import Timeout
 
     conn = client.connect(address, secret, timeout)
     done = threading.Event()

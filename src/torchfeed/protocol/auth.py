@@ -46,9 +46,9 @@ from typing import Union
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from ..errors import AuthenticationError, ProtocolError
 from . import wire
 from .channel import Channel
-from .errors import AuthenticationError, ProtocolError
 
 ENV_SECRET = "TORCHFEED_SECRET"
 ENV_SECRET_FILE = "TORCHFEED_SECRET_FILE"

@@ -20,14 +20,15 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 from torch.utils.data import Dataset
 
-from . import building, client, events
-from .addrfile import read_address_file
-from .auth import SecretLike
-from .errors import AuthenticationError, RemoteError, SerializationError, Timeout, WorkerLost
-from .util import double_delay
+from .. import client, events
+from ..addrfile import read_address_file
+from ..client import building
+from ..errors import AuthenticationError, RemoteError, SerializationError, Timeout, WorkerLost
+from ..protocol.auth import SecretLike
+from ..util import double_delay
 
 if TYPE_CHECKING:
-    from .session import Session
+    from ..client.session import Session
 
 log = logging.getLogger("torchfeed.dataset")
 

@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import client, events
-from .errors import ConnectionClosed, PoisonSampleError, RemoteError, Timeout, WorkerLost
-from .refs import RemoteRef
-from .remote_dataset import wait_all
+from .. import client, events
+from ..client.refs import RemoteRef
+from ..errors import ConnectionClosed, PoisonSampleError, RemoteError, Timeout, WorkerLost
+from .dataset import wait_all
 from .scheduler import Scheduler
 from .views import Source
 

@@ -17,8 +17,8 @@ from typing import Any
 
 from torch.utils.data import ConcatDataset, Subset
 
+from .dataset import MembershipListener, RemoteDataset
 from .fetch import Parts
-from .remote_dataset import MembershipListener, RemoteDataset
 
 Mapper = Callable[[Any], tuple[int, Any]]
 

@@ -15,7 +15,7 @@ import os
 import threading
 from collections.abc import Sequence
 
-from .errors import FrameTooLarge
+from ..errors import FrameTooLarge
 from .wire import Limits
 
 WIRE_MAX_META = (1 << 32) - 1  # the header's meta length is 32 bits

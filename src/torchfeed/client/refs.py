@@ -8,10 +8,10 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from . import serialize, wire
+from ..protocol import serialize, wire
 
 if TYPE_CHECKING:
-    from .client import Connection
+    from .connection import Connection
 
 Callback = Callable[[bool, Any], None]
 

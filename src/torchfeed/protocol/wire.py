@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import FrameTooLarge, ProtocolError
+from ..errors import FrameTooLarge, ProtocolError
 
 MAGIC = b"TFED"
 VERSION = 2  # 2: sealed records after the handshake

@@ -28,8 +28,8 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from . import client
-from .errors import WorkerLost
+from .. import client
+from ..errors import WorkerLost
 from .resume import shuffle_seed
 
 _LOOKAHEAD_RATIO = 1.5  # a worker this much slower than the fastest gets later batches

@@ -25,7 +25,7 @@ from typing import Any
 import torch.utils.data
 from torch.utils.data._utils import worker as torch_worker  # where torch keeps get_worker_info's state
 
-from . import seeding
+from .. import seeding
 
 _local = threading.local()
 _install_lock = threading.Lock()
@@ -33,7 +33,7 @@ _installed = False
 
 # The body torch's get_worker_info gets: no globals of torch's module are needed.
 _REPLACEMENT = (
-    "def get_worker_info():\n    return __import__('torchfeed.context', fromlist=['current']).current()\n"
+    "def get_worker_info():\n    return __import__('torchfeed.loader.context', fromlist=['current']).current()\n"
 )
 
 
@@ -54,7 +54,7 @@ def install() -> None:
         if _installed:
             return
         namespace: dict = {}
-        exec(compile(_REPLACEMENT, "<torchfeed.context>", "exec"), namespace)  # noqa: S102 - fixed text
+        exec(compile(_REPLACEMENT, "<torchfeed.loader.context>", "exec"), namespace)  # noqa: S102 - fixed text
         replacement = namespace["get_worker_info"].__code__
         for target in {torch_worker.get_worker_info, torch.utils.data.get_worker_info}:
             if target.__code__.co_freevars:

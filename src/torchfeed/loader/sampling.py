@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sized
 import torch
 from torch.utils.data import Sampler
 
-from .seeding import INT63, mix_seed, seed_all
+from ..seeding import INT63, mix_seed, seed_all
 
 __all__ = ["INT63", "DistributedSampler", "mix_seed", "set_random_seeds"]
 

@@ -37,8 +37,8 @@ from collections.abc import Sequence
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from ..errors import FrameTooLarge, ProtocolError
 from . import wire
-from .errors import FrameTooLarge, ProtocolError
 
 TAG = 16
 CHUNK = 256 * 1024  # plaintext bytes per record: large enough to amortise, small enough for cache

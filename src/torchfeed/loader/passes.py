@@ -15,10 +15,11 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import events, notices, passplan
-from .errors import RemoteError, WorkerLost
+from .. import events, notices
+from ..errors import RemoteError, WorkerLost
+from . import plan as passplan
 from .ledger import Ledger
-from .passplan import PassPlan, live, new_pass_id
+from .plan import PassPlan, live, new_pass_id
 from .views import keys_of
 
 if TYPE_CHECKING:

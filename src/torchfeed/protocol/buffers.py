@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from . import notices
+from .. import notices
 
 ALIGN = 64  # every buffer of a message starts on a 64-byte boundary of its receive block
 MIN_POOLED = 1 << 20  # smaller allocations are cheap enough for malloc

@@ -29,12 +29,12 @@ import weakref
 from collections import deque
 from typing import Any
 
-from . import client, errors, events, notices
-from .datasets.shards import shard_order
-from .errors import RemoteError, Timeout, WorkerLost
-from .passplan import new_pass_id, quiet
-from .refs import RemoteRef
-from .remote_dataset import wait_all
+from .. import client, errors, events, notices
+from ..client.refs import RemoteRef
+from ..datasets.shards import shard_order
+from ..errors import RemoteError, Timeout, WorkerLost
+from .dataset import wait_all
+from .plan import new_pass_id, quiet
 from .sampling import INT63
 from .streams import BATCH, END, ERROR, NEED, open_stream, shard_plan
 

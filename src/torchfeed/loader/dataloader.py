@@ -19,13 +19,15 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 
-from . import buffers, building, limits, prefetch, resume, stats
-from . import loader_checks as checks
+from .. import stats
+from ..client import building
+from ..protocol import buffers, limits
+from . import checks, prefetch, resume
+from .dataset import RemoteDataset
 from .fetch import Fetcher
 from .iterable import IterablePass
 from .passes import MapPass
-from .passplan import FetcherSet, PassPlan, new_pass_id
-from .remote_dataset import RemoteDataset
+from .plan import FetcherSet, PassPlan, new_pass_id
 from .sampling import mix_seed
 from .views import Source
 

@@ -27,7 +27,7 @@ import threading
 from collections import deque
 from typing import Any
 
-from . import errors, seeding
+from .. import errors, seeding
 from .context import WorkerSetup, own_copy, worker_context
 
 BATCH, END, ERROR, NEED = 0, 1, 2, 3

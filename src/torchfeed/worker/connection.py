@@ -15,13 +15,15 @@ import threading
 from collections import deque
 from typing import TYPE_CHECKING
 
-from . import errors, seeding, serialize, wire, workerstats
-from .buffers import allocate
-from .errors import FrameTooLarge, LimitExceeded, ProtocolError
-from .limits import check_reply
+from .. import errors, seeding
+from ..errors import FrameTooLarge, LimitExceeded, ProtocolError
+from ..protocol import serialize, wire
+from ..protocol.buffers import allocate
+from ..protocol.limits import check_reply
+from . import stats as workerstats
 
 if TYPE_CHECKING:
-    from .worker import ConnectionLimits, WorkerServer
+    from .server import ConnectionLimits, WorkerServer
 
 __all__ = ["ServerConnection"]
 

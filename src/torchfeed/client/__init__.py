@@ -1,0 +1,185 @@
+"""Client side of the data plane: one persistent, multiplexed connection per worker.
+
+Many requests share a connection (request ids); a reader thread per connection
+receives replies straight into their final buffers and hands them to callbacks. Each
+connection belongs to a :class:`~torchfeed.Session` (session.py), whose keeper thread
+sends heartbeats, flushes reference releases, expires request deadlines and declares a
+worker lost when it stops answering. The module-level functions here (``rpc_async``,
+``connect``, ``set_heartbeat``, ...) are thin wrappers over the default session.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..protocol import auth
+from . import session as sessions
+from .connection import Address, Callback, Connection, format_address, parse_address, reply_bytes
+from .refs import Call, RemoteRef
+from .session import Session
+
+__all__ = [
+    "HEARTBEAT_INTERVAL",
+    "HEARTBEAT_TIMEOUT",
+    "Address",
+    "Call",
+    "Callback",
+    "Connection",
+    "RemoteRef",
+    "Session",
+    "call",
+    "close_all",
+    "close_connections",
+    "connect",
+    "default_session",
+    "format_address",
+    "parse_address",
+    "reply_bytes",
+    "rpc_async",
+    "set_heartbeat",
+]
+
+
+if TYPE_CHECKING:  # for type checkers: the module's class below defines them at run time
+    HEARTBEAT_INTERVAL: float
+    HEARTBEAT_TIMEOUT: float
+
+
+class _Module(types.ModuleType):
+    """This module's type: ``HEARTBEAT_INTERVAL`` and ``HEARTBEAT_TIMEOUT`` were module
+    globals read by the keeper; the settings moved into the default session, and these
+    names still read and set them there (checked as ``set_heartbeat`` checks them)."""
+
+    @property
+    def HEARTBEAT_INTERVAL(self) -> float:  # noqa: N802 - the old global's name
+        return sessions.default_session().heartbeat_interval
+
+    @HEARTBEAT_INTERVAL.setter
+    def HEARTBEAT_INTERVAL(self, value: float) -> None:  # noqa: N802
+        s = sessions.default_session()
+        s.set_heartbeat(value, s.heartbeat_timeout)
+
+    @property
+    def HEARTBEAT_TIMEOUT(self) -> float:  # noqa: N802 - the old global's name
+        return sessions.default_session().heartbeat_timeout
+
+    @HEARTBEAT_TIMEOUT.setter
+    def HEARTBEAT_TIMEOUT(self, value: float) -> None:  # noqa: N802
+        s = sessions.default_session()
+        s.set_heartbeat(s.heartbeat_interval, value)
+
+
+sys.modules[__name__].__class__ = _Module
+
+
+def set_heartbeat(interval: float = 2.0, timeout: float = 15.0) -> None:
+    """Configure failure detection for the default session's connections.
+
+    Parameters
+    ----------
+    interval : float
+        Seconds between heartbeats on a quiet connection.
+    timeout : float
+        A worker that sent nothing for this long while a request waits on it is lost:
+        its batches go to other workers. Workers answer heartbeats from a thread of their
+        own, so a long ``__getitem__`` does not count as silence. Must exceed ``interval``.
+    """
+    sessions.default_session().set_heartbeat(interval, timeout)
+
+
+def default_session() -> Session:
+    """The :class:`~torchfeed.Session` behind this module's functions."""
+    return sessions.default_session()
+
+
+def connect(address: Address, secret: auth.SecretLike = None, timeout: float = 120.0) -> Connection:
+    """The default session's connection to ``address`` (see :meth:`Session.connect`)."""
+    return sessions.default_session().connect(address, secret, timeout)
+
+
+def close_all(join_timeout: float = 1.0) -> None:
+    """Close every connection of the default session."""
+    sessions.default_session().close(join_timeout)
+
+
+def close_connections(addresses: Sequence[Address]) -> None:
+    """Close the default session's connections to these workers (before stopping them on purpose).
+
+    Their pending requests fail with :class:`ConnectionClosed`, which loaders do not warn about.
+    """
+    sessions.default_session().close_connections(addresses)
+
+
+def call(
+    address: Address,
+    func: Callable,
+    args=None,
+    kwargs=None,
+    *,
+    rref: bool = False,
+    pin_memory: bool = False,
+    timeout: float | None = None,
+    secret: auth.SecretLike = None,
+    callback: Callback,
+) -> Call:
+    """Low-level asynchronous call on the default session: ``callback(ok, value)`` receives
+    the outcome (see :meth:`Session.call`)."""
+    return sessions.default_session().call(
+        address,
+        func,
+        args,
+        kwargs,
+        rref=rref,
+        pin_memory=pin_memory,
+        timeout=timeout,
+        secret=secret,
+        callback=callback,
+    )
+
+
+def rpc_async(
+    host: Address,
+    func: Callable,
+    args=None,
+    kwargs=None,
+    pin_memory: bool = False,
+    rref: bool = False,
+    timeout: float | None = None,
+    *,
+    secret: auth.SecretLike = None,
+) -> torch.futures.Future:
+    """Execute ``func(*args, **kwargs)`` on a worker; return a future of its result.
+
+    Uses the default :class:`~torchfeed.Session` (its connections, secret and timeout);
+    ``session.rpc_async(...)`` does the same on a session of your own.
+
+    Parameters
+    ----------
+    host : str
+        Worker address ``host:port``.
+    func : callable
+        Any callable; lambdas and local functions work (sent with cloudpickle).
+    args, kwargs : optional
+        Arguments; :class:`RemoteRef` arguments arrive as the objects they refer to.
+    pin_memory : bool
+        Receive tensors of the result into pinned memory (when CUDA is available).
+    rref : bool
+        Keep the result on the worker and return a :class:`RemoteRef` to it.
+    timeout : float, optional
+        Seconds to connect and to wait for the result (default: the session's, 120).
+    secret : optional
+        The shared secret (default: the session's, else discovered).
+
+    Returns
+    -------
+    torch.futures.Future
+        Raises :class:`RemoteError` from ``wait()`` if ``func`` raised on the worker.
+    """
+    return sessions.default_session().rpc_async(
+        host, func, args, kwargs, pin_memory, rref, timeout, secret=secret
+    )
