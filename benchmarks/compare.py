@@ -26,7 +26,7 @@ except ImportError:  # a source checkout without `pip install -e .`: use src/, f
     sys.path.insert(0, SRC)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p)
 
-from torchfeed.tools import bench  # noqa: E402
+from torchfeed.tools import bench, measure  # noqa: E402
 
 
 def markdown_report(info, results, args, command: str) -> str:
@@ -36,7 +36,7 @@ def markdown_report(info, results, args, command: str) -> str:
         f"Generated {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z} by `{command}`.",
         "",
         *[f"- {k}: {v}" for k, v in info.items()],
-        f"- {args.workers} worker processes per side ({bench.STRAGGLER_WORKERS} in `straggler`); "
+        f"- {args.workers} worker processes per side ({measure.STRAGGLER_WORKERS} in `straggler`); "
         f"best of {args.repeats} alternating runs of ~{args.seconds:g} s per side, after a warm-up",
         "",
         bench.format_markdown(results),

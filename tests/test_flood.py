@@ -9,9 +9,9 @@ import threading
 import pytest
 
 from helpers import wait_for
+from torchfeed import client
 from torchfeed.protocol import auth, wire
 from torchfeed.worker import server as worker
-from torchfeed.worker import stats as workerstats
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,7 +42,7 @@ def test_ping_flood_from_a_client_that_never_reads_pauses_its_reader():
         # generous: under load the flooding thread shares this process's GIL with the worker's reader
         assert wait_for(lambda: conn.waiting_for_room, timeout=30), (conn.unsent_bytes, ended)
         assert conn.unsent_bytes <= limit + 4096, conn.unsent_bytes  # bounded: no entry grows it further
-        assert workerstats.query(srv.address, timeout=5)["clients"] == 2  # others are still served
+        assert client.worker_stats(srv.address, timeout=5)["clients"] == 2  # others are still served
     finally:
         sock.close()
         srv.stop()

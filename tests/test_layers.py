@@ -23,15 +23,18 @@ ALLOWED = {
     ("cli/__init__.py", "os._exit"): "the documented way to leave a forked child without cleanup",
     ("notices.py", "sys._getframe"): "documented CPython API: find the user's line for a warning",
     # torch internals with no public equivalent
-    ("loader/context.py", "getattr(torch_worker, '_worker_info')"): "torch keeps get_worker_info()'s state there",
+    (
+        "loader/context.py",
+        "getattr(torch_worker, '_worker_info')",
+    ): "torch keeps get_worker_info()'s state there",
     # torch's worker seeding reproduced (seeding.py); the benchmarks reach into torch's DataLoader
     ("seeding.py", "getattr(torch.utils.data, '_utils')"): "torch's worker seeding, reproduced exactly",
     (
         "seeding.py",
         "getattr(getattr(getattr(torch.utils.data, '_utils', None), 'worker', None), '_generate_state')",
     ): "torch's worker seeding, reproduced exactly",
-    ("tools/bench.py", "getattr(tl, '_iterator')"): "torch DataLoader: its worker processes' pids",
-    ("tools/bench.py", "getattr(it, '_workers')"): "torch DataLoader: its worker processes' pids",
+    ("tools/measure.py", "getattr(tl, '_iterator')"): "torch DataLoader: its worker processes' pids",
+    ("tools/measure.py", "getattr(it, '_workers')"): "torch DataLoader: its worker processes' pids",
     ("tools/bench_epochs.py", "os._exit"): "the documented way to leave a forked child without cleanup",
     ("tools/bench_epochs.py", "loader._iterator"): "torch DataLoader: its worker processes' pids",
     ("tools/bench_epochs.py", "loader._iterator._workers"): "torch DataLoader: its worker processes' pids",
@@ -45,7 +48,10 @@ ALLOWED = {
     ("tools/measure.py", "it._shutdown_workers"): "torch DataLoader: shut its persistent workers down",
     # a protocol between the Shards dataset (datasets/shards.py) and the worker's streams:
     # hooks on the user's dataset object, named so they cannot clash with the user's own
-    ("loader/streams.py", "getattr(fetcher.setup.dataset, '_torchfeed_plan')"): "Shards hook on a user dataset",
+    (
+        "loader/streams.py",
+        "getattr(fetcher.setup.dataset, '_torchfeed_plan')",
+    ): "Shards hook on a user dataset",
     ("loader/streams.py", "getattr(dataset, '_torchfeed_dynamic_iter')"): "Shards hook on a user dataset",
 }
 # private modules of other packages that may be imported from
@@ -178,3 +184,168 @@ def test_allow_list_has_no_stale_entries() -> None:
     }
     stale = [f"{rel}: {text}" for rel, text in ALLOWED if rel in sources and (rel, text) not in used]
     assert not stale, "stale ALLOWED entries (remove them):\n" + "\n".join(stale)
+
+
+# -- import direction ---------------------------------------------------------------------
+# Every import statement counts: module level, inside functions, under TYPE_CHECKING. A
+# package's __init__ importing its own modules (re-exports) is the only edge left out.
+
+PACKAGE = "torchfeed"
+
+# Layers, lowest first: a module may import its own layer and the layers below it, never above.
+# client and worker are two sides of the same layer and never import each other.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("errors", "notices", "events", "util", "seeding", "addrfile", "pumps", "stats")),
+    ("protocol", ("protocol",)),
+    ("client", ("client",)),
+    ("worker", ("worker",)),
+    ("loader", ("loader",)),
+    ("datasets", ("datasets",)),
+    ("glue", ("local", "checkpoint", "plots", "cluster", "dask", "cli", "launch", "tools", "__main__")),
+]
+SIDES = {"client": "worker", "worker": "client"}  # same height, no edges between them
+RANK = {"base": 0, "protocol": 1, "client": 2, "worker": 2, "loader": 3, "datasets": 4, "glue": 5}
+
+
+def module_name(path: Path, root: Path = SRC) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join([PACKAGE, *parts])
+
+
+def _is_package(path: Path) -> bool:
+    return path.name == "__init__.py"
+
+
+def import_edges(path: Path, root: Path = SRC) -> set[str]:
+    """The torchfeed modules ``path`` imports (``from p import m`` with ``m`` a module: ``p.m``)."""
+    name = module_name(path, root)
+    package = name if _is_package(path) else name.rpartition(".")[0]
+    known = {module_name(p, root) for p in root.rglob("*.py") if "__pycache__" not in p.parts}
+    edges: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            targets = [
+                f"{module}.{alias.name}" if f"{module}.{alias.name}" in known else module
+                for alias in node.names
+            ]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # an attribute of a module: the module
+                target = target.rpartition(".")[0]
+            if target.startswith(PACKAGE) and target != name:
+                edges.add(target)
+    if _is_package(path):  # re-exports of its own modules are not edges
+        edges = {e for e in edges if not e.startswith(name + ".")}
+    return edges
+
+
+def import_graph(root: Path = SRC) -> dict[str, set[str]]:
+    return {
+        module_name(p, root): import_edges(p, root)
+        for p in sorted(root.rglob("*.py"))
+        if "__pycache__" not in p.parts
+    }
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def layer_of(module: str) -> str | None:
+    if module == PACKAGE:
+        return "glue"  # the public surface: its imports of its own modules are re-exports
+    top = module.split(".")[1]
+    for layer, members in LAYERS:
+        if top in members:
+            return layer
+    return None
+
+
+def test_no_import_cycles() -> None:
+    cycles = import_cycles(import_graph())
+    assert not cycles, (
+        "import cycles (give the lower module a Protocol or an argument instead of importing "
+        "back up):\n" + "\n".join(" <-> ".join(c) for c in cycles)
+    )
+
+
+def test_every_module_has_a_layer() -> None:
+    unplaced = [m for m in import_graph() if layer_of(m) is None]
+    assert not unplaced, f"modules in no layer (add them to LAYERS in {__file__}): {unplaced}"
+
+
+def test_imports_point_down() -> None:
+    wrong = []
+    for module, targets in import_graph().items():
+        here = layer_of(module)
+        if here is None:
+            continue
+        for target in targets:
+            there = layer_of(target)
+            if there is None or here is None or RANK[there] > RANK[here] or SIDES.get(here) == there:
+                wrong.append(f"{module} ({here}) imports {target} ({there})")
+    assert not wrong, (
+        "imports against the layer order " + str([n for n, _ in LAYERS]) + ":\n" + "\n".join(sorted(wrong))
+    )
+
+
+def test_the_cycle_check_catches_what_it_should(tmp_path: Path) -> None:
+    """A circle through a function-level import and one under TYPE_CHECKING both count;
+    a package __init__ re-exporting its own module does not."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from .a import A\n")
+    (pkg / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\nclass A: ...\n"
+    )
+    (pkg / "b.py").write_text("def f():\n    from . import a\n")
+    (pkg / "c.py").write_text("from .d import x\n")
+    (pkg / "d.py").write_text("x = 1\n")
+    graph = import_graph(pkg)
+    graph = {
+        k.replace(PACKAGE, "pkg", 1): {t.replace(PACKAGE, "pkg", 1) for t in v} for k, v in graph.items()
+    }
+    assert import_cycles(graph) == [["pkg.a", "pkg.b"]]
+    assert graph["pkg"] == set()

@@ -12,10 +12,7 @@ import pickle
 import re
 import traceback
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .protocol.wire import Frame
+from typing import Any
 
 # This module is imported by the command line before torch: keep it free of heavy imports.
 
@@ -37,7 +34,7 @@ class FrameTooLarge(ProtocolError):
 
     # the frame's header, when it was authentic and read: its rest can be skipped and the
     # connection kept (set by the sealed channel)
-    frame: Frame | None = None
+    frame: Any = None  # a torchfeed.protocol.wire.Frame (errors sits below the protocol)
 
 
 class SerializationError(TorchfeedError, pickle.PicklingError, TypeError):

@@ -11,8 +11,9 @@ import time
 import weakref
 from collections.abc import Sequence
 
-from .cli import ENV_SYS_PATH
 from .pumps import Pump, to_stderr, to_stdout
+
+ENV_SYS_PATH = "TORCHFEED_SYS_PATH"  # the parent's sys.path, read by `torchfeed worker` for imports
 
 _open: weakref.WeakSet = weakref.WeakSet()  # LocalWorkers not closed yet
 

@@ -27,7 +27,6 @@ BENCH_CASES = {
     "tiny": "tiny samples, batch_size=1: items/s and the trainer's CPU per batch",
     "shared": "48 sleep-bound workers shared by 4 trainer processes: % of ideal",
 }
-ENV_SYS_PATH = "TORCHFEED_SYS_PATH"  # set by LocalWorkers: the parent's sys.path, for imports
 START_TIMEOUT = 300.0  # seconds the processes of --procs N have to get ready
 
 
@@ -172,6 +171,8 @@ def _limit_args(args) -> list[str]:
 
 def _adopt_parent_path() -> None:
     """Make importable here what the parent process could import (LocalWorkers sets the variable)."""
+    from ..local import ENV_SYS_PATH
+
     listed = [p for p in os.environ.get(ENV_SYS_PATH, "").split(os.pathsep) if p]
     sys.path[:0] = [p for p in listed if p not in sys.path]
 

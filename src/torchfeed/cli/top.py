@@ -44,7 +44,7 @@ def add_parser(sub) -> None:
 
 def collect(addresses: list[str], timeout: float) -> list[dict[str, Any]]:
     """One row per worker: its statistics, or ``{"address", "error"}`` when it did not answer."""
-    from ..worker.stats import query
+    from ..client import worker_stats as query
 
     def one(address: str) -> dict[str, Any]:
         try:
@@ -81,7 +81,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 def _addresses(args) -> list[str]:
     from ..client import format_address
-    from ..loader.dataset import read_workers_file
+    from ..loader.membership import read_workers_file
 
     listed = [format_address(a) for a in args.addresses]
     if args.workers_file:

@@ -11,13 +11,16 @@ worker lost when it stops answering. The module-level functions here (``rpc_asyn
 from __future__ import annotations
 
 import sys
+import threading
+import time
 import types
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..protocol import auth
+from ..errors import Timeout
+from ..protocol import auth, wire
 from . import session as sessions
 from .connection import Address, Callback, Connection, format_address, parse_address, reply_bytes
 from .refs import Call, RemoteRef
@@ -42,6 +45,8 @@ __all__ = [
     "reply_bytes",
     "rpc_async",
     "set_heartbeat",
+    "wait_all",
+    "worker_stats",
 ]
 
 
@@ -183,3 +188,40 @@ def rpc_async(
     return sessions.default_session().rpc_async(
         host, func, args, kwargs, pin_memory, rref, timeout, secret=secret
     )
+
+
+def wait_all(futures: dict[str, torch.futures.Future], timeout: float) -> dict[str, Any]:
+    """Wait for futures with one overall deadline; return address -> result or exception."""
+    deadline = time.monotonic() + timeout
+    out: dict[str, Any] = {}
+    for addr, fut in futures.items():
+        while not fut.done() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        if not fut.done():
+            out[addr] = Timeout(f"worker {addr} did not answer within {timeout:g} s")
+            continue
+        try:
+            out[addr] = fut.value()
+        except Exception as exc:  # noqa: BLE001 - sorted by the caller
+            out[addr] = exc
+    return out
+
+
+def worker_stats(address: Address, secret: auth.SecretLike = None, timeout: float = 10.0) -> dict[str, Any]:
+    """One worker's statistics (what ``torchfeed top`` shows), over the default session's
+    authenticated connection to it."""
+    conn = connect(address, secret, timeout)
+    done = threading.Event()
+    box: list = []
+
+    def got(ok, value):
+        box.append((ok, value))
+        done.set()
+
+    conn.request(wire.STATS, b"", callback=got, timeout=timeout)
+    if not done.wait(timeout + 1.0):
+        raise Timeout(f"worker {format_address(address)} did not answer a stats request within {timeout:g} s")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value

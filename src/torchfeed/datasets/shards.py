@@ -18,18 +18,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..loader.sampling import INT63, mix_seed
-from ..loader.streams import Inbox, NeedShard
-
-_ORDER_TAG = 0x5A4D
-
-
-def shard_order(count: int, shuffle: bool, seed: int, epoch: int) -> list[tuple]:
-    """The epoch's shards as ``(index, buffer seed)``, shuffled from (seed, epoch) when asked."""
-    order = list(range(count))
-    if shuffle:
-        random.Random(mix_seed(seed, epoch, _ORDER_TAG)).shuffle(order)
-    return [(i, mix_seed(seed, epoch, i) & INT63) for i in order]
+from ..loader.streams import Inbox, NeedShard, shard_order
 
 
 def _expand(urls: str | Sequence[str], storage_options: dict | None) -> list[str]:

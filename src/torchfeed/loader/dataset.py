@@ -15,17 +15,15 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
 from torch.utils.data import Dataset
 
 from .. import client, events
-from ..addrfile import read_address_file
-from ..client import building
+from ..client import building, wait_all
 from ..errors import AuthenticationError, RemoteError, SerializationError, Timeout, WorkerLost
 from ..protocol.auth import SecretLike
-from ..util import double_delay
+from .membership import Listeners, LostWorkers, MembershipListener, WatchedFile, read_workers_file
 
 if TYPE_CHECKING:
     from ..client.session import Session
@@ -33,44 +31,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("torchfeed.dataset")
 
 
-class MembershipListener(Protocol):
-    """What a dataset tells about its workers (loader passes implement it; see :meth:`RemoteDataset.subscribe`).
-
-    Called from the thread that changed the membership (the user's, or the dataset's
-    membership thread): implementations only record and wake, never block.
-    """
-
-    def worker_joined(self, address: str) -> None: ...
-
-    def worker_removed(self, address: str) -> None: ...
-
-
-_BACKOFF_FIRST = 0.5
-_BACKOFF_MAX = 10.0
-_TICK = 0.25
+_TICK = 0.25  # seconds between rounds of the membership thread
 
 T_co = TypeVar("T_co", covariant=True)
-
-
-def wait_all(futures: dict[str, torch.futures.Future], timeout: float) -> dict[str, Any]:
-    """Wait for futures with one overall deadline; return address -> result or exception."""
-    deadline = time.monotonic() + timeout
-    out: dict[str, Any] = {}
-    for addr, fut in futures.items():
-        while not fut.done() and time.monotonic() < deadline:
-            time.sleep(0.002)
-        if not fut.done():
-            out[addr] = Timeout(f"worker {addr} did not answer within {timeout:g} s")
-            continue
-        try:
-            out[addr] = fut.value()
-        except Exception as exc:  # noqa: BLE001 - sorted by the caller
-            out[addr] = exc
-    return out
-
-
-def read_workers_file(path: str) -> list[str]:
-    return [client.format_address(a) for a in read_address_file(path)]
 
 
 _rebuild_lock = threading.Lock()  # one rebuild at a time in a forked or spawned process
@@ -157,10 +120,9 @@ class RemoteDataset(Dataset[T_co]):
         self._refs: dict[str, client.RemoteRef] = {}
         self._length: int | None = None
         self._lock = threading.RLock()
-        self._listeners: weakref.WeakSet = weakref.WeakSet()
-        self._lost: dict[str, dict] = {}  # address -> {"error", "next_try", "delay"}
-        self._watch_path: str | None = None
-        self._watch_stamp = None
+        self._listeners = Listeners()
+        self._lost = LostWorkers()
+        self._watched: WatchedFile | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
         self._pid = os.getpid()  # the process whose connections own the built datasets
@@ -183,7 +145,7 @@ class RemoteDataset(Dataset[T_co]):
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.session = client.default_session()
-        self._listeners = weakref.WeakSet()
+        self._listeners = Listeners()
         self._forget_built()
 
     def _forget_built(self) -> None:
@@ -192,7 +154,7 @@ class RemoteDataset(Dataset[T_co]):
         self._lock = threading.RLock()
         self._thread = None
         self._refs = {}
-        self._lost = {}
+        self._lost = LostWorkers()
 
     def __copy__(self) -> RemoteDataset:
         """A copy in this process is another handle on the same built datasets, session and
@@ -307,7 +269,7 @@ class RemoteDataset(Dataset[T_co]):
         with self._lock:
             self.workers = [w for w in self.workers if w not in gone]
             for w in gone:
-                self._lost.pop(w, None)
+                self._lost.forget(w)
                 self._refs.pop(w, None)
         for w in gone:
             events.worker_drained(w)  # [stats hook]
@@ -322,28 +284,17 @@ class RemoteDataset(Dataset[T_co]):
 
     def _mark_lost(self, address: str, error: BaseException) -> None:
         with self._lock:
-            self._lost[address] = {
-                "error": repr(error),
-                "next_try": time.monotonic() + _BACKOFF_FIRST,
-                "delay": _BACKOFF_FIRST,
-            }
+            self._lost.mark(address, error)
             self._refs.pop(address, None)
         self._ensure_thread()
 
     def lost_workers(self) -> dict[str, str]:
         """Workers being retried, with their last error."""
         with self._lock:
-            return {w: v["error"] for w, v in self._lost.items()}
+            return self._lost.errors()
 
     def _notify(self, address: str, joined: bool) -> None:
-        for listener in list(self._listeners):
-            try:
-                if joined:
-                    listener.worker_joined(address)
-                else:
-                    listener.worker_removed(address)
-            except Exception:
-                log.exception("a loader could not take worker %s into account", address)
+        self._listeners.notify(address, joined)
 
     def subscribe(self, listener: MembershipListener) -> None:
         """Call ``listener`` on membership changes (held weakly: a finished pass drops out)."""
@@ -376,27 +327,13 @@ class RemoteDataset(Dataset[T_co]):
     def watch_file(self, path: str) -> None:
         """Follow the workers file ``path``: addresses appended join, addresses deleted are drained."""
         with self._lock:
-            self._watch_path = path
-            self._watch_stamp = self._stamp()
+            self._watched = WatchedFile(path)
         self._ensure_thread()
 
-    def _stamp(self):
-        if self._watch_path is None:
-            return None
-        try:
-            st = os.stat(self._watch_path)
-            return st.st_mtime_ns, st.st_size
-        except FileNotFoundError:
-            return None
-
     def _poll_file(self) -> None:
-        if self._watch_path is None:
+        listed = self._watched.changed() if self._watched is not None else None
+        if listed is None:
             return
-        stamp = self._stamp()
-        if stamp == self._watch_stamp:
-            return
-        self._watch_stamp = stamp
-        listed = read_workers_file(self._watch_path)
         gone = [w for w in self.workers if w not in listed]
         if gone:
             self.remove_workers(gone)
@@ -419,7 +356,7 @@ class RemoteDataset(Dataset[T_co]):
     def _retry_lost(self) -> None:
         now = time.monotonic()
         with self._lock:
-            due = [w for w, v in self._lost.items() if v["next_try"] <= now]
+            due = self._lost.due(now)
         for w in due:
             host, port = client.parse_address(w)
             try:  # cheap probe first: a build waits for the full timeout
@@ -429,17 +366,14 @@ class RemoteDataset(Dataset[T_co]):
             except Exception as exc:  # noqa: BLE001 - any failure means: try later
                 failed = {w: exc}
             with self._lock:
-                entry = self._lost.get(w)
-                if entry is None:
+                if w not in self._lost:
                     continue  # removed meanwhile
                 if w in failed:
                     if events.state_of(w) == "reconnecting":
                         events.set_state(w, "lost")
-                    entry["error"] = repr(failed[w])
-                    entry["delay"] = double_delay(entry["delay"], _BACKOFF_FIRST, _BACKOFF_MAX)
-                    entry["next_try"] = time.monotonic() + entry["delay"]
+                    self._lost.failed_again(w, failed[w])
                     continue
-                del self._lost[w]
+                self._lost.forget(w)
             events.worker_joined(w)  # [stats hook] logged as "worker ... is back"
             self._notify(w, joined=True)
 
@@ -448,11 +382,11 @@ class RemoteDataset(Dataset[T_co]):
         events.flush()  # [stats hook] events noticed on reader threads reach the log here too
         if self._closed:
             return
-        if self._watch_path is not None:
+        if self._watched is not None:
             try:
                 self._poll_file()
             except Exception as exc:  # noqa: BLE001 - keep watching
-                log.warning("could not use the workers file %s: %s", self._watch_path, exc)
+                log.warning("could not use the workers file %s: %s", self._watched.path, exc)
         self._retry_lost()
 
     def close(self) -> None:
@@ -522,7 +456,7 @@ def _membership_loop(ref: weakref.ref[RemoteDataset]) -> None:
         except Exception:
             log.exception("torchfeed membership thread")
         with ds._lock:  # decide under the lock that _mark_lost takes before _ensure_thread
-            if ds._closed or not (ds._watch_path or ds._lost):
+            if ds._closed or not (ds._watched or ds._lost):
                 ds._thread = None
                 return
         del ds

@@ -30,13 +30,12 @@ from collections import deque
 from typing import Any
 
 from .. import client, errors, events, notices
+from ..client import wait_all
 from ..client.refs import RemoteRef
-from ..datasets.shards import shard_order
 from ..errors import RemoteError, Timeout, WorkerLost
-from .dataset import wait_all
 from .plan import new_pass_id, quiet
 from .sampling import INT63
-from .streams import BATCH, END, ERROR, NEED, open_stream, shard_plan
+from .streams import BATCH, END, ERROR, NEED, open_stream, shard_order, shard_plan
 
 _POLL = 0.05
 SNAPSHOT_FORMAT = "torchfeed.streams/1"

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import client, events
+from ..client import wait_all
 from ..client.refs import RemoteRef
 from ..errors import ConnectionClosed, PoisonSampleError, RemoteError, Timeout, WorkerLost
-from .dataset import wait_all
 from .scheduler import Scheduler
 from .views import Source
 

@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import random
 import threading
 from collections import deque
 from typing import Any
 
 from .. import errors, seeding
 from .context import WorkerSetup, own_copy, worker_context
+
+_ORDER_TAG = 0x5A4D  # mixed into the shard order's seed
 
 BATCH, END, ERROR, NEED = 0, 1, 2, 3
 
@@ -207,3 +210,11 @@ def shard_plan(fetcher) -> tuple | None:
     """Runs on the worker: ``(number of shards, shuffle, seed)`` for a dynamically sharded dataset."""
     plan = getattr(fetcher.setup.dataset, "_torchfeed_plan", None)
     return plan() if plan is not None else None
+
+
+def shard_order(count: int, shuffle: bool, seed: int, epoch: int) -> list[tuple]:
+    """The epoch's shards as ``(index, buffer seed)``, shuffled from (seed, epoch) when asked."""
+    order = list(range(count))
+    if shuffle:
+        random.Random(seeding.mix_seed(seed, epoch, _ORDER_TAG)).shuffle(order)
+    return [(i, seeding.mix_seed(seed, epoch, i) & seeding.INT63) for i in order]

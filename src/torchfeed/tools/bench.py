@@ -12,82 +12,40 @@ by reference. Run with ``torchfeed bench [CASE ...]`` or ``benchmarks/compare.py
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 import platform
 import secrets
 import sys
-import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from ..util import cpu_count
+from . import bench_epochs
 from . import measure as measure_module
 from .measure import (
     BIG,
-    PREFETCH,
+    STRAGGLER_BATCH,
+    STRAGGLER_SLEEP,
+    STRAGGLER_SLOWDOWN,
+    STRAGGLER_WORKERS,
     Context,
-    CountSampler,
     JpegDecodeDataset,
     ReadyTensorDataset,
     Result,
     Runs,
-    Side,
     SleepyDataset,
     TinyDataset,
     batch_megabytes,
-    measure,
-    touch,
+    cpu_per_batch,
+    make_pair,
+    run_pair,
+    single_rate,
 )
-
-
-def make_pair(
-    ctx: Context, n_workers: int, torch_ds: Dataset, factory, fargs: tuple, fkwargs: dict, batch_size: int
-) -> list[Side]:
-    from ..loader import RemoteDataLoader, RemoteDataset
-
-    ts, rs = CountSampler(), CountSampler()
-    tl = DataLoader(
-        torch_ds,
-        batch_size=batch_size,
-        sampler=ts,
-        num_workers=n_workers,
-        persistent_workers=True,
-        prefetch_factor=PREFETCH,
-    )
-    rds: RemoteDataset[Any] = RemoteDataset(ctx.workers.addresses[:n_workers], factory, *fargs, **fkwargs)
-    rl: RemoteDataLoader[Any] = RemoteDataLoader(
-        rds, batch_size=batch_size, sampler=rs, prefetch_factor=PREFETCH
-    )
-    ours = [p.pid for p in ctx.workers.processes[:n_workers]]
-
-    def torch_pids():
-        it = getattr(tl, "_iterator", None)
-        return [w.pid for w in getattr(it, "_workers", [])]
-
-    return [
-        Side("torch", tl, ts, batch_size, torch_pids),
-        Side("torchfeed", rl, rs, batch_size, lambda: ours),
-    ]
-
-
-def run_pair(ctx: Context, sides: list[Side]) -> Runs:
-    try:
-        return measure(sides, ctx.seconds, ctx.repeats, ctx.log)
-    finally:
-        for s in sides:
-            s.close()
-        gc.collect()
-
-
-def cpu_per_batch(runs: Runs) -> dict[str, tuple[float, float]]:
-    return {k: (runs.trainer_ms[k], runs.workers_ms[k]) for k in runs.rates}
 
 
 def _ratio_result(case, metric, runs: Runs, per_batch, target, notes=()) -> Result:
@@ -145,28 +103,6 @@ def case_overhead(ctx: Context) -> Result:
     return _ratio_result(
         "overhead", "items/s", runs, 1, 3.0, [f"scalar tensor + int, batch_size=1, {ctx.n} workers"]
     )
-
-
-STRAGGLER_WORKERS = 4
-STRAGGLER_SLOWDOWN = 4.0
-STRAGGLER_SLEEP = 0.002
-STRAGGLER_BATCH = 8
-
-
-def single_rate(seconds: float, tries: int = 3) -> float:
-    """Samples/s of one fast worker: the dataset and collation in this process, no loader.
-
-    Best of ``tries`` stretches of ``seconds / tries`` (like the loaders' best run).
-    """
-    ds = SleepyDataset(BIG, STRAGGLER_SLEEP)
-    rates = []
-    for _ in range(tries):
-        n, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds / tries:
-            touch(default_collate([ds[i] for i in range(n, n + STRAGGLER_BATCH)]))
-            n += STRAGGLER_BATCH
-        rates.append(n / (time.perf_counter() - start))
-    return max(rates)
 
 
 STALL_EVERY_BATCHES = 50
@@ -408,26 +344,21 @@ def run_bench(args) -> int:
     return 0
 
 
-# issue 12's cases (epoch boundaries, the trainer's cost per batch, shared workers) live in
-# bench_epochs.py, which imports this module: looked up when run
-
-
-def _later(name: str) -> Callable[[Context], Result]:
-    def run(ctx: Context) -> Result:
-        from . import bench_epochs
-
-        return getattr(bench_epochs, name)(ctx)
-
-    return run
-
-
+# issue 12's cases (epoch boundaries, the trainer's cost per batch, shared workers) are in
+# bench_epochs.py
 CASES.update(
     {
         "epochs": (
-            _later("case_epochs"),
+            bench_epochs.case_epochs,
             "4 sleep-bound workers, one 4x slower, 5 passes of 64 batches with the gaps between them",
         ),
-        "tiny": (_later("case_tiny"), "tiny samples, batch_size=1: items/s and the trainer's CPU per batch"),
-        "shared": (_later("case_shared"), "48 sleep-bound workers shared by 4 trainer processes: % of ideal"),
+        "tiny": (
+            bench_epochs.case_tiny,
+            "tiny samples, batch_size=1: items/s and the trainer's CPU per batch",
+        ),
+        "shared": (
+            bench_epochs.case_shared,
+            "48 sleep-bound workers shared by 4 trainer processes: % of ideal",
+        ),
     }
 )

@@ -25,11 +25,14 @@ from typing import Any
 from torch.utils.data import DataLoader
 from torch.utils.data._utils.collate import default_collate
 
-from . import bench
-from .bench import STRAGGLER_BATCH, STRAGGLER_SLEEP, STRAGGLER_SLOWDOWN, STRAGGLER_WORKERS
+from . import measure as bench
 from .measure import (
     BIG,
     PREFETCH,
+    STRAGGLER_BATCH,
+    STRAGGLER_SLEEP,
+    STRAGGLER_SLOWDOWN,
+    STRAGGLER_WORKERS,
     Context,
     CountSampler,
     Result,

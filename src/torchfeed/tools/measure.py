@@ -6,6 +6,7 @@ The cases themselves are in :mod:`torchfeed.tools.bench` and :mod:`torchfeed.too
 
 from __future__ import annotations
 
+import gc
 import io
 import math
 import os
@@ -13,11 +14,12 @@ import resource
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler, get_worker_info
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
+from torch.utils.data._utils.collate import default_collate
 
 if TYPE_CHECKING:
     from ..local import LocalWorkers
@@ -339,3 +341,69 @@ class Context:
 
 
 BIG = 1 << 40  # dataset length: the samplers choose how many indices are used
+
+
+# -- both loaders side by side (the cases in bench.py and bench_epochs.py) --------------
+def make_pair(
+    ctx: Context, n_workers: int, torch_ds: Dataset, factory, fargs: tuple, fkwargs: dict, batch_size: int
+) -> list[Side]:
+    from ..loader import RemoteDataLoader, RemoteDataset
+
+    ts, rs = CountSampler(), CountSampler()
+    tl = DataLoader(
+        torch_ds,
+        batch_size=batch_size,
+        sampler=ts,
+        num_workers=n_workers,
+        persistent_workers=True,
+        prefetch_factor=PREFETCH,
+    )
+    rds: RemoteDataset[Any] = RemoteDataset(ctx.workers.addresses[:n_workers], factory, *fargs, **fkwargs)
+    rl: RemoteDataLoader[Any] = RemoteDataLoader(
+        rds, batch_size=batch_size, sampler=rs, prefetch_factor=PREFETCH
+    )
+    ours = [p.pid for p in ctx.workers.processes[:n_workers]]
+
+    def torch_pids():
+        it = getattr(tl, "_iterator", None)
+        return [w.pid for w in getattr(it, "_workers", [])]
+
+    return [
+        Side("torch", tl, ts, batch_size, torch_pids),
+        Side("torchfeed", rl, rs, batch_size, lambda: ours),
+    ]
+
+
+def run_pair(ctx: Context, sides: list[Side]) -> Runs:
+    try:
+        return measure(sides, ctx.seconds, ctx.repeats, ctx.log)
+    finally:
+        for s in sides:
+            s.close()
+        gc.collect()
+
+
+def cpu_per_batch(runs: Runs) -> dict[str, tuple[float, float]]:
+    return {k: (runs.trainer_ms[k], runs.workers_ms[k]) for k in runs.rates}
+
+
+STRAGGLER_WORKERS = 4
+STRAGGLER_SLOWDOWN = 4.0
+STRAGGLER_SLEEP = 0.002
+STRAGGLER_BATCH = 8
+
+
+def single_rate(seconds: float, tries: int = 3) -> float:
+    """Samples/s of one fast worker: the dataset and collation in this process, no loader.
+
+    Best of ``tries`` stretches of ``seconds / tries`` (like the loaders' best run).
+    """
+    ds = SleepyDataset(BIG, STRAGGLER_SLEEP)
+    rates = []
+    for _ in range(tries):
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds / tries:
+            touch(default_collate([ds[i] for i in range(n, n + STRAGGLER_BATCH)]))
+            n += STRAGGLER_BATCH
+        rates.append(n / (time.perf_counter() - start))
+    return max(rates)

@@ -12,14 +12,24 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .server import ConnectionLimits, Registry, UnknownReference, WorkerServer, raise_fd_limit, run_worker
+    from .objects import ConnectionLimits, Registry, UnknownReference
+    from .server import WorkerServer, raise_fd_limit, run_worker
 
+_EXPORTS = {
+    "ConnectionLimits": "objects",
+    "Registry": "objects",
+    "UnknownReference": "objects",
+    "WorkerServer": "server",
+    "raise_fd_limit": "server",
+    "run_worker": "server",
+}
 __all__ = ["ConnectionLimits", "Registry", "UnknownReference", "WorkerServer", "raise_fd_limit", "run_worker"]
 
 
 def __getattr__(name: str) -> Any:
-    if name not in __all__:
+    module = _EXPORTS.get(name)
+    if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(".server", __name__), name)
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value

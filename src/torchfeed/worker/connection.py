@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 import pickle
+import queue
 import socket
 import threading
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .. import errors, seeding
 from ..errors import FrameTooLarge, LimitExceeded, ProtocolError
@@ -21,9 +22,7 @@ from ..protocol import serialize, wire
 from ..protocol.buffers import allocate
 from ..protocol.limits import check_reply
 from . import stats as workerstats
-
-if TYPE_CHECKING:
-    from .server import ConnectionLimits, WorkerServer
+from .objects import ConnectionLimits, Registry
 
 __all__ = ["ServerConnection"]
 
@@ -42,12 +41,25 @@ def _describe_exception(exc: BaseException) -> bytes:
     return pickle.dumps(errors.describe_exception(exc), protocol=5)
 
 
+class Host(Protocol):
+    """What a connection uses of its server (:class:`~torchfeed.worker.WorkerServer`)."""
+
+    address: str
+    timeout: float
+    limits: ConnectionLimits
+    registry: Registry
+    tasks: queue.SimpleQueue
+    counters: workerstats.Counters
+
+    def forget(self, conn: ServerConnection) -> None: ...
+
+
 class ServerConnection:
     """One authenticated client connection on the worker (see the NOTE in :mod:`torchfeed.worker`)."""
 
     _ids = iter(range(1, 1 << 62))
 
-    def __init__(self, server: WorkerServer, sock: socket.socket, peer: str, channel):
+    def __init__(self, server: Host, sock: socket.socket, peer: str, channel):
         self.server = server
         self.sock = sock
         self.peer = peer

@@ -93,28 +93,6 @@ class Counters:
 
 
 def reply(server) -> bytes:
-    """The meta of a STATS reply (plain pickle, read by :func:`query`)."""
+    """The meta of a STATS reply (plain pickle, read by :func:`torchfeed.client.worker_stats`)."""
     meta, _ = serialize.dumps_reply(server.counters.snapshot(server))
     return meta
-
-
-def query(address: str, secret=None, timeout: float = 10.0) -> dict[str, Any]:
-    """One worker's statistics over the normal authenticated connection."""
-    from .. import client
-    from ..errors import Timeout
-
-    conn = client.connect(address, secret, timeout)
-    done = threading.Event()
-    box: list = []
-
-    def got(ok, value):
-        box.append((ok, value))
-        done.set()
-
-    conn.request(wire.STATS, b"", callback=got, timeout=timeout)
-    if not done.wait(timeout + 1.0):
-        raise Timeout(f"worker {address} did not answer a stats request within {timeout:g} s")
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return value
