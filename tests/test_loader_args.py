@@ -150,7 +150,7 @@ def test_positional_arguments_in_torchs_order(plain):
 
 
 def test_ignored_arguments_are_logged_once(plain, caplog):
-    from torchfeed.loader import dataloader as loader_module
+    from torchfeed.loader import checks as loader_module
 
     loader_module._logged_once.clear()
     with caplog.at_level(logging.WARNING, logger="torchfeed.loader"):

@@ -862,3 +862,30 @@ def test_reflected_records_are_rejected():
     finally:
         c.close()
         w.close()
+
+
+def test_a_worker_of_an_older_wire_version_is_refused_at_the_handshake_with_a_clear_message():
+    """Pickles name module paths (torchfeed.loader.fetch, ...), which moved between versions:
+    a trainer meeting a worker of version 2 must fail at its first frame, naming both versions."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    address = f"127.0.0.1:{server.getsockname()[1]}"
+
+    def old_worker():
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(header(kind=wire.HELLO, meta_len=len(auth.hello_meta(False)), version=2))
+            conn.sendall(auth.hello_meta(False))
+            conn.recv(1024)
+
+    thread = threading.Thread(target=old_worker, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(
+            torchfeed.ProtocolError, match=r"version 2, this side speaks 3.*same torchfeed version"
+        ):
+            client.Connection(address, auth.load_secret(SECRET), 5, session=client.default_session())
+    finally:
+        server.close()
+        thread.join(5)

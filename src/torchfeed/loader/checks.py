@@ -6,6 +6,23 @@ written against torch behaves the same (tests/test_loader_args.py compares them)
 
 from __future__ import annotations
 
+import logging
+import threading
+
+log = logging.getLogger("torchfeed.loader")
+
+_logged_once: set = set()
+_logged_lock = threading.Lock()
+
+
+def log_once(key: str, message: str) -> None:
+    """Log ``message`` (a warning) the first time ``key`` is seen in this process."""
+    with _logged_lock:
+        if key in _logged_once:
+            return
+        _logged_once.add(key)
+    log.warning(message)
+
 
 def workers_args(num_workers, timeout, prefetch_factor, persistent_workers) -> None:
     """torch's checks, in torch's order; an omitted num_workers means: the remote workers."""
@@ -39,4 +56,33 @@ def iterable_args(shuffle, sampler, batch_sampler) -> None:
         raise ValueError(
             "DataLoader with IterableDataset: expected unspecified batch_sampler option, but got "
             f"batch_sampler={batch_sampler}"
+        )
+
+
+def log_ignored(workers: int, iterable: bool, num_workers, context, pin_memory_device, in_order) -> None:
+    """Say once per process which of torch's arguments have no effect here, and why."""
+    if num_workers and not iterable:  # iterable-style: the number of streams
+        log_once(
+            "num_workers",
+            f"RemoteDataLoader: num_workers={num_workers} has no effect: loading runs on "
+            f"the RemoteDataset's {workers} worker process(es); for more, start more `torchfeed worker` "
+            "processes (--procs) and list them all",
+        )
+    if context is not None:
+        log_once(
+            "multiprocessing_context",
+            "RemoteDataLoader: multiprocessing_context has no effect: the "
+            "workers are processes started by `torchfeed worker`, not by this loader",
+        )
+    if pin_memory_device:
+        log_once(
+            "pin_memory_device",
+            "RemoteDataLoader: pin_memory_device has no effect: with "
+            "pin_memory=True batches are received into memory pinned for CUDA",
+        )
+    if not in_order:
+        log_once(
+            "in_order",
+            "RemoteDataLoader: in_order=False has no effect: batches always come in "
+            "sampler order (slow workers are given later batches instead, so order costs little)",
         )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
@@ -27,7 +26,7 @@ from .dataset import RemoteDataset
 from .fetch import Fetcher
 from .iterable import IterablePass
 from .passes import MapPass
-from .plan import FetcherSet, PassPlan, new_pass_id
+from .plan import FetcherSet, LoaderConfig, PassPlan, new_pass_id
 from .sampling import mix_seed
 from .views import Source
 
@@ -37,16 +36,6 @@ T_co = TypeVar("T_co", covariant=True)
 
 # Assigning these after construction raises, as in torch.
 _FROZEN = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
-_logged_once: set = set()
-_logged_lock = threading.Lock()
-
-
-def _log_once(key: str, message: str) -> None:
-    with _logged_lock:
-        if key in _logged_once:
-            return
-        _logged_once.add(key)
-    log.warning(message)
 
 
 class _EndlessSampler(Sampler):
@@ -174,7 +163,14 @@ class RemoteDataLoader(Generic[T_co]):
         # (pass id, weakref, snapshot once closed) of the latest iterable-style pass
         self._iterable_pass: tuple[int, weakref.ref[IterablePass], Any] | None = None
         self.multiprocessing_context = multiprocessing_context  # checked by the property, as in torch
-        self._log_ignored(num_workers, multiprocessing_context, pin_memory_device, in_order)
+        checks.log_ignored(
+            len(self._source.workers),
+            self._source.iterable,
+            num_workers,
+            multiprocessing_context,
+            pin_memory_device,
+            in_order,
+        )
         batch_size, drop_last, sampler, batch_sampler = self._samplers(
             dataset, source, batch_size, shuffle, sampler, batch_sampler, drop_last, seed, generator
         )
@@ -241,34 +237,6 @@ class RemoteDataLoader(Generic[T_co]):
         if batch_size is not None and batch_sampler is None:
             batch_sampler = BatchSampler(sampler, batch_size, drop_last)
         return batch_size, drop_last, sampler, batch_sampler
-
-    def _log_ignored(self, num_workers, context, pin_memory_device, in_order) -> None:
-        workers = len(self._source.workers)
-        if num_workers and not self._source.iterable:  # iterable-style: the number of streams
-            _log_once(
-                "num_workers",
-                f"RemoteDataLoader: num_workers={num_workers} has no effect: loading runs on "
-                f"the RemoteDataset's {workers} worker process(es); for more, start more `torchfeed worker` "
-                "processes (--procs) and list them all",
-            )
-        if context is not None:
-            _log_once(
-                "multiprocessing_context",
-                "RemoteDataLoader: multiprocessing_context has no effect: the "
-                "workers are processes started by `torchfeed worker`, not by this loader",
-            )
-        if pin_memory_device:
-            _log_once(
-                "pin_memory_device",
-                "RemoteDataLoader: pin_memory_device has no effect: with "
-                "pin_memory=True batches are received into memory pinned for CUDA",
-            )
-        if not in_order:
-            _log_once(
-                "in_order",
-                "RemoteDataLoader: in_order=False has no effect: batches always come in "
-                "sampler order (slow workers are given later batches instead, so order costs little)",
-            )
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _FROZEN and self.__dict__.get("_initialized"):
@@ -364,7 +332,7 @@ class RemoteDataLoader(Generic[T_co]):
         # torch's persistent workers draw their base seed once, at the first pass
         kept = self._persistent_seed if self.persistent_workers else None
         sampler_iter, progress = resume.begin_pass(
-            self,
+            self._sampling(),
             self._epoch,
             resume_from,
             kept,
@@ -377,6 +345,7 @@ class RemoteDataLoader(Generic[T_co]):
         if self.seed is None:
             self._persistent_seed = base_seed
         plan = PassPlan(
+            config=self._config(),
             source=self._source,
             fetchers=self._fetchers,
             sampler_iter=sampler_iter,
@@ -392,11 +361,37 @@ class RemoteDataLoader(Generic[T_co]):
         )
         if self._source.iterable:
             streams = resume_from.get("streams") if resume_from is not None else None
-            running = IterablePass(self, plan, streams, stream_count=self._stream_count())
+            running = IterablePass(plan, streams, stream_count=self._stream_count())
             self._iterable_pass = (running.pass_id, weakref.ref(running), None)
             return running
         head, self._head = self._head, None
-        return MapPass(self, plan, head)
+        return MapPass(plan, head)
+
+    def _sampling(self) -> resume.Sampling:
+        return resume.Sampling(
+            seed=self.seed,
+            generator=self.generator,
+            sampler=self.sampler,
+            batch_sampler=self.batch_sampler,
+            per_sample_seeding=self.per_sample_seeding,
+        )
+
+    def _config(self) -> LoaderConfig:
+        try:
+            length: int | None = len(self)
+        except TypeError:
+            length = None
+        return LoaderConfig(
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            pin_memory=self.pin_memory,
+            timeout=self.timeout,
+            prefetch_factor=self.prefetch_factor,
+            max_retries=self.max_retries,
+            straggler_factor=self.straggler_factor,
+            straggler_min_seconds=self.straggler_min_seconds,
+            length=length,
+        )
 
     def _keep_estimates(self, estimates: dict[str, float]) -> None:
         """A map-style pass closed: its per-worker batch times seed the next pass's scheduler."""
@@ -427,7 +422,7 @@ class RemoteDataLoader(Generic[T_co]):
             return None
         epoch = self._epoch
         count = ending.prefetch_count()
-        indices = prefetch.predict(self, epoch, count, self._shuffle_generator)
+        indices = prefetch.predict(self._sampling(), epoch, count, self._shuffle_generator)
         if not indices or self.seed is None:  # predict() gives none without a seed
             return None
         base_seed = mix_seed(self.seed, epoch)

@@ -74,13 +74,13 @@ class _Slot:
 class IterablePass:
     """Trainer side: one pass over an iterable-style RemoteDataset."""
 
-    def __init__(self, loader, plan, resume: dict | None = None, *, stream_count: int = 1):
-        self._loader = loader
+    def __init__(self, plan, resume: dict | None = None, *, stream_count: int = 1):
+        self._config = config = plan.config
         self._plan = plan
         self._source = plan.source
-        self._timeout = loader.timeout
-        self._credits = loader.prefetch_factor
-        self._pin = loader.pin_memory
+        self._timeout = config.timeout
+        self._credits = config.prefetch_factor
+        self._pin = config.pin_memory
         self._cond = threading.Condition()
         self._notices = notices.Pending()
         self._closed = False
@@ -108,7 +108,7 @@ class IterablePass:
                 slot.latest_taken = slot.taken
                 slot.grants = list(saved["grants"])
         self._acc = plan.stats  # [stats hook] per-worker counts, the trainer's wait
-        self._samples = loader.batch_size or 1
+        self._samples = config.batch_size or 1
         self._acc_pass = self._acc.pass_started(workers, self.inflight) if self._acc is not None else 0
         with self._cond:
             for slot in self._slots:
@@ -119,7 +119,9 @@ class IterablePass:
         return self
 
     def __len__(self) -> int:
-        return len(self._loader)
+        if self._config.length is None:
+            raise TypeError("this loader has no length: its dataset has none")
+        return self._config.length
 
     # -- workers --------------------------------------------------------------------
     def inflight(self) -> dict[str, int]:
@@ -225,7 +227,7 @@ class IterablePass:
             self._source.session.call(
                 worker,
                 open_stream,
-                args=(fetcher, context, self._loader.batch_size, self._loader.drop_last, start),
+                args=(fetcher, context, self._config.batch_size, self._config.drop_last, start),
                 rref=True,
                 timeout=self._source.timeout,
                 secret=self._source.secret,

@@ -70,13 +70,13 @@ _STALL_DEFAULT = 120.0  # seconds to wait for a worker when none is left and tim
 class MapPass:
     """One pass over a map-style dataset. See the NOTE above for its threads and locks."""
 
-    def __init__(self, loader, plan: PassPlan, head=None):
-        self._loader = loader
+    def __init__(self, plan: PassPlan, head=None):
+        self._config = config = plan.config
         self._plan = plan
         self._source = plan.source
         self._auto = plan.auto_collation
-        self._pin = loader.pin_memory
-        self._timeout = loader.timeout
+        self._pin = config.pin_memory
+        self._timeout = config.timeout
         self._head = head if head is not None and head.matches(plan, self._pin) else None
         if head is not None and self._head is None:
             head.discard()
@@ -100,7 +100,7 @@ class MapPass:
             self._source.worker_lost(w, exc)
             events.worker_unreachable(w, exc)
         workers = [w for w in workers if w not in failed]
-        self._sched = passplan.scheduler(loader, plan, workers)
+        self._sched = passplan.scheduler(plan, workers)
         self._acc = plan.stats  # [stats hook] O(1) counters per batch, see stats.py
         self._last_samples = 0
         self._acc_pass = self._acc.pass_started(workers, self.inflight) if self._acc is not None else 0
@@ -127,7 +127,9 @@ class MapPass:
         return self
 
     def __len__(self) -> int:
-        return len(self._loader)
+        if self._config.length is None:
+            raise TypeError("this loader has no length: its sampler has none")
+        return self._config.length
 
     def _stall_limit(self) -> float:
         return self._timeout or _STALL_DEFAULT
@@ -194,9 +196,9 @@ class MapPass:
             if self._closed:
                 return
             if self._fatal is None:  # a poison batch must not go out again
-                loader = self._loader
+                config = self._config
                 overdue = passplan.hedges(
-                    sched, loader.straggler_factor, loader.straggler_min_seconds, self._acc
+                    sched, config.straggler_factor, config.straggler_min_seconds, self._acc
                 )
                 for address, seq in overdue:
                     sends.append((address, seq, self._ledger.indices.get(seq)))
@@ -281,36 +283,29 @@ class MapPass:
             if rids and fetcher is not None:
                 fetcher.cancel(rids)
 
-    def _quiet(self, exc: BaseException) -> bool:
-        return passplan.quiet(exc)
-
     def _lose_worker(self, address: str, exc: BaseException) -> None:
         """A worker is gone (lock held)."""
         state = self._sched.workers.get(address)
         if state is None or state.status == "lost":
             return  # every pending request of a dead connection reports it: act once
-        requeued, blamed = self._sched.worker_lost(address, blame=not self._quiet(exc))
+        quiet = passplan.quiet(exc)
+        requeued, blamed = self._sched.worker_lost(address, blame=not quiet)
         self._errors[address] = repr(exc)
         self._source.worker_lost(address, exc)
         for seq in requeued:
             self._ledger.requests.get(seq, {}).pop(address, None)
-        if self._quiet(exc):
+        if quiet:
             events.closed(address)  # [stats hook] queued: a reader thread, the pass lock held
         else:  # [stats hook] an event (logged), no warning: nothing to change in code
             events.worker_lost(address, exc, len(requeued))
         if self._acc is not None:
             self._acc.requeued(address, len(requeued))
-        if blamed is not None and self._sched.losses.get(blamed, 0) > self._loader.max_retries:
-            self._fatal = passplan.poison_error(
-                self._ledger.keys(blamed),
-                blamed,
-                self._sched.losses[blamed],
-                address,
-                self._loader.max_retries,
-            )
+        if blamed is not None and self._sched.losses.get(blamed, 0) > self._config.max_retries:
+            losses, retries = self._sched.losses[blamed], self._config.max_retries
+            self._fatal = passplan.poison_error(self._ledger.keys(blamed), blamed, losses, address, retries)
             events.poison(str(self._fatal))
         if not self._sched.serving_workers() and self._stalled_since is None:
-            self._no_worker_left(quiet=self._quiet(exc))
+            self._no_worker_left(quiet=quiet)
         self._ready.notify()
         self._wake()
 

@@ -100,10 +100,27 @@ class FetcherSet:
         return self._refs.get(address)
 
 
+@dataclass(frozen=True)
+class LoaderConfig:
+    """A loader's settings as a pass sees them, frozen when the pass starts (passes never
+    hold the loader itself)."""
+
+    batch_size: int | None
+    drop_last: bool
+    pin_memory: bool
+    timeout: float  # 0: none (as torch)
+    prefetch_factor: int
+    max_retries: int
+    straggler_factor: float | None
+    straggler_min_seconds: float
+    length: int | None  # len(loader) when the pass starts; None when it has no length
+
+
 @dataclass
 class PassPlan:
     """What the loader hands a pass: where the indices come from and how to load them."""
 
+    config: LoaderConfig
     source: Source
     fetchers: FetcherSet
     sampler_iter: Any
@@ -120,22 +137,19 @@ class PassPlan:
     stats: Any = None  # stats.Accounting of the loader [stats hook]
 
 
-def pass_length(loader, progress) -> int | None:
+def pass_length(config: LoaderConfig, progress) -> int | None:
     """Batches a pass will load, when the sampler says (fewer after a resume)."""
-    try:
-        return max(len(loader) - progress.batches, 0)
-    except TypeError:
-        return None
+    return None if config.length is None else max(config.length - progress.batches, 0)
 
 
 def short(items: list[Any]) -> str:
     return str(items) if len(items) <= 8 else f"[{', '.join(map(str, items[:8]))}, ...]"
 
 
-def scheduler(loader, plan: PassPlan, workers: list[str]) -> Scheduler:
+def scheduler(plan: PassPlan, workers: list[str]) -> Scheduler:
     """The scheduler of a map-style pass over ``workers`` (the reachable ones)."""
     credits = pipeline_depth(
-        loader.prefetch_factor,
+        plan.config.prefetch_factor,
         plan.estimates,
         plan.stats.mean_batch_bytes() if plan.stats is not None else None,
     )
@@ -145,7 +159,7 @@ def scheduler(loader, plan: PassPlan, workers: list[str]) -> Scheduler:
         workers,
         credits=credits,
         window=max(2 * credits * n, n + 2 * credits),
-        pass_length=pass_length(loader, plan.progress),
+        pass_length=pass_length(plan.config, plan.progress),
         estimates=plan.estimates,
     )
 

@@ -30,7 +30,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from .. import client
 from ..errors import WorkerLost
-from .resume import shuffle_seed
+from .resume import Sampling, shuffle_seed
 
 _LOOKAHEAD_RATIO = 1.5  # a worker this much slower than the fastest gets later batches
 _LOOKAHEAD_MARGIN = 1.15  # ... needed this much later than it is expected to finish them
@@ -45,10 +45,13 @@ class ResultSink(Protocol):
     def on_result(self, address: str, seq: int, ok: bool, value: Any) -> None: ...
 
 
-def predict(loader, epoch: int, count: int, shuffle_generator: torch.Generator | None) -> list[Any] | None:
+def predict(
+    loader: Sampling, epoch: int, count: int, shuffle_generator: torch.Generator | None
+) -> list[Any] | None:
     """The first ``count`` batches of keys of the map-style pass of ``epoch``, or None if unknown.
 
-    ``loader`` gives its public settings (seed, per_sample_seeding, batch_sampler);
+    ``loader`` is the loader's :class:`~torchfeed.loader.resume.Sampling` (seed,
+    per_sample_seeding, batch_sampler);
     ``shuffle_generator`` is the loader's own seeded shuffle generator, if it has one.
     Uses copies (or fresh generators): nothing the user's samplers hold is touched.
     """

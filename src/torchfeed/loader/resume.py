@@ -54,12 +54,25 @@ def _from_bytes(raw: bytes) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """A loader's sampling pieces, handed to this module and to prefetch.py explicitly (they
+    never hold the loader): its ``seed``, ``generator``, ``sampler`` and ``batch_sampler``
+    (the user's objects, used only on the consumer's thread) and ``per_sample_seeding``."""
+
+    seed: int | None
+    generator: torch.Generator | None
+    sampler: Any
+    batch_sampler: Any
+    per_sample_seeding: bool
+
+
 def shuffle_seed(seed: int, epoch: int) -> int:
     """The seed of a loader's own shuffle generator for ``epoch`` (with ``seed=``)."""
     return mix_seed(seed, epoch, _SHUFFLE_TAG) & _INT63
 
 
-def _generators(loader, shuffle_generator: torch.Generator | None) -> dict[str, torch.Generator]:
+def _generators(loader: Sampling, shuffle_generator: torch.Generator | None) -> dict[str, torch.Generator]:
     """The generators this loader's sampling draws from, by a stable name (not the loader's own
     shuffle generator, which is reseeded from (seed, epoch) every pass)."""
     found: dict[str, torch.Generator] = {}
@@ -76,7 +89,7 @@ def _generators(loader, shuffle_generator: torch.Generator | None) -> dict[str, 
     return found
 
 
-def _elastic(loader) -> DistributedSampler | None:
+def _elastic(loader: Sampling) -> DistributedSampler | None:
     for s in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
         if isinstance(s, DistributedSampler):
             return s
@@ -95,7 +108,7 @@ def check_state(state: dict[str, Any], seed: int | None) -> None:
 
 
 def begin_pass(
-    loader,
+    loader: Sampling,
     epoch: int,
     resume: dict[str, Any] | None,
     base_seed: int | None = None,
@@ -105,7 +118,7 @@ def begin_pass(
 ) -> tuple[Iterator, Progress]:
     """Start a pass (or resume one); return the index iterator and its progress record.
 
-    ``loader`` gives its public attributes (seed, generator, sampler, batch_sampler);
+    ``loader`` is the loader's :class:`Sampling` (seed, generator, sampler, batch_sampler);
     ``index_sampler`` is what the pass iterates (the batch sampler, or the sampler without
     auto-collation); ``shuffle_generator`` is the loader's own shuffle generator, reseeded
     here from (seed, epoch). ``base_seed`` (the first pass's, for torch's persistent
