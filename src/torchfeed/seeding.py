@@ -10,7 +10,7 @@ Worker-side and shared by both ends (no sampler, no loader here):
   global generators between loader passes on a worker and the code that runs between them:
   every owner gets back the states it left.
 
-The trainer's side (:class:`~torchfeed.sampling.DistributedSampler`) is in sampling.py.
+The trainer's side (:class:`~torchfeed.loader.sampling.DistributedSampler`) is in sampling.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``torchfeed top``: a live view of workers (CPU, memory, request and byte rates, load).
 
 Each refresh asks every worker for its statistics over the normal authenticated
-connection (a STATS message, see :mod:`torchfeed.workerstats`; the secret is discovered
+connection (a STATS message, see :mod:`torchfeed.worker.stats`; the secret is discovered
 as for every client). ``--once --json`` prints one JSON document for scripts.
 """
 

@@ -73,7 +73,7 @@ class Session:
         Default seconds to connect and to wait for a call's result (120), and what
         datasets built with this session allow for building.
     secret : str, bytes or path, optional
-        Default shared secret; None discovers it as :func:`torchfeed.auth.load_secret` does.
+        Default shared secret; None discovers it as :func:`torchfeed.protocol.auth.load_secret` does.
     """
 
     def __init__(

@@ -2,7 +2,7 @@
 
 With :class:`~torchfeed.RemoteDataLoader` the trainer keeps the epoch's queue of shards
 and gives the next one to whichever stream has started all of its own (see
-:mod:`torchfeed.iterable`): a slow worker takes fewer shards. Every shard is read
+:mod:`torchfeed.loader.iterable`): a slow worker takes fewer shards. Every shard is read
 exactly once per epoch, also when a worker is lost (the stream moves with the shards it
 holds and its position in the current one). Anywhere else (torch's DataLoader, plain
 iteration) shards are split statically: stream ``i`` of ``K`` reads every K-th shard of
@@ -90,7 +90,7 @@ class Shards(IterableDataset):
         order = shard_order(len(self.urls), self.shuffle, 0 if self.seed is None else self.seed, self.epoch)
         return ShardReader(self, Inbox(order[wid::count], final=True))
 
-    # -- torchfeed's hooks (see torchfeed.streams and torchfeed.iterable) -------------
+    # -- torchfeed's hooks (see torchfeed.loader.streams and torchfeed.loader.iterable) -------------
     def _torchfeed_plan(self) -> tuple:
         return len(self.urls), self.shuffle, self.seed
 

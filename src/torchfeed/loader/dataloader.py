@@ -2,8 +2,8 @@
 
 It takes DataLoader's arguments in DataLoader's order, checks them as DataLoader does
 (same errors), and yields the same batches for the same sampler order. A pass over a
-map-style dataset is :class:`torchfeed.passes.MapPass`; over an iterable-style one,
-:class:`torchfeed.iterable.IterablePass`.
+map-style dataset is :class:`torchfeed.loader.passes.MapPass`; over an iterable-style one,
+:class:`torchfeed.loader.iterable.IterablePass`.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class RemoteDataLoader(Generic[T_co]):
         Checked as torch checks them, then without effect (logged once): the remote workers
         do the loading, and batches always come in sampler order.
         For an iterable-style dataset ``num_workers`` is the number of streams (default:
-        the number of workers), as torch's worker processes; see :mod:`torchfeed.iterable`.
+        the number of workers), as torch's worker processes; see :mod:`torchfeed.loader.iterable`.
     pin_memory : bool
         Receive batches directly into pinned memory (when CUDA is available).
     timeout : float
@@ -413,7 +413,7 @@ class RemoteDataLoader(Generic[T_co]):
 
     def _prefetch_next(self, ending: MapPass):
         """Called by a pass whose last batch is dispatched (``PassPlan.next_head``): start loading
-        the next pass's first batches if they can be known now (:mod:`torchfeed.prefetch`); the
+        the next pass's first batches if they can be known now (:mod:`torchfeed.loader.prefetch`); the
         head, or None."""
         old, self._head = self._head, None
         if old is not None:

@@ -57,7 +57,7 @@ class Fetcher:
     """Worker-side: turn a batch of indices into a collated batch (like torch's fetcher).
 
     Indices are whatever the sampler yields (ints, strings, tuples...). ``worker_init_fn``
-    and ``persistent`` are the loader's; see :class:`torchfeed.context.WorkerSetup`.
+    and ``persistent`` are the loader's; see :class:`torchfeed.loader.context.WorkerSetup`.
     ``reply_limits`` (set by the loader) bounds the size of the replies the trainer accepts.
     """
 

@@ -6,7 +6,7 @@ batches from its own items and collates them (on the worker), and the trainer yi
 batch of each stream in turn (0, 1, ..., K-1, 0, ...), skipping streams that ended. K
 is the loader's ``num_workers`` (by default the number of workers of the dataset),
 whatever the number of physical workers: streams are spread over the reachable workers
-(:mod:`torchfeed.streams` holds the worker side).
+(:mod:`torchfeed.loader.streams` holds the worker side).
 
 The trainer counts the batches delivered per stream. When a worker is lost, its streams
 are opened again on the others at the position delivered so far: from the state sent
@@ -38,7 +38,7 @@ from .sampling import INT63
 from .streams import BATCH, END, ERROR, NEED, open_stream, shard_order, shard_plan
 
 _POLL = 0.05
-SNAPSHOT_FORMAT = "torchfeed.streams/1"
+SNAPSHOT_FORMAT = "torchfeed.streams/1"  # a format name, not a module path: kept for saved states
 
 
 class _Slot:

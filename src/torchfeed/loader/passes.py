@@ -1,7 +1,7 @@
 """One pass of a RemoteDataLoader over a map-style dataset: dispatch, failures, in-order delivery.
 
 The sampler runs in the trainer; batches of keys go to workers (least loaded first, see
-:mod:`torchfeed.scheduler`), which load and collate them; collated batches stream back
+:mod:`torchfeed.loader.scheduler`), which load and collate them; collated batches stream back
 straight into their final (optionally pinned) memory and are yielded in sampler order.
 Reader threads report results; everything the user should hear about is emitted from
 the user's thread, at the user's line (:mod:`torchfeed.notices`).
@@ -43,7 +43,7 @@ _STALL_DEFAULT = 120.0  # seconds to wait for a worker when none is left and tim
 # * one dispatch thread per pass (``torchfeed-dispatch``): everything that decides or
 #   sends: later pulls from the sampler, scheduler decisions, hedges, requests and
 #   cancellations to workers, and (at the end of a pass) the prediction and prefetch of
-#   the next pass's first batches (:mod:`torchfeed.prefetch`). It owns the sampler
+#   the next pass's first batches (:mod:`torchfeed.loader.prefetch`). It owns the sampler
 #   iterator once the pass is built.
 # * connection reader threads (one per worker connection, client.py): receive replies
 #   into their buffers and call ``on_result`` (the pass is a ``prefetch.ResultSink``),

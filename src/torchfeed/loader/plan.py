@@ -1,7 +1,7 @@
 """What a loader hands each of its passes: the plan of the pass and the worker-side fetchers.
 
-:class:`PassPlan` is everything a pass (map-style, :mod:`torchfeed.passes`, or
-iterable-style, :mod:`torchfeed.iterable`) starts from, including the hooks through which
+:class:`PassPlan` is everything a pass (map-style, :mod:`torchfeed.loader.passes`, or
+iterable-style, :mod:`torchfeed.loader.iterable`) starts from, including the hooks through which
 it reports back to its loader. :class:`FetcherSet` keeps one loader's fetchers, one
 remote object per worker, across passes.
 """

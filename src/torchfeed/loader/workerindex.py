@@ -1,4 +1,4 @@
-"""The sums and heaps a :class:`~torchfeed.scheduler.Scheduler` keeps over its workers.
+"""The sums and heaps a :class:`~torchfeed.loader.scheduler.Scheduler` keeps over its workers.
 
 Every scheduling decision is O(log workers) because of them: heaps keyed by drain time
 (stale entries are skipped by version), a sorted list of the measured times and running

@@ -21,7 +21,7 @@ from the secret with HKDF-SHA256. Each side proves it holds the secret without s
 it, over a transcript that includes both fresh nonces and the negotiated mode, so a
 recorded handshake cannot be replayed and the mode cannot be downgraded. Both sides then
 derive one AES-256-GCM key per direction with HKDF-SHA256 (salt: both nonces; info: the
-direction and the mode) and continue in :class:`torchfeed.channel.Channel`, where every
+direction and the mode) and continue in :class:`torchfeed.protocol.channel.Channel`, where every
 record is authenticated and numbered. A relay that does not hold the secret can forward
 the handshake but can neither read nor alter nor inject anything after it.
 

@@ -1,8 +1,8 @@
 """The sealed record layer every message travels in after the handshake.
 
 Each direction of a connection has its own 256-bit AES-GCM key (derived by
-:mod:`torchfeed.auth` from the shared secret and both handshake nonces) and its own
-record counter, which is the GCM nonce. A message (see :mod:`torchfeed.wire`) is sent
+:mod:`torchfeed.protocol.auth` from the shared secret and both handshake nonces) and its own
+record counter, which is the GCM nonce. A message (see :mod:`torchfeed.protocol.wire`) is sent
 as a sequence of sealed records::
 
     [header: 28 bytes + tag]
@@ -21,7 +21,7 @@ Receiving keeps the zero-copy path: a buffer chunk is received into a small scra
 block (it stays in cache) and decrypted straight into the caller's final, possibly
 pinned, memory.
 
-``encrypt=False`` (the trusted-network opt-out, see :mod:`torchfeed.auth`) keeps the
+``encrypt=False`` (the trusted-network opt-out, see :mod:`torchfeed.protocol.auth`) keeps the
 layout and the integrity: each record is sent in clear followed by a GMAC tag over it
 (AES-GCM with the record as associated data), so tampering, replay and injection are
 still detected; only confidentiality is given up.

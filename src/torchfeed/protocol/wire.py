@@ -13,7 +13,7 @@ memory supplied by the caller, so a reply lands in its final (possibly pinned) t
 This module knows nothing about pickling or authentication.
 
 Only the handshake travels in this clear form (:func:`send_frame`, :class:`FrameReader`);
-after it, the same header and parts travel sealed by :mod:`torchfeed.channel`.
+after it, the same header and parts travel sealed by :mod:`torchfeed.protocol.channel`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ NOTE [worker threads, queues and shutdown]
 One process serves many clients with these threads:
 
 * the **doorman** (the thread that calls ``serve_forever``): accepts connections and
-  runs every handshake without blocking (:mod:`torchfeed.doorman`); unauthenticated
+  runs every handshake without blocking (:mod:`torchfeed.worker.doorman`); unauthenticated
   peers get no thread of their own;
 * per authenticated connection, a **reader** (parses sealed frames, answers heartbeats
   at once whatever user code is doing, puts calls on the shared task queue) and a
@@ -235,7 +235,7 @@ def run_worker(
     parallel : int
         Number of requests executing concurrently (threads).
     secret : str or bytes, optional
-        Shared secret; by default discovered as described in :mod:`torchfeed.auth`.
+        Shared secret; by default discovered as described in :mod:`torchfeed.protocol.auth`.
     address_file : str, optional
         Also append the address line to this file, under an exclusive lock.
     torch_threads : int or None

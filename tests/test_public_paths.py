@@ -1,0 +1,88 @@
+"""Every public import path survives the move into subpackages (issue 19)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+import torchfeed
+
+
+@pytest.mark.parametrize("name", torchfeed.__all__)
+def test_every_name_in_all_resolves(name):
+    assert getattr(torchfeed, name) is not None
+
+
+def test_seed_aliases_are_the_primary_classes():
+    assert torchfeed.RPCDataset is torchfeed.RemoteDataset
+    assert torchfeed.RPCDataloader is torchfeed.RemoteDataLoader
+
+
+def test_client_api_paths():
+    import torchfeed.client as client
+    from torchfeed.client import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, RemoteRef, rpc_async, set_heartbeat
+
+    assert rpc_async is torchfeed.rpc_async and set_heartbeat is torchfeed.set_heartbeat
+    assert RemoteRef is torchfeed.RemoteRef
+    assert HEARTBEAT_INTERVAL == client.default_session().heartbeat_interval
+    assert HEARTBEAT_TIMEOUT == client.default_session().heartbeat_timeout
+    for name in ("connect", "call", "close_all", "close_connections", "parse_address", "format_address"):
+        assert callable(getattr(client, name))
+
+
+def test_worker_and_loader_paths():
+    from torchfeed.loader import RemoteDataLoader, RemoteDataset
+    from torchfeed.worker import ConnectionLimits, WorkerServer, run_worker
+
+    assert run_worker is torchfeed.run_worker and WorkerServer is torchfeed.WorkerServer
+    assert ConnectionLimits().max_refs >= 1
+    assert RemoteDataLoader is torchfeed.RemoteDataLoader and RemoteDataset is torchfeed.RemoteDataset
+
+
+@pytest.mark.parametrize(
+    "module", ["cluster", "dask", "datasets", "checkpoint", "plots", "seeding", "launch"]
+)
+def test_subpackages_and_modules_import(module):
+    importlib.import_module(f"torchfeed.{module}")
+
+
+def _env():
+    src = os.path.dirname(os.path.dirname(torchfeed.__file__))
+    return {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [sys.executable, "-m", "torchfeed.launch", "--help"],
+        [sys.executable, "-m", "torchfeed", "--help"],
+        [sys.executable, "-m", "torchfeed.cluster", "--help"],
+    ],
+    ids=["launch", "package", "cluster"],
+)
+def test_module_entry_points_run(argv):
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=_env())
+    assert done.returncode == 0, done.stderr
+    assert "usage" in done.stdout.lower()
+
+
+def test_console_script_is_declared_for_cli_main():
+    from importlib.metadata import entry_points
+
+    from torchfeed.cli import main
+
+    scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
+    assert scripts.get("torchfeed") == "torchfeed.cli:main"
+    assert callable(main)
+
+
+def test_help_does_not_import_torch():
+    code = "import sys, torchfeed.cli as c; c.build_parser(); print('torch' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=_env()
+    )
+    assert done.stdout.strip() == "False", done.stderr
