@@ -1,10 +1,10 @@
-"""The picture of the README's "Is my GPU waiting for data?" section (docs/stats-timeline.png).
+"""The picture of the README's "Is my GPU waiting for data?" section (docs/assets/stats-timeline.png).
 
 Three local sleep-bound workers, one of them 3x slower. The trainer first computes 30 ms
 per batch (not input-bound), then almost nothing (input-bound); meanwhile a worker is
 killed and restarted. Prints ``loader.stats()`` at the end of each phase. ~15 s.
 
-    PYTHONPATH=src python benchmarks/stats_plot.py docs/stats-timeline.png
+    PYTHONPATH=src python benchmarks/stats_plot.py docs/assets/stats-timeline.png
 """
 
 from __future__ import annotations
