@@ -1,4 +1,4 @@
-"""Drive the real ``torchfeed.scheduler.Scheduler`` with a fake clock, at scale.
+"""Drive the real ``torchfeed.loader.scheduler.Scheduler`` with a fake clock, at scale.
 
 Simulated workers and trainers, no sockets, no threads, no sleeps: an event queue in
 simulated seconds. Every trainer owns one Scheduler per pass and calls it exactly the
@@ -37,7 +37,7 @@ Metrics
 
 Run ``python benchmarks/simulate.py`` (all cases, < 2 minutes on one core) or see
 ``--help``; ``--scheduler FILE`` drives another version of scheduler.py (e.g. the one
-before a change, from ``git show REV:src/torchfeed/scheduler.py > /tmp/old.py``).
+before a change, from ``git show REV:src/torchfeed/loader/scheduler.py > /tmp/old.py``).
 """
 
 from __future__ import annotations
