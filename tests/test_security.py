@@ -765,7 +765,7 @@ def test_default_file_created_concurrently_is_never_seen_half_written(clean_env)
     import subprocess
     import sys
 
-    code = "from torchfeed import auth; print(auth.load_secret().value.decode())"
+    code = "from torchfeed.protocol import auth; print(auth.load_secret().value.decode())"
     env = {k: v for k, v in os.environ.items() if k not in (auth.ENV_SECRET, auth.ENV_SECRET_FILE)}
     path = clean_env / "torchfeed" / "secret"
     for _round in range(3):
