@@ -224,3 +224,15 @@ def test_malformed_descriptions_fall_back_to_the_text():
     # a placeholder that names no frame stays a line of text
     info = {"traceback": text, "template": f"A\n{marker}7\n", "frames": [], "marker": marker}
     assert tracebacks.render(info) == f"A\n{marker}7\n"
+
+
+def test_a_huge_traceback_travels_as_text_only():
+    from torchfeed import tracebacks
+
+    try:
+        raise ValueError("x" * (2 << 20))
+    except ValueError as exc:
+        info = tracebacks.describe(exc)
+        expected = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    assert set(info) == {"traceback"} and info["traceback"] == expected
+    assert tracebacks.render(info) == expected

@@ -107,7 +107,9 @@ class RemoteError(TorchfeedError):
     remote_message : str
         ``str()`` of the remote exception.
     remote_traceback : str
-        The formatted traceback text, as printed on the worker.
+        The formatted traceback text, as printed on the worker, except that frames of code
+        the trainer sent by value (functions and classes of ``__main__``, of notebooks or
+        defined inside functions) show the trainer's file and source line.
     indices : list or None
         For data loading: the sample indices of the failed batch.
     """

@@ -34,7 +34,9 @@ from typing import Any
 
 # -- worker: which code objects came from the trainer by value -----------------------------
 
-_sent: dict[int, weakref.ref[types.CodeType]] = {}
+# id -> code object; an entry leaves with its code object (and only then: an id reused
+# by a newer code object keeps the newer entry)
+_sent: weakref.WeakValueDictionary[int, types.CodeType] = weakref.WeakValueDictionary()
 
 
 def rebuild_code(make: Callable[..., types.CodeType], args: tuple, filename: str) -> types.CodeType:
@@ -42,20 +44,13 @@ def rebuild_code(make: Callable[..., types.CodeType], args: tuple, filename: str
     code = make(*args)
     if isinstance(filename, str) and code.co_filename != filename:
         code = code.replace(co_filename=filename)
-    key = id(code)
-
-    def forget(ref: weakref.ref, key: int = key) -> None:
-        if _sent.get(key) is ref:
-            _sent.pop(key, None)
-
-    _sent[key] = weakref.ref(code, forget)
+    _sent[id(code)] = code
     return code
 
 
 def was_sent(code: types.CodeType) -> bool:
     """Whether ``code`` was rebuilt by :func:`rebuild_code` (its source is the trainer's)."""
-    ref = _sent.get(id(code))
-    return ref is not None and ref() is code
+    return _sent.get(id(code)) is code
 
 
 # -- worker: a traceback as text, template and frames --------------------------------------
