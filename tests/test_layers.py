@@ -23,7 +23,10 @@ ALLOWED = {
     ("cli/__init__.py", "os._exit"): "the documented way to leave a forked child without cleanup",
     ("notices.py", "sys._getframe"): "documented CPython API: find the user's line for a warning",
     # torch internals with no public equivalent
-    ("loader/context.py", "getattr(torch_worker, '_worker_info')"): "torch keeps get_worker_info()'s state there",
+    (
+        "loader/context.py",
+        "getattr(torch_worker, '_worker_info')",
+    ): "torch keeps get_worker_info()'s state there",
     # torch's worker seeding reproduced (seeding.py); the benchmarks reach into torch's DataLoader
     ("seeding.py", "getattr(torch.utils.data, '_utils')"): "torch's worker seeding, reproduced exactly",
     (
@@ -45,7 +48,10 @@ ALLOWED = {
     ("tools/measure.py", "it._shutdown_workers"): "torch DataLoader: shut its persistent workers down",
     # a protocol between the Shards dataset (datasets/shards.py) and the worker's streams:
     # hooks on the user's dataset object, named so they cannot clash with the user's own
-    ("loader/streams.py", "getattr(fetcher.setup.dataset, '_torchfeed_plan')"): "Shards hook on a user dataset",
+    (
+        "loader/streams.py",
+        "getattr(fetcher.setup.dataset, '_torchfeed_plan')",
+    ): "Shards hook on a user dataset",
     ("loader/streams.py", "getattr(dataset, '_torchfeed_dynamic_iter')"): "Shards hook on a user dataset",
 }
 # private modules of other packages that may be imported from

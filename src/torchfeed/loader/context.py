@@ -32,9 +32,7 @@ _install_lock = threading.Lock()
 _installed = False
 
 # The body torch's get_worker_info gets: no globals of torch's module are needed.
-_REPLACEMENT = (
-    "def get_worker_info():\n    return __import__('torchfeed.loader.context', fromlist=['current']).current()\n"
-)
+_REPLACEMENT = "def get_worker_info():\n    return __import__('torchfeed.loader.context', fromlist=['current']).current()\n"
 
 
 def current() -> Any | None:
