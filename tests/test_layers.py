@@ -195,7 +195,7 @@ PACKAGE = "torchfeed"
 # Layers, lowest first: a module may import its own layer and the layers below it, never above.
 # client and worker are two sides of the same layer and never import each other.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("errors", "notices", "events", "util", "seeding", "addrfile", "pumps", "stats")),
+    ("base", ("errors", "tracebacks", "notices", "events", "util", "seeding", "addrfile", "pumps", "stats")),
     ("protocol", ("protocol",)),
     ("client", ("client",)),
     ("worker", ("worker",)),

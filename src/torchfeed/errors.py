@@ -14,6 +14,8 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
+from . import tracebacks
+
 # This module is imported by the command line before torch: keep it free of heavy imports.
 
 
@@ -102,7 +104,9 @@ class RemoteError(TorchfeedError):
     remote_message : str
         ``str()`` of the remote exception.
     remote_traceback : str
-        The formatted traceback text, as printed on the worker.
+        The formatted traceback text, as printed on the worker, except that frames of code
+        the trainer sent by value (functions and classes of ``__main__``, of notebooks or
+        defined inside functions) show the trainer's file and source line.
     indices : list or None
         For data loading: the sample indices of the failed batch.
     """
@@ -188,7 +192,8 @@ def describe_exception(exc: BaseException) -> dict[str, Any]:
 
     ``type``, ``message`` and ``traceback`` are always there; ``cls`` (the type, pickled by
     reference or by value) and ``reduced`` (its constructor arguments and state) when they
-    can be pickled.
+    can be pickled; ``template``, ``frames`` and ``marker``, the traceback taken apart,
+    let the trainer show its own source for frames of code it sent (tracebacks.py).
     """
     etype = type(exc)
     name = (
@@ -201,11 +206,14 @@ def describe_exception(exc: BaseException) -> dict[str, Any]:
             message = repr(exc)
         except Exception:
             message = object.__repr__(exc)
+    info: dict[str, Any] = {"type": name, "message": message}
     try:
-        text = "".join(traceback.format_exception(etype, exc, exc.__traceback__))
+        info.update(tracebacks.describe(exc))
     except Exception:
-        text = f"{name}: {message}\n(the traceback could not be formatted)"
-    info: dict[str, Any] = {"type": name, "message": message, "traceback": text}
+        try:
+            info["traceback"] = "".join(traceback.format_exception(etype, exc, exc.__traceback__))
+        except Exception:
+            info["traceback"] = f"{name}: {message}\n(the traceback could not be formatted)"
     import cloudpickle  # by value: exception classes defined in __main__ or in functions
 
     try:
@@ -264,8 +272,12 @@ def remote_type_for(etype: type) -> type[RemoteError] | None:
 def rebuild_remote_error(
     address: str, info: dict[str, Any], indices: Sequence[Any] | None = None
 ) -> RemoteError:
-    """Trainer side: the exception to raise for a worker's :func:`describe_exception` dict."""
-    fields = (address, info["type"], info["message"], info["traceback"], indices)
+    """Trainer side: the exception to raise for a worker's :func:`describe_exception` dict.
+
+    Its ``remote_traceback`` shows frames of code this process sent by value with this
+    process's source (see :func:`torchfeed.tracebacks.render`).
+    """
+    fields = (address, info["type"], info["message"], tracebacks.render(info), indices)
     etype = _loads(info.get("cls"))
     made = remote_type_for(etype) if etype is not None else None
     if made is None or made is etype:

@@ -17,6 +17,7 @@ import copyreg
 import io
 import pickle
 import threading
+import types
 from collections import ChainMap
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,6 +25,8 @@ from typing import Any
 import cloudpickle
 import numpy as np
 import torch
+
+from .. import tracebacks
 
 _state = threading.local()
 
@@ -98,8 +101,26 @@ class _Pickler(pickle.Pickler):
     buffers: list[memoryview]  # set by dumps() (the bytes-apart picklers append to it)
 
 
+# cloudpickle's own reducer of code objects (by value): cloudpickle 3 names their file
+# "<dynamic-code>"; wrapped, they keep their real file name and the worker knows them as
+# the trainer's code (tracebacks.py renders their frames from the trainer's source).
+_CODE_REDUCE = cloudpickle.Pickler.dispatch_table.get(types.CodeType)
+
+
+def _reduce_code(code: types.CodeType):
+    assert _CODE_REDUCE is not None  # only installed when cloudpickle has one
+    reduced = _CODE_REDUCE(code)
+    if not (isinstance(reduced, tuple) and len(reduced) == 2):
+        return reduced  # a form this wrapper does not know: cloudpickle's own
+    make, args = reduced
+    return tracebacks.rebuild_code, (make, args, code.co_filename)
+
+
+_BY_VALUE: dict[type, Callable[[Any], Any]] = {types.CodeType: _reduce_code} if _CODE_REDUCE else {}
+
+
 class _CloudPickler(cloudpickle.Pickler):
-    dispatch_table = ChainMap(_REDUCERS, cloudpickle.Pickler.dispatch_table)
+    dispatch_table = ChainMap(_REDUCERS, _BY_VALUE, cloudpickle.Pickler.dispatch_table)
 
 
 # ``bytes`` never reach a pickler's dispatch table (the C pickler writes them inline), but
