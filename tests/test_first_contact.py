@@ -14,7 +14,7 @@ import torch
 
 import torchfeed
 from helpers import SleepDataset, wait_for
-from torchfeed.util import pid_alive
+from torchfeed.util import free_port, pid_alive
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -134,3 +134,29 @@ def test_workers_stop_with_a_killed_trainer(tmp_path):
     assert wait_for(lambda: not any(pid_alive(p) for p in pids), 30), (
         "worker processes outlived their trainer"
     )
+
+
+# -- calling a worker that is still starting ------------------------------------------------
+def _start_worker(port: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "torchfeed", "worker", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        env=os.environ.copy(),  # PYTHONPATH and TORCHFEED_SECRET, as conftest set them
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("own_session", [False, True])
+def test_rpc_async_waits_for_a_worker_that_is_still_starting(own_session):
+    port = free_port()
+    proc = _start_worker(port)  # importing torch takes it a second or more: nothing listens yet
+    try:
+        address = f"127.0.0.1:{port}"
+        if own_session:
+            with torchfeed.Session(timeout=60) as session:
+                assert session.rpc_async(address, os.getpid).wait() == proc.pid
+        else:
+            assert torchfeed.rpc_async(address, os.getpid, timeout=60).wait() == proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(10)

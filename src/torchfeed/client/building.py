@@ -11,25 +11,17 @@
 from __future__ import annotations
 
 import inspect
-import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import AuthenticationError, SerializationError, WorkerLost
+from ..errors import AuthenticationError, SerializationError
 from ..protocol import serialize
 from ..protocol.auth import SecretLike
-from ..util import double_delay
 from . import session as sessions
 
 if TYPE_CHECKING:
     from .session import Session
-
-log = logging.getLogger("torchfeed.dataset")
-
-_RETRY_FIRST = 0.1
-_RETRY_MAX = 2.0
 
 
 def build(factory: Callable, args: tuple, kwargs: dict):
@@ -118,50 +110,17 @@ def check_picklable(factory: Callable, args: tuple, kwargs: dict) -> None:
     raise SerializationError(f"the arguments of {name} cannot be pickled: {failure}") from failure
 
 
-def _retryable(exc: BaseException) -> bool:
-    cause = exc.__cause__ if isinstance(exc, WorkerLost) else exc
-    return isinstance(cause, (ConnectionRefusedError, ConnectionResetError, ConnectionAbortedError))
-
-
 def connect(
     address: str, secret: SecretLike, timeout: float, session: Session | None = None
 ) -> BaseException | None:
     """Connect (``session``'s cache; the default session's if None), retrying refused connections
     until ``timeout``; return the failure or None."""
     session = session if session is not None else sessions.default_session()
-    start = time.monotonic()
-    deadline = start + timeout
-    delay = _RETRY_FIRST
-    attempts = 0
-    while True:
-        attempts += 1
-        try:
-            session.connect(address, secret, max(0.1, deadline - time.monotonic()))
-            return None
-        except AuthenticationError as exc:
-            return exc
-        except Exception as exc:  # noqa: BLE001 - sorted below
-            if not _retryable(exc):
-                return exc
-            left = deadline - time.monotonic()
-            if left <= 0:
-                waited = time.monotonic() - start
-                lost = WorkerLost(
-                    f"could not connect to worker {address}: the connection was refused for {waited:.1f} s "
-                    f"({attempts} attempts, retried until timeout={timeout:g} s). Is `torchfeed worker` "
-                    "running there, on that port? (the timeout of the RemoteDataset or its Session sets how long to wait)",
-                    {address: repr(exc)},
-                )
-                lost.__cause__ = exc
-                return lost
-            if attempts == 1:
-                log.info(
-                    "worker %s refuses connections (not started yet?); retrying for up to %.0f s",
-                    address,
-                    timeout,
-                )
-            time.sleep(min(delay, left))
-            delay = double_delay(delay, _RETRY_FIRST, _RETRY_MAX)
+    try:
+        session.connect(address, secret, timeout, retry_refused=True)
+        return None
+    except Exception as exc:  # noqa: BLE001 - returned: the caller sorts the failures of all workers
+        return exc
 
 
 def connect_all(
