@@ -160,3 +160,24 @@ def test_rpc_async_waits_for_a_worker_that_is_still_starting(own_session):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+# -- samples torch's DataLoader takes as they are -----------------------------------------------
+class GradSamples(torch.utils.data.Dataset):
+    """Samples that require grad (a learned augmentation's output, say)."""
+
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, i):
+        return torch.full((3,), float(i), requires_grad=True), i
+
+
+def test_samples_that_require_grad_collate_as_in_torch(workers2):
+    ds = torchfeed.RemoteDataset(workers2, GradSamples)
+    ours = list(torchfeed.RemoteDataLoader(ds, batch_size=2))
+    theirs = list(torch.utils.data.DataLoader(GradSamples(), batch_size=2))
+    assert len(ours) == len(theirs) == 3
+    for (x, y), (tx, ty) in zip(ours, theirs):
+        assert torch.equal(x.detach(), tx.detach()) and torch.equal(y, ty)
+        assert x.requires_grad == tx.requires_grad and y.requires_grad == ty.requires_grad
