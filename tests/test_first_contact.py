@@ -181,3 +181,28 @@ def test_samples_that_require_grad_collate_as_in_torch(workers2):
     for (x, y), (tx, ty) in zip(ours, theirs):
         assert torch.equal(x.detach(), tx.detach()) and torch.equal(y, ty)
         assert x.requires_grad == tx.requires_grad and y.requires_grad == ty.requires_grad
+
+
+class Layouts(torch.utils.data.Dataset):
+    """Tensors whose strides are not the contiguous ones."""
+
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return [
+            torch.randn(2, 3, 4, 5, generator=g).to(memory_format=torch.channels_last),
+            torch.randn(4, 6, generator=g).t(),
+            torch.randn(3, generator=g).expand(4, 3),
+        ][i]
+
+
+def test_unbatched_tensors_keep_their_strides_as_in_torch(workers2):
+    ds = torchfeed.RemoteDataset(workers2, Layouts)
+    ours = list(torchfeed.RemoteDataLoader(ds, batch_size=None))
+    theirs = list(torch.utils.data.DataLoader(Layouts(), batch_size=None))
+    assert [t.stride() for t in ours] == [t.stride() for t in theirs]
+    assert [t.shape for t in ours] == [t.shape for t in theirs]
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    assert ours[0].is_contiguous(memory_format=torch.channels_last)

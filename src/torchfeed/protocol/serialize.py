@@ -31,14 +31,16 @@ _state = threading.local()
 # -- tensors and arrays ----------------------------------------------------
 
 
-def _rebuild_tensor(buf, dtype_name: str, shape: tuple[int, ...], requires_grad: bool):
+def _rebuild_tensor(
+    buf, dtype_name: str, shape: tuple[int, ...], requires_grad: bool, stride: tuple[int, ...] | None = None
+):
     dtype = getattr(torch, dtype_name)
     mv = memoryview(buf)
     if mv.nbytes == 0:
         t = torch.empty(shape, dtype=dtype)
     else:
-        flat = torch.from_numpy(np.frombuffer(mv, dtype=np.uint8))
-        t = flat.view(dtype).view(shape)
+        flat = torch.from_numpy(np.frombuffer(mv, dtype=np.uint8)).view(dtype)
+        t = flat.view(shape) if stride is None else flat.as_strided(shape, stride)
     if requires_grad:
         t.requires_grad_(True)
     return t
@@ -50,7 +52,27 @@ _BIT_DTYPES = {
 }
 
 
+def _span(t: torch.Tensor) -> int:
+    """Elements of storage from ``t``'s first element to its last (strides are never negative)."""
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` without gaps, its dimensions laid out in the same order as in ``t``."""
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    back = sorted(range(t.dim()), key=order.__getitem__)
+    return t.permute(order).contiguous().permute(back)
+
+
 def _reduce_tensor(t: torch.Tensor):
+    """A tensor's bytes as one out-of-band buffer, and how to view them again.
+
+    Strides travel with the bytes, as they do through torch's DataLoader: a tensor laid out
+    densely in another dimension order (channels_last, transposed) or broadcast (stride 0)
+    arrives with the same strides, its memory sent as it is. A tensor with gaps (a strided
+    slice of a larger one) is sent compact, in the same dimension order: only its elements
+    travel, not the storage around them.
+    """
     if t.layout != torch.strided or t.is_quantized or t.device.type == "meta" or t.is_nested:
         return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # rare kinds: torch's own way
     requires_grad = t.requires_grad
@@ -58,14 +80,18 @@ def _reduce_tensor(t: torch.Tensor):
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.resolve_conj().resolve_neg()
-    if not t.is_contiguous():
-        # sub-byte integer dtypes (int1..uint7) have no contiguous(): copy as same-size ints
-        if t.dtype in _BIT_DTYPES:
-            t = t.view(_INT_OF_SIZE[t.element_size()]).contiguous().view(t.dtype)
-        else:
-            t = t.contiguous()
-    raw = t.reshape(-1).view(torch.uint8).numpy()
     dtype_name = str(t.dtype).split(".", 1)[1]
+    if t.is_contiguous() or t.numel() == 0:
+        pass
+    elif t.dtype in _BIT_DTYPES:
+        # sub-byte integer dtypes (int1..uint7) have no contiguous(): copy as same-size ints
+        t = t.view(_INT_OF_SIZE[t.element_size()]).contiguous().view(t.dtype)
+    else:
+        if _span(t) > t.numel():
+            t = _dense(t)
+        memory = t.as_strided((_span(t),), (1,)).view(torch.uint8).numpy()
+        return _rebuild_tensor, (_buffer(memory), dtype_name, tuple(t.shape), requires_grad, t.stride())
+    raw = t.reshape(-1).view(torch.uint8).numpy()
     return _rebuild_tensor, (_buffer(raw), dtype_name, tuple(t.shape), requires_grad)
 
 
