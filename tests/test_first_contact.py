@@ -206,3 +206,21 @@ def test_unbatched_tensors_keep_their_strides_as_in_torch(workers2):
     assert [t.shape for t in ours] == [t.shape for t in theirs]
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
     assert ours[0].is_contiguous(memory_format=torch.channels_last)
+
+
+# -- errors that read like torch's ----------------------------------------------------------------
+@pytest.mark.parametrize("style", ["map", pytest.param("iterable", marks=pytest.mark.slow)])
+def test_loader_timeout_reads_like_torch(workers2, style):
+    from stream_datasets import Counting
+
+    if style == "map":
+        ds = torchfeed.RemoteDataset(workers2, SleepDataset, 4, 1.0)
+    else:
+        ds = torchfeed.RemoteDataset(workers2, Counting, 4, 1.0)
+    with pytest.raises(RuntimeError) as info:
+        next(iter(torchfeed.RemoteDataLoader(ds, batch_size=1, timeout=0.5)))
+    assert isinstance(info.value, torchfeed.Timeout)
+    # torch: RuntimeError(f"DataLoader timed out after {timeout} seconds"); then what torchfeed knows
+    message = str(info.value)
+    assert message.startswith("DataLoader timed out after 0.5 seconds: "), message
+    assert workers2[0] in message or workers2[1] in message, message
