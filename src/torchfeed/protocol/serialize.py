@@ -59,7 +59,8 @@ def _span(t: torch.Tensor) -> int:
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` without gaps, its dimensions laid out in the same order as in ``t``."""
-    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    strides = t.stride()
+    order = sorted(range(t.dim()), key=lambda d: -strides[d])
     back = sorted(range(t.dim()), key=order.__getitem__)
     return t.permute(order).contiguous().permute(back)
 
