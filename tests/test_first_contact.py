@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import torchfeed
-from helpers import SleepDataset, wait_for
+from helpers import RangeDataset, SleepDataset, wait_for
 from torchfeed.util import free_port, pid_alive
 
 pytestmark = pytest.mark.timeout(120)
@@ -224,3 +225,52 @@ def test_loader_timeout_reads_like_torch(workers2, style):
     message = str(info.value)
     assert message.startswith("DataLoader timed out after 0.5 seconds: "), message
     assert workers2[0] in message or workers2[1] in message, message
+
+
+# -- a worker that does not answer, and RemoteDataset's own keywords -------------------------------
+def test_a_refusing_worker_is_said_at_once_and_again_while_waiting(monkeypatch, caplog):
+    from torchfeed.client import reach
+
+    monkeypatch.setattr(reach, "REFUSED_LOG_EVERY", 0.3)
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    with caplog.at_level(logging.WARNING, "torchfeed"), pytest.raises(torchfeed.WorkerLost, match="refused"):
+        torchfeed.RemoteDataset([address], RangeDataset, 5, timeout=1.5)
+    said = [r for r in caplog.records if address in r.getMessage()]
+    assert said and all(r.name == "torchfeed.workers" and r.levelno == logging.WARNING for r in said)
+    assert "refuses connections" in said[0].getMessage() and "for up to 1.5 s" in said[0].getMessage()
+    again = [r.getMessage() for r in said[1:]]
+    assert len(again) >= 2 and all("still refuses connections after" in m for m in again), again
+
+
+class TakesTimeout(RangeDataset):
+    """A dataset with a ``timeout`` parameter of its own."""
+
+    def __init__(self, n: int, timeout: float = 1.0):
+        super().__init__(n)
+        self.timeout = timeout
+
+
+def test_remote_dataset_timeout_is_its_own(workers2):
+    ds = torchfeed.RemoteDataset(workers2, RangeDataset, 5, timeout=7)  # RangeDataset takes no timeout
+    assert ds.timeout == 7 and len(ds) == 5
+
+
+def test_timeout_for_a_factory_that_takes_one_is_refused_with_both_ways(workers2):
+    with pytest.raises(TypeError) as info:
+        torchfeed.RemoteDataset(workers2, TakesTimeout, 5, timeout=3)
+    message = str(info.value)
+    assert "ambiguous" in message and "functools.partial(TakesTimeout, timeout=3)" in message
+    assert "session=torchfeed.Session(timeout=3)" in message
+    # each way said there works
+    ds = torchfeed.RemoteDataset(workers2, functools.partial(TakesTimeout, timeout=3), 5)
+    assert ds.run_on_workers(lambda d: d.timeout, pass_dataset=True) == {w: 3 for w in workers2}
+    with torchfeed.Session(timeout=9) as session:
+        assert torchfeed.RemoteDataset(workers2, TakesTimeout, 5, session=session).timeout == 9
+
+
+def test_loader_kwargs_are_the_factory_s_timeout_included(workers2):
+    loader = torchfeed.RemoteDataLoader(
+        workers=workers2, dataset=TakesTimeout, args=(4,), kwargs={"timeout": 3}
+    )
+    assert loader.dataset.run_on_workers(lambda d: d.timeout, pass_dataset=True) == {w: 3 for w in workers2}
+    assert len(list(loader)) == 4

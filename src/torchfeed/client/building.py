@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from collections.abc import Callable, Sequence
@@ -59,6 +60,44 @@ def check_factory(dataset: Any, what: str = "RemoteDataset") -> None:
         f"RemoteDataset(workers, {cls}, arg1, key=value) rather than RemoteDataset(workers, {cls}(arg1, "
         "key=value)). The arguments are pickled and sent; data is then read on the workers."
     )
+
+
+def _takes_keyword(factory: Callable, name: str) -> bool:
+    """Whether ``factory`` names a parameter ``name`` that a keyword can set."""
+    try:
+        parameter = inspect.signature(factory).parameters.get(name)
+    except (TypeError, ValueError):  # no signature to read (some builtins): it names nothing
+        return False
+    keyword_kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return parameter is not None and parameter.kind in keyword_kinds
+
+
+def check_timeout(factory: Callable, timeout: float | None) -> None:
+    """``RemoteDataset(..., timeout=T)`` is the RemoteDataset's; refuse it when ``factory`` takes a
+    ``timeout`` of its own (which one was meant cannot be known), saying how to pass either."""
+    if timeout is None:
+        return
+    if not _takes_keyword(factory, "timeout"):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"RemoteDataset's timeout must be a positive number of seconds, got {timeout!r}")
+        return
+    name = _name(factory)
+    raise TypeError(
+        f"RemoteDataset(workers, {name}, ..., timeout={timeout!r}) is ambiguous: timeout= is RemoteDataset's "
+        f"own (seconds to reach the workers, build the dataset and make calls) and is never passed to the "
+        f"dataset, but {name} takes a 'timeout' parameter too. Pass {name}'s with the factory: "
+        f"RemoteDataset(workers, functools.partial({name}, timeout={timeout!r}), ...); pass RemoteDataset's "
+        f"with its session: RemoteDataset(workers, {name}, ..., session=torchfeed.Session(timeout={timeout!r}))"
+    )
+
+
+def bind_own_keywords(factory: Callable, kwargs: dict) -> tuple[Callable, dict]:
+    """``kwargs`` meant for ``factory`` alone (``RemoteDataLoader(kwargs=...)``): a ``timeout``
+    among them, which RemoteDataset would take as its own, is bound to the factory instead."""
+    if "timeout" not in kwargs:
+        return factory, kwargs
+    rest = {k: v for k, v in kwargs.items() if k != "timeout"}
+    return functools.partial(factory, timeout=kwargs["timeout"]), rest
 
 
 def _argument_names(factory: Callable, args: tuple, kwargs: dict) -> list[tuple]:

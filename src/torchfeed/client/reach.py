@@ -3,7 +3,9 @@
 Workers often start after the trainer first tries them: Slurm and torchrun start both
 sides at once, and a script may start ``torchfeed worker`` and call it on the next line.
 A refused connection then means "not yet", so :func:`retry_refused` tries again with
-backoff until the deadline.
+backoff until the deadline. Waiting is not silent: the first refusal is logged (under
+``torchfeed.workers``, WARNING) with the address and how long the wait may last, and
+again every :data:`REFUSED_LOG_EVERY` seconds while the worker keeps refusing.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ log = logging.getLogger("torchfeed.workers")
 
 RETRY_FIRST = 0.1  # seconds before the second attempt; doubled up to RETRY_MAX
 RETRY_MAX = 2.0
+REFUSED_LOG_EVERY = 10.0  # seconds between the lines saying that a worker still refuses
 
 T = TypeVar("T")
 
@@ -37,6 +40,7 @@ def retry_refused(connect: Callable[[float], T], address: str, timeout: float) -
     deadline = start + timeout
     delay = RETRY_FIRST
     attempts = 0
+    next_line: float | None = None
     while True:
         attempts += 1
         try:
@@ -54,11 +58,21 @@ def retry_refused(connect: Callable[[float], T], address: str, timeout: float) -
                     "Session, sets how long to wait)",
                     {address: repr(exc)},
                 ) from exc
-            if attempts == 1:
-                log.info(
-                    "worker %s refuses connections (not started yet?); retrying for up to %.0f s",
+            if next_line is None:
+                log.warning(
+                    "worker %s refuses connections (not started yet?); trying again for up to %.3g s",
                     address,
                     left,
                 )
+                next_line = now + REFUSED_LOG_EVERY
+            elif now >= next_line:
+                log.warning(
+                    "worker %s still refuses connections after %.3g s (%d attempts); trying again for %.3g s more",
+                    address,
+                    now - start,
+                    attempts,
+                    left,
+                )
+                next_line = now + REFUSED_LOG_EVERY
             time.sleep(min(delay, left))
             delay = double_delay(delay, RETRY_FIRST, RETRY_MAX)
