@@ -189,8 +189,20 @@ def _watch_stdin() -> None:
     threading.Thread(target=watch, name="torchfeed-stdin-watch", daemon=True).start()
 
 
+def _address_file_error(path: str, why: str) -> None:
+    print(f"torchfeed worker: error: --address-file {path}: {why}", file=sys.stderr, flush=True)
+
+
 def _run_workers(args) -> int:
     import logging
+
+    if args.address_file:
+        from ..addrfile import why_unwritable
+
+        why = why_unwritable(args.address_file)
+        if why is not None:
+            _address_file_error(args.address_file, why)
+            return 2
 
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr
@@ -220,6 +232,9 @@ def _run_workers(args) -> int:
             integrity_only=True if args.trusted_network_no_encryption else None,
         )
     except OSError as exc:  # the port is taken, the interface does not exist, the file cannot be written
+        if args.address_file and _about_address_file(exc, args.address_file):
+            _address_file_error(args.address_file, f"cannot append to it: {exc.strerror or exc}")
+            os._exit(2)
         print(
             f"torchfeed worker: cannot serve on {args.host}:{args.port}: {exc.strerror or exc}",
             file=sys.stderr,
@@ -231,6 +246,12 @@ def _run_workers(args) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _about_address_file(exc: OSError, path: str) -> bool:
+    from ..addrfile import UnsafeAddressFile
+
+    return isinstance(exc, UnsafeAddressFile) or exc.filename == path
 
 
 def _child_command(args, i: int) -> list[str]:
@@ -318,7 +339,14 @@ def _run_many(args) -> int:
     if args.address_file:
         from ..addrfile import append_lines
 
-        append_lines(args.address_file, addresses)
+        try:
+            append_lines(args.address_file, addresses)
+        except OSError as exc:
+            stop_all()
+            for c in children:
+                c.wait()
+            _address_file_error(args.address_file, f"cannot append to it: {exc.strerror or exc}")
+            return 2
     for address in addresses:  # one line, one write
         sys.stdout.write(address + "\n")
         sys.stdout.flush()
