@@ -274,3 +274,36 @@ def test_loader_kwargs_are_the_factory_s_timeout_included(workers2):
     )
     assert loader.dataset.run_on_workers(lambda d: d.timeout, pass_dataset=True) == {w: 3 for w in workers2}
     assert len(list(loader)) == 4
+
+
+class Lines(torch.utils.data.Dataset):
+    """The lines of a text file (given as an open file object: the mistake under test)."""
+
+    def __init__(self, source):
+        self.lines = list(source)
+
+    def __len__(self):
+        return len(self.lines)
+
+    def __getitem__(self, i):
+        return self.lines[i]
+
+
+@pytest.mark.parametrize("mode", ["r", "rb"])
+@pytest.mark.parametrize("nested", [False, True])
+def test_an_open_file_argument_is_refused_with_what_to_do(workers2, tmp_path, mode, nested):
+    path = tmp_path / "lines.txt"
+    path.write_text("a\nb\n")
+    with open(path, mode) as f:
+        with pytest.raises(torchfeed.SerializationError) as info:
+            torchfeed.RemoteDataset(workers2, Lines, [f] if nested else f)
+    message = str(info.value)
+    assert "open file" in message and str(path) in message, message
+    assert "pass its path" in message and "open it in the dataset" in message, message
+
+
+def test_an_open_file_is_not_sent_by_rpc_either(workers2, tmp_path):
+    path = tmp_path / "lines.txt"
+    path.write_text("a\nb\n")
+    with open(path) as f, pytest.raises(torchfeed.SerializationError, match="pass its path"):
+        torchfeed.rpc_async(workers2[0], len, args=(f,)).wait()

@@ -139,6 +139,11 @@ def check_picklable(factory: Callable, args: tuple, kwargs: dict) -> None:
     for described, value in _argument_names(factory, args, kwargs):
         try:
             serialize.dumps(value, by_value=True)
+        except serialize.OpenFileError as exc:
+            raise SerializationError(
+                f"{described} of {name} ({type(value).__qualname__} object) is or holds {exc}. {name} is "
+                "built on the workers, where this process's files are not open"
+            ) from exc
         except Exception as exc:
             raise SerializationError(
                 f"{described} of {name} ({type(value).__qualname__} object) cannot be pickled to be sent to "

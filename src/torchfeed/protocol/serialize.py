@@ -16,6 +16,7 @@ from __future__ import annotations
 import copyreg
 import io
 import pickle
+import sys
 import threading
 from collections import ChainMap
 from collections.abc import Callable, Sequence
@@ -115,7 +116,30 @@ def _buffer(raw: np.ndarray) -> pickle.PickleBuffer:
     return pickle.PickleBuffer(raw)  # type: ignore[arg-type,unused-ignore]
 
 
-_REDUCERS: dict[type, Callable[[Any], Any]] = {torch.Tensor: _reduce_tensor, np.ndarray: _reduce_ndarray}
+class OpenFileError(pickle.PicklingError):
+    """An open file object was to be pickled: it cannot travel, its path can."""
+
+
+def _reduce_file(f: io.IOBase):
+    """Open files are refused (cloudpickle would send a copy of a text file's content read
+    here); standard output and error stay references to the receiving process's own."""
+    for name in ("stdout", "stderr"):
+        if f is getattr(sys, name) or f is getattr(sys, f"__{name}__"):
+            return getattr, (sys, name)
+    raise OpenFileError(
+        f"an open file ({getattr(f, 'name', '?')}, mode {getattr(f, 'mode', '?')!r}), and a file object "
+        "cannot be sent to another process: pass its path and open it in the dataset (on the worker: in "
+        "__init__, or on first use in __getitem__)"
+    )
+
+
+_REDUCERS: dict[type, Callable[[Any], Any]] = {
+    torch.Tensor: _reduce_tensor,
+    np.ndarray: _reduce_ndarray,
+    **dict.fromkeys(
+        (io.TextIOWrapper, io.BufferedReader, io.BufferedWriter, io.BufferedRandom, io.FileIO), _reduce_file
+    ),
+}
 
 
 # The C pickler reads ``dispatch_table`` once, in __init__: it must be a class attribute.
