@@ -1,6 +1,8 @@
-"""The ``torchfeed`` command: ``torchfeed worker | demo | bench | slurm``.
+"""The ``torchfeed`` command: ``torchfeed worker | demo | bench | top | slurm``.
 
-Parsing (and ``--help``, ``--version``) imports no torch: it answers at once.
+Parsing (and ``--help``, ``--version``) imports no torch: it answers at once. The
+``--help`` text is written for a terminal (no reStructuredText markup): the list of
+commands in it is made from the subcommands themselves.
 """
 
 from __future__ import annotations
@@ -414,9 +416,9 @@ def _add_bench_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="torchfeed", description=__doc__.splitlines()[0])
+    parser = Parser(prog="torchfeed")
     parser.add_argument("--version", action="version", version=f"torchfeed {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{worker,demo,bench,top,slurm}")
+    sub = parser.add_subparsers(dest="command", required=True)
     _add_worker_parser(sub)
     _add_demo_parser(sub)
     _add_bench_parser(sub)
@@ -426,6 +428,11 @@ def build_parser() -> argparse.ArgumentParser:
     from ..cluster import slurm
 
     slurm.add_parser(sub)
+    commands = list(sub.choices)
+    parser.description = (
+        f"Feed PyTorch training from remote data-loading workers. Commands: {', '.join(commands)} "
+        "(torchfeed COMMAND --help for each)."
+    )
     return parser
 
 
