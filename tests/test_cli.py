@@ -419,3 +419,32 @@ def test_help_does_not_import_torch():
         )
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.rstrip().endswith("no torch"), (sub, proc.stdout[-300:])
+
+
+@pytest.mark.parametrize("procs", ["1", "2"])
+def test_address_file_in_a_missing_directory_is_one_line_exit_2(tmp_path, procs):
+    path = tmp_path / "missing" / "dir" / "workers"
+    proc = subprocess.run(
+        WORKER + ["--procs", procs, "--address-file", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"torchfeed worker: error: --address-file {path}: ")
+    assert "does not exist" in proc.stderr and str(path.parent) in proc.stderr, proc.stderr
+
+
+def test_top_level_help_names_every_command_in_plain_text(capsys):
+    parser = cli.build_parser()
+    subcommands = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    description = out.split("\n\n")[1]  # after the usage line, before the argument lists
+    assert all(name in description for name in subcommands), description
+    for text in [out] + [sub.format_help() for sub in subcommands.values()]:
+        assert "``" not in text, text

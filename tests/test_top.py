@@ -65,7 +65,7 @@ def test_unreachable_worker_is_a_row_not_a_crash(workers2):
     rows = {r["address"]: r for r in json.loads(proc.stdout)["workers"]}
     assert "error" in rows[dead] and "pid" in rows[workers2[0]]
     proc = top(workers2[0], "--once")  # the table
-    assert proc.returncode == 0 and "CPU%" in proc.stdout and workers2[0] in proc.stdout, proc.stdout
+    assert proc.returncode == 0 and "cpu_percent" in proc.stdout and workers2[0] in proc.stdout, proc.stdout
 
 
 @pytest.mark.slow
@@ -93,3 +93,18 @@ def test_wrong_usage_says_what_to_do():
     assert proc.returncode == 2 and "--workers-file" in proc.stderr
     proc = top("127.0.0.1:1", "--json")
     assert proc.returncode == 2 and "--once" in proc.stderr
+
+
+def test_table_and_json_use_the_same_names(workers2):
+    from torchfeed.cli import top as topcli
+
+    rows = topcli.collect(workers2[:1], timeout=10)
+    header, line = topcli.format_rows(rows).splitlines()
+    names = header.split()
+    assert names[0] == "address" and len(names) == len(line.split())
+    for name, cell in zip(names, line.split()):
+        assert name in rows[0], f"the table's column {name!r} is not a key of the JSON rows"
+        value = rows[0][name]
+        assert cell == (value if isinstance(value, str) else cell) and (
+            isinstance(value, str) or float(cell) == pytest.approx(value, abs=0.5)
+        ), (name, cell, value)

@@ -52,6 +52,31 @@ def read_address_file(path: str) -> list[str]:
     return list(dict.fromkeys(line for line in lines if line and not line.startswith("#")))
 
 
+def why_unwritable(path: str) -> str | None:
+    """Why address lines could not be appended to ``path`` (None: they can), checked before a
+    worker starts, so that a wrong ``--address-file`` is said at once, in one line."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return "it is a directory; give the path of a file in it"
+    if os.path.lexists(path):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as exc:
+            return f"it cannot be opened for writing ({exc.strerror or exc}); it must be a regular file you can write"
+        try:
+            check_private(path, fd)
+        except UnsafeAddressFile as exc:
+            return str(exc)
+        finally:
+            os.close(fd)
+        return None
+    if not os.path.isdir(directory):
+        return f"its directory {directory} does not exist; create it first (mkdir -p {directory})"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"its directory {directory} is not writable by this user; choose a directory you can write"
+    return None
+
+
 def append_lines(path: str, lines: list[str]) -> None:
     """Append address lines to ``path`` under an exclusive lock (created 0600 when missing)."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)

@@ -1,6 +1,8 @@
-"""The ``torchfeed`` command: ``torchfeed worker | demo | bench | slurm``.
+"""The ``torchfeed`` command: ``torchfeed worker | demo | bench | top | slurm``.
 
-Parsing (and ``--help``, ``--version``) imports no torch: it answers at once.
+Parsing (and ``--help``, ``--version``) imports no torch: it answers at once. The
+``--help`` text is written for a terminal (no reStructuredText markup): the list of
+commands in it is made from the subcommands themselves.
 """
 
 from __future__ import annotations
@@ -189,8 +191,20 @@ def _watch_stdin() -> None:
     threading.Thread(target=watch, name="torchfeed-stdin-watch", daemon=True).start()
 
 
+def _address_file_error(path: str, why: str) -> None:
+    print(f"torchfeed worker: error: --address-file {path}: {why}", file=sys.stderr, flush=True)
+
+
 def _run_workers(args) -> int:
     import logging
+
+    if args.address_file:
+        from ..addrfile import why_unwritable
+
+        why = why_unwritable(args.address_file)
+        if why is not None:
+            _address_file_error(args.address_file, why)
+            return 2
 
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr
@@ -220,6 +234,9 @@ def _run_workers(args) -> int:
             integrity_only=True if args.trusted_network_no_encryption else None,
         )
     except OSError as exc:  # the port is taken, the interface does not exist, the file cannot be written
+        if args.address_file and _about_address_file(exc, args.address_file):
+            _address_file_error(args.address_file, f"cannot append to it: {exc.strerror or exc}")
+            os._exit(2)
         print(
             f"torchfeed worker: cannot serve on {args.host}:{args.port}: {exc.strerror or exc}",
             file=sys.stderr,
@@ -231,6 +248,12 @@ def _run_workers(args) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _about_address_file(exc: OSError, path: str) -> bool:
+    from ..addrfile import UnsafeAddressFile
+
+    return isinstance(exc, UnsafeAddressFile) or exc.filename == path
 
 
 def _child_command(args, i: int) -> list[str]:
@@ -318,7 +341,14 @@ def _run_many(args) -> int:
     if args.address_file:
         from ..addrfile import append_lines
 
-        append_lines(args.address_file, addresses)
+        try:
+            append_lines(args.address_file, addresses)
+        except OSError as exc:
+            stop_all()
+            for c in children:
+                c.wait()
+            _address_file_error(args.address_file, f"cannot append to it: {exc.strerror or exc}")
+            return 2
     for address in addresses:  # one line, one write
         sys.stdout.write(address + "\n")
         sys.stdout.flush()
@@ -386,9 +416,9 @@ def _add_bench_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="torchfeed", description=__doc__.splitlines()[0])
+    parser = Parser(prog="torchfeed")
     parser.add_argument("--version", action="version", version=f"torchfeed {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{worker,demo,bench,top,slurm}")
+    sub = parser.add_subparsers(dest="command", required=True)
     _add_worker_parser(sub)
     _add_demo_parser(sub)
     _add_bench_parser(sub)
@@ -398,6 +428,11 @@ def build_parser() -> argparse.ArgumentParser:
     from ..cluster import slurm
 
     slurm.add_parser(sub)
+    commands = list(sub.choices)
+    parser.description = (
+        f"Feed PyTorch training from remote data-loading workers. Commands: {', '.join(commands)} "
+        "(torchfeed COMMAND --help for each)."
+    )
     return parser
 
 

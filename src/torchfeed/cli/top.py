@@ -2,7 +2,8 @@
 
 Each refresh asks every worker for its statistics over the normal authenticated
 connection (a STATS message, see :mod:`torchfeed.worker.stats`; the secret is discovered
-as for every client). ``--once --json`` prints one JSON document for scripts.
+as for every client). ``--once --json`` prints one JSON document for scripts, whose rows
+hold every column of the table under the column's own name (and a few more).
 """
 
 from __future__ import annotations
@@ -13,16 +14,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+# (name, format): a column's header is the key of its value in the JSON rows of --once --json
 COLUMNS = [
-    ("worker", "address", "{}"),
-    ("pid", "pid", "{}"),
-    ("CPU%", "cpu_percent", "{:.0f}"),
-    ("RSS MB", "rss_bytes", "{:.0f}"),
-    ("req/s", "requests_per_s", "{:.1f}"),
-    ("MB/s sent", "mb_per_s_sent", "{:.2f}"),
-    ("trainers", "clients", "{}"),
-    ("queued", "queued", "{}"),
-    ("errors", "errors", "{}"),
+    ("address", "{}"),
+    ("pid", "{}"),
+    ("cpu_percent", "{:.0f}"),
+    ("rss_mb", "{:.0f}"),
+    ("requests_per_s", "{:.1f}"),
+    ("mb_per_s_sent", "{:.2f}"),
+    ("clients", "{}"),
+    ("queued", "{}"),
+    ("errors", "{}"),
 ]
 _CLEAR = "\x1b[H\x1b[2J"
 
@@ -30,7 +32,7 @@ _CLEAR = "\x1b[H\x1b[2J"
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "top",
-        help="live view of workers: CPU, memory, requests/s, MB/s, trainers, queue, errors",
+        help="live view of workers: CPU, memory, requests/s, MB/s, clients, queue, errors",
         description="Show what workers are doing, refreshed every --interval seconds (Ctrl-C stops). "
         "Connects as a trainer does (same secret discovery).",
     )
@@ -50,6 +52,7 @@ def collect(addresses: list[str], timeout: float) -> list[dict[str, Any]]:
         try:
             row = query(address, timeout=timeout)
             row["address"] = address
+            row["rss_mb"] = row["rss_bytes"] / 1e6  # the table's unit, under the table's name
             return row
         except Exception as exc:  # noqa: BLE001 - shown in the row
             return {"address": address, "error": f"{type(exc).__name__}: {exc}"}
@@ -61,16 +64,14 @@ def collect(addresses: list[str], timeout: float) -> list[dict[str, Any]]:
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    table = [[name for name, _, _ in COLUMNS]]
+    table = [[name for name, _ in COLUMNS]]
     for row in rows:
         if "error" in row:
             table.append([row["address"], "-", "unreachable: " + row["error"][:60]])
             continue
         cells = []
-        for _, key, fmt in COLUMNS:
+        for key, fmt in COLUMNS:
             value = row.get(key)
-            if key == "rss_bytes" and value is not None:
-                value = value / 1e6
             cells.append("-" if value is None else fmt.format(value))
         table.append(cells)
     widths = [max(len(r[i]) for r in table if i < len(r)) for i in range(len(COLUMNS))]

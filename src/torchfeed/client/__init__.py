@@ -176,7 +176,9 @@ def rpc_async(
     rref : bool
         Keep the result on the worker and return a :class:`RemoteRef` to it.
     timeout : float, optional
-        Seconds to connect and to wait for the result (default: the session's, 120).
+        Seconds to connect and to wait for the result (default: the session's, 120). A
+        worker this session has not reached yet may still be starting: its refused
+        connections are tried again within this time.
     secret : optional
         The shared secret (default: the session's, else discovered).
 

@@ -10,26 +10,19 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
-import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import AuthenticationError, SerializationError, WorkerLost
+from ..errors import AuthenticationError, SerializationError
 from ..protocol import serialize
 from ..protocol.auth import SecretLike
-from ..util import double_delay
 from . import session as sessions
 
 if TYPE_CHECKING:
     from .session import Session
-
-log = logging.getLogger("torchfeed.dataset")
-
-_RETRY_FIRST = 0.1
-_RETRY_MAX = 2.0
 
 
 def build(factory: Callable, args: tuple, kwargs: dict):
@@ -67,6 +60,44 @@ def check_factory(dataset: Any, what: str = "RemoteDataset") -> None:
         f"RemoteDataset(workers, {cls}, arg1, key=value) rather than RemoteDataset(workers, {cls}(arg1, "
         "key=value)). The arguments are pickled and sent; data is then read on the workers."
     )
+
+
+def _takes_keyword(factory: Callable, name: str) -> bool:
+    """Whether ``factory`` names a parameter ``name`` that a keyword can set."""
+    try:
+        parameter = inspect.signature(factory).parameters.get(name)
+    except (TypeError, ValueError):  # no signature to read (some builtins): it names nothing
+        return False
+    keyword_kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return parameter is not None and parameter.kind in keyword_kinds
+
+
+def check_timeout(factory: Callable, timeout: float | None) -> None:
+    """``RemoteDataset(..., timeout=T)`` is the RemoteDataset's; refuse it when ``factory`` takes a
+    ``timeout`` of its own (which one was meant cannot be known), saying how to pass either."""
+    if timeout is None:
+        return
+    if not _takes_keyword(factory, "timeout"):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"RemoteDataset's timeout must be a positive number of seconds, got {timeout!r}")
+        return
+    name = _name(factory)
+    raise TypeError(
+        f"RemoteDataset(workers, {name}, ..., timeout={timeout!r}) is ambiguous: timeout= is RemoteDataset's "
+        f"own (seconds to reach the workers, build the dataset and make calls) and is never passed to the "
+        f"dataset, but {name} takes a 'timeout' parameter too. Pass {name}'s with the factory: "
+        f"RemoteDataset(workers, functools.partial({name}, timeout={timeout!r}), ...); pass RemoteDataset's "
+        f"with its session: RemoteDataset(workers, {name}, ..., session=torchfeed.Session(timeout={timeout!r}))"
+    )
+
+
+def bind_own_keywords(factory: Callable, kwargs: dict) -> tuple[Callable, dict]:
+    """``kwargs`` meant for ``factory`` alone (``RemoteDataLoader(kwargs=...)``): a ``timeout``
+    among them, which RemoteDataset would take as its own, is bound to the factory instead."""
+    if "timeout" not in kwargs:
+        return factory, kwargs
+    rest = {k: v for k, v in kwargs.items() if k != "timeout"}
+    return functools.partial(factory, timeout=kwargs["timeout"]), rest
 
 
 def _argument_names(factory: Callable, args: tuple, kwargs: dict) -> list[tuple]:
@@ -108,6 +139,11 @@ def check_picklable(factory: Callable, args: tuple, kwargs: dict) -> None:
     for described, value in _argument_names(factory, args, kwargs):
         try:
             serialize.dumps(value, by_value=True)
+        except serialize.OpenFileError as exc:
+            raise SerializationError(
+                f"{described} of {name} ({type(value).__qualname__} object) is or holds {exc}. {name} is "
+                "built on the workers, where this process's files are not open"
+            ) from exc
         except Exception as exc:
             raise SerializationError(
                 f"{described} of {name} ({type(value).__qualname__} object) cannot be pickled to be sent to "
@@ -118,50 +154,17 @@ def check_picklable(factory: Callable, args: tuple, kwargs: dict) -> None:
     raise SerializationError(f"the arguments of {name} cannot be pickled: {failure}") from failure
 
 
-def _retryable(exc: BaseException) -> bool:
-    cause = exc.__cause__ if isinstance(exc, WorkerLost) else exc
-    return isinstance(cause, (ConnectionRefusedError, ConnectionResetError, ConnectionAbortedError))
-
-
 def connect(
     address: str, secret: SecretLike, timeout: float, session: Session | None = None
 ) -> BaseException | None:
     """Connect (``session``'s cache; the default session's if None), retrying refused connections
     until ``timeout``; return the failure or None."""
     session = session if session is not None else sessions.default_session()
-    start = time.monotonic()
-    deadline = start + timeout
-    delay = _RETRY_FIRST
-    attempts = 0
-    while True:
-        attempts += 1
-        try:
-            session.connect(address, secret, max(0.1, deadline - time.monotonic()))
-            return None
-        except AuthenticationError as exc:
-            return exc
-        except Exception as exc:  # noqa: BLE001 - sorted below
-            if not _retryable(exc):
-                return exc
-            left = deadline - time.monotonic()
-            if left <= 0:
-                waited = time.monotonic() - start
-                lost = WorkerLost(
-                    f"could not connect to worker {address}: the connection was refused for {waited:.1f} s "
-                    f"({attempts} attempts, retried until timeout={timeout:g} s). Is `torchfeed worker` "
-                    "running there, on that port? (the timeout of the RemoteDataset or its Session sets how long to wait)",
-                    {address: repr(exc)},
-                )
-                lost.__cause__ = exc
-                return lost
-            if attempts == 1:
-                log.info(
-                    "worker %s refuses connections (not started yet?); retrying for up to %.0f s",
-                    address,
-                    timeout,
-                )
-            time.sleep(min(delay, left))
-            delay = double_delay(delay, _RETRY_FIRST, _RETRY_MAX)
+    try:
+        session.connect(address, secret, timeout, retry_refused=True)
+        return None
+    except Exception as exc:  # noqa: BLE001 - returned: the caller sorts the failures of all workers
+        return exc
 
 
 def connect_all(

@@ -38,6 +38,7 @@ from ..errors import ConnectionClosed, SerializationError
 from ..protocol import auth, serialize, wire
 from ..protocol.buffers import check_pinnable
 from . import connection as client
+from .reach import retry_refused as retry_refused_until
 from .refs import Call, RemoteRef
 
 log = logging.getLogger("torchfeed.client")
@@ -107,6 +108,7 @@ class Session:
             ) from None
         self.timeout = float(timeout)
         self.secret = secret
+        self._reached: set[str] = set()  # addresses connected to once: a refusal there is a loss
         self._fresh_state()
         _sessions.add(self)
         # dropped without close(): its connections are closed when it is collected (calls
@@ -148,9 +150,23 @@ class Session:
 
     # -- connections --------------------------------------------------------------------
     def connect(
-        self, address: client.Address, secret: auth.SecretLike = None, timeout: float | None = None
+        self,
+        address: client.Address,
+        secret: auth.SecretLike = None,
+        timeout: float | None = None,
+        *,
+        retry_refused: bool = False,
     ) -> client.Connection:
-        """The session's connection to ``address`` (made now if there is none or it failed)."""
+        """The session's connection to ``address`` (made now if there is none or it failed).
+
+        With ``retry_refused``, a refused connection (a worker that does not listen yet) is
+        tried again with backoff until ``timeout`` (see :mod:`torchfeed.client.reach`).
+        """
+        if retry_refused:
+            seconds = self.timeout if timeout is None else timeout
+            return retry_refused_until(
+                lambda left: self.connect(address, secret, left), client.format_address(address), seconds
+            )
         sec = auth.load_secret(self.secret if secret is None else secret)
         key = (client.format_address(address), sec.value)
         with self._lock:
@@ -165,6 +181,7 @@ class Session:
                     return conn
                 generation = self._generation
             conn = client.Connection(key[0], sec, self.timeout if timeout is None else timeout, session=self)
+            self._reached.add(key[0])
             with self._lock:
                 closed_meanwhile = generation != self._generation
                 if not closed_meanwhile:
@@ -255,7 +272,12 @@ class Session:
         callback: client.Callback,
     ) -> Call:
         """Low-level asynchronous call: ``callback(ok, value)`` receives the outcome on a
-        connection's reader thread. Returns the :class:`~torchfeed.client.Call`."""
+        connection's reader thread. Returns the :class:`~torchfeed.client.Call`.
+
+        The first call to a worker waits for it to listen: refused connections are tried
+        again until ``timeout`` (a worker started a moment ago). Once this session has
+        reached a worker, a refused connection there fails the call at once (it was lost).
+        """
         timeout = self.timeout if timeout is None else timeout
         check_pinnable(pin_memory)
         try:
@@ -266,7 +288,10 @@ class Session:
                 f"{client.format_address(address)}: its function or arguments cannot be pickled "
                 f"({exc})"
             ) from exc
-        conn = self.connect(address, secret, timeout)
+        # A worker never reached yet may still be starting: a refusal means "not yet" there
+        # (retried until the timeout). Once reached, a refusal means it was lost: fail at once.
+        first_contact = client.format_address(address) not in self._reached
+        conn = self.connect(address, secret, timeout, retry_refused=first_contact)
         # The arguments stay referenced until the reply: a RemoteRef argument dropped by the
         # caller right away must not be released before the worker used it.
         keep = [args, kwargs]

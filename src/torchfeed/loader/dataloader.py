@@ -473,7 +473,8 @@ def _remote_dataset(dataset, workers, args, kwargs):
         if isinstance(dataset, RemoteDataset):
             raise TypeError("workers= builds a RemoteDataset from a dataset class; this one is already built")
         building.check_factory(dataset, "RemoteDataLoader(workers=...)")
-        return RemoteDataset(workers, dataset, *args, **(kwargs or {}))
+        factory, kwargs = building.bind_own_keywords(dataset, kwargs or {})  # kwargs= are all the factory's
+        return RemoteDataset(workers, factory, *args, **kwargs)
     try:
         Source(dataset)
     except TypeError:

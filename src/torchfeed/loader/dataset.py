@@ -76,17 +76,25 @@ class RemoteDataset(Dataset[T_co]):
     dataset : callable
         Dataset class or factory.
     *args, **kwargs
-        Passed to ``dataset`` on each worker.
+        Passed to ``dataset`` on each worker, except the keywords ``session`` and ``timeout``,
+        which are RemoteDataset's own.
     session : Session, optional
         Keyword-only: the :class:`~torchfeed.Session` whose connections, secret and
         timeout this dataset (and the loaders over it) use; the default session if None.
+    timeout : float, optional
+        Keyword-only: seconds allowed to connect (workers that refuse connections, not
+        started yet, are tried again that long), build the dataset and make calls; the
+        session's if None. It never reaches ``dataset``. When ``dataset`` takes a
+        ``timeout`` parameter of its own, ``timeout=`` is ambiguous and raises TypeError:
+        give the dataset's with the factory, ``functools.partial(dataset, timeout=...)``,
+        and this one with the session, ``session=torchfeed.Session(timeout=...)``.
 
     Attributes
     ----------
     timeout : float
         Seconds allowed to connect (workers starting late), build the dataset and make
-        calls: the session's timeout unless set here (on the instance, or on the class
-        before construction).
+        calls: ``timeout=`` if given, else the session's timeout (unless set on the class
+        before construction, or on the instance afterwards).
     secret
         The shared secret: the session's unless set here.
     """
@@ -96,7 +104,13 @@ class RemoteDataset(Dataset[T_co]):
     secret: SecretLike = None  # None: the session's
 
     def __init__(
-        self, workers: Sequence[str], dataset: Callable, *args, session: Session | None = None, **kwargs
+        self,
+        workers: Sequence[str],
+        dataset: Callable,
+        *args,
+        session: Session | None = None,
+        timeout: float | None = None,
+        **kwargs,
     ):
         if isinstance(workers, str):
             workers = workers.split()
@@ -106,8 +120,11 @@ class RemoteDataset(Dataset[T_co]):
         if len(set(workers)) != len(workers):
             raise ValueError(f"worker addresses are repeated: {workers}")
         building.check_factory(dataset)
+        building.check_timeout(dataset, timeout)
         building.check_picklable(dataset, args, kwargs)
         self.session = session if session is not None else client.default_session()
+        if timeout is not None:
+            self.timeout = float(timeout)
         if self.timeout is None:
             self.timeout = self.session.timeout
         if self.secret is None:

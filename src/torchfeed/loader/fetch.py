@@ -33,7 +33,11 @@ def _stack_into_pool(batch, *, collate_fn_map=None):
         and not elem.is_nested
         and elem.device.type == "cpu"
         and all(
-            isinstance(t, torch.Tensor) and t.dtype == elem.dtype and t.shape == elem.shape for t in batch
+            isinstance(t, torch.Tensor)
+            and t.dtype == elem.dtype
+            and t.shape == elem.shape
+            and not t.requires_grad  # stack(out=...) is not differentiable: torch's own stack then
+            for t in batch
         )
     ):
         out = buffers.empty_tensor((len(batch), *elem.shape), elem.dtype)

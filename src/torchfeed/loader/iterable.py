@@ -421,8 +421,8 @@ class IterablePass:
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     raise Timeout(
-                        f"the next batch of stream {slot.index} (an iterable-style dataset, on worker "
-                        f"{slot.worker}) did not arrive within timeout={self._timeout:g} s"
+                        f"DataLoader timed out after {self._timeout} seconds: the next batch of stream "
+                        f"{slot.index} (an iterable-style dataset, on worker {slot.worker}) did not arrive"
                     )
                 self._cond.wait(_POLL if deadline is None else min(_POLL, deadline - now))
 

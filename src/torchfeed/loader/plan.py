@@ -249,5 +249,6 @@ def late_error(seq: int, keys: list[Any], timeout: float, holders: list[str]) ->
     """Batch ``seq`` did not arrive within the loader's ``timeout``."""
     held = ", ".join(holders) or "no worker (not dispatched yet)"
     return Timeout(
-        f"batch {seq} (indices {short(keys)}) did not arrive within timeout={timeout:g} s; it is held by {held}"
+        f"DataLoader timed out after {timeout} seconds: batch {seq} (indices {short(keys)}) did not arrive; "
+        f"it is held by {held}"
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copyreg
 import io
 import pickle
+import sys
 import threading
 import types
 from collections import ChainMap
@@ -34,14 +35,16 @@ _state = threading.local()
 # -- tensors and arrays ----------------------------------------------------
 
 
-def _rebuild_tensor(buf, dtype_name: str, shape: tuple[int, ...], requires_grad: bool):
+def _rebuild_tensor(
+    buf, dtype_name: str, shape: tuple[int, ...], requires_grad: bool, stride: tuple[int, ...] | None = None
+):
     dtype = getattr(torch, dtype_name)
     mv = memoryview(buf)
     if mv.nbytes == 0:
         t = torch.empty(shape, dtype=dtype)
     else:
-        flat = torch.from_numpy(np.frombuffer(mv, dtype=np.uint8))
-        t = flat.view(dtype).view(shape)
+        flat = torch.from_numpy(np.frombuffer(mv, dtype=np.uint8)).view(dtype)
+        t = flat.view(shape) if stride is None else flat.as_strided(shape, stride)
     if requires_grad:
         t.requires_grad_(True)
     return t
@@ -53,7 +56,30 @@ _BIT_DTYPES = {
 }
 
 
+def _span(t: torch.Tensor) -> int:
+    """Elements of storage from ``t``'s first element to its last (strides are never negative)."""
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` without gaps, its dimensions laid out in the same order as in ``t``."""
+    strides = t.stride()
+    order = sorted(range(t.dim()), key=lambda d: -strides[d])
+    back = sorted(range(t.dim()), key=order.__getitem__)
+    return t.permute(order).contiguous().permute(back)
+
+
 def _reduce_tensor(t: torch.Tensor):
+    """A tensor's bytes as one out-of-band buffer, and how to view them again.
+
+    Strides travel with the bytes, as they do through torch's DataLoader: a tensor laid out
+    densely in another dimension order (channels_last, transposed) or broadcast (stride 0)
+    arrives with the same strides, its memory sent as it is. So does a tensor with gaps (a
+    strided slice of a larger one) while the memory from its first element to its last is
+    at most twice its elements; beyond that (a few columns of a wide tensor) it is sent
+    compact, in the same dimension order: only its elements travel, not the storage around
+    them (torch's worker processes share the whole storage; a network should not carry it).
+    """
     if t.layout != torch.strided or t.is_quantized or t.device.type == "meta" or t.is_nested:
         return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # rare kinds: torch's own way
     requires_grad = t.requires_grad
@@ -61,14 +87,18 @@ def _reduce_tensor(t: torch.Tensor):
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.resolve_conj().resolve_neg()
-    if not t.is_contiguous():
-        # sub-byte integer dtypes (int1..uint7) have no contiguous(): copy as same-size ints
-        if t.dtype in _BIT_DTYPES:
-            t = t.view(_INT_OF_SIZE[t.element_size()]).contiguous().view(t.dtype)
-        else:
-            t = t.contiguous()
-    raw = t.reshape(-1).view(torch.uint8).numpy()
     dtype_name = str(t.dtype).split(".", 1)[1]
+    if t.is_contiguous() or t.numel() == 0:
+        pass
+    elif t.dtype in _BIT_DTYPES:
+        # sub-byte integer dtypes (int1..uint7) have no contiguous(): copy as same-size ints
+        t = t.view(_INT_OF_SIZE[t.element_size()]).contiguous().view(t.dtype)
+    else:
+        if _span(t) > 2 * t.numel():
+            t = _dense(t)
+        memory = t.as_strided((_span(t),), (1,)).view(torch.uint8).numpy()
+        return _rebuild_tensor, (_buffer(memory), dtype_name, tuple(t.shape), requires_grad, t.stride())
+    raw = t.reshape(-1).view(torch.uint8).numpy()
     return _rebuild_tensor, (_buffer(raw), dtype_name, tuple(t.shape), requires_grad)
 
 
@@ -91,7 +121,30 @@ def _buffer(raw: np.ndarray) -> pickle.PickleBuffer:
     return pickle.PickleBuffer(raw)  # type: ignore[arg-type,unused-ignore]
 
 
-_REDUCERS: dict[type, Callable[[Any], Any]] = {torch.Tensor: _reduce_tensor, np.ndarray: _reduce_ndarray}
+class OpenFileError(pickle.PicklingError):
+    """An open file object was to be pickled: it cannot travel, its path can."""
+
+
+def _reduce_file(f: io.IOBase):
+    """Open files are refused (cloudpickle would send a copy of a text file's content read
+    here); standard output and error stay references to the receiving process's own."""
+    for name in ("stdout", "stderr"):
+        if f is getattr(sys, name) or f is getattr(sys, f"__{name}__"):
+            return getattr, (sys, name)
+    raise OpenFileError(
+        f"an open file ({getattr(f, 'name', '?')}, mode {getattr(f, 'mode', '?')!r}), and a file object "
+        "cannot be sent to another process: pass its path and open it in the dataset (on the worker: in "
+        "__init__, or on first use in __getitem__)"
+    )
+
+
+_REDUCERS: dict[type, Callable[[Any], Any]] = {
+    torch.Tensor: _reduce_tensor,
+    np.ndarray: _reduce_ndarray,
+    **dict.fromkeys(
+        (io.TextIOWrapper, io.BufferedReader, io.BufferedWriter, io.BufferedRandom, io.FileIO), _reduce_file
+    ),
+}
 
 
 # The C pickler reads ``dispatch_table`` once, in __init__: it must be a class attribute.
