@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -161,6 +162,39 @@ def test_rpc_async_waits_for_a_worker_that_is_still_starting(own_session):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_waiting_for_a_starting_worker_blocks_no_caller(workers2):
+    """rpc_async returns at once while a thread of the session waits for the worker; a call
+    chained on another worker's reply (a reader thread) must not stall that reader, or the
+    healthy worker would be declared lost for its silence."""
+    dead = f"127.0.0.1:{free_port()}"
+    with torchfeed.Session(heartbeat_interval=0.2, heartbeat_timeout=1.0, timeout=3.0) as s:
+        live = workers2[0]
+        s.rpc_async(live, os.getpid).wait()
+        waiting = s.rpc_async(dead, os.getpid)
+        assert not waiting.done()  # returned before the first retry
+        chained = s.rpc_async(live, time.sleep, args=(0.05,)).then(lambda _f: s.rpc_async(dead, os.getpid))
+        assert s.rpc_async(live, time.sleep, args=(1.5,)).wait() is None  # not lost meanwhile
+        with pytest.raises(torchfeed.WorkerLost, match="refused"):
+            waiting.wait()
+        with pytest.raises(torchfeed.WorkerLost, match="refused"):
+            chained.wait().wait()
+
+
+def test_adding_an_unreachable_worker_does_not_wait(workers2):
+    """add_workers builds at once where it can and leaves a refusing worker to the background
+    retries, as before: it does not wait for the timeout, one address after another."""
+    dead = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    with torchfeed.Session(timeout=60) as s:
+        ds = torchfeed.RemoteDataset(workers2[:1], RangeDataset, 5, session=s)
+        done = []
+        thread = threading.Thread(target=lambda: done.append(ds.add_workers(dead)), daemon=True)
+        thread.start()
+        thread.join(20)  # far below the 2 x 60 s it took while every new address waited
+        assert done == [[]]
+        assert sorted(ds.lost_workers()) == sorted(dead)
+        ds.close()
 
 
 # -- samples torch's DataLoader takes as they are -----------------------------------------------

@@ -157,6 +157,7 @@ def rpc_async(
     timeout: float | None = None,
     *,
     secret: auth.SecretLike = None,
+    wait_for_worker: bool | None = None,
 ) -> torch.futures.Future:
     """Execute ``func(*args, **kwargs)`` on a worker; return a future of its result.
 
@@ -178,9 +179,13 @@ def rpc_async(
     timeout : float, optional
         Seconds to connect and to wait for the result (default: the session's, 120). A
         worker this session has not reached yet may still be starting: its refused
-        connections are tried again within this time.
+        connections are tried again within this time, on a thread of the session's (the
+        future is returned at once).
     secret : optional
         The shared secret (default: the session's, else discovered).
+    wait_for_worker : bool, optional
+        Wait for a worker that refuses connections: by default only for one this session
+        has not reached yet (once reached, a refusal means it was lost: the call fails at once).
 
     Returns
     -------
@@ -188,7 +193,7 @@ def rpc_async(
         Raises :class:`RemoteError` from ``wait()`` if ``func`` raised on the worker.
     """
     return sessions.default_session().rpc_async(
-        host, func, args, kwargs, pin_memory, rref, timeout, secret=secret
+        host, func, args, kwargs, pin_memory, rref, timeout, secret=secret, wait_for_worker=wait_for_worker
     )
 
 

@@ -108,7 +108,6 @@ class Session:
             ) from None
         self.timeout = float(timeout)
         self.secret = secret
-        self._reached: set[str] = set()  # addresses connected to once: a refusal there is a loss
         self._fresh_state()
         _sessions.add(self)
         # dropped without close(): its connections are closed when it is collected (calls
@@ -125,6 +124,10 @@ class Session:
         self._connecting: dict[tuple[str, bytes], threading.Lock] = {}
         self._watched: weakref.WeakSet[client.Connection] = weakref.WeakSet()
         self._keeper: threading.Thread | None = None
+        # addresses connected to since the last close(): a refusal there is a loss, not "not yet"
+        self._reached: set[str] = set()
+        # (address, secret) -> the calls waiting while a thread reaches a starting worker
+        self._reaching: dict[tuple[str, bytes], list[Callable]] = {}
 
     def __repr__(self) -> str:
         return (
@@ -181,8 +184,8 @@ class Session:
                     return conn
                 generation = self._generation
             conn = client.Connection(key[0], sec, self.timeout if timeout is None else timeout, session=self)
-            self._reached.add(key[0])
             with self._lock:
+                self._reached.add(key[0])
                 closed_meanwhile = generation != self._generation
                 if not closed_meanwhile:
                     self._conns[key] = conn
@@ -213,6 +216,7 @@ class Session:
         with self._lock:
             conns = list(self._conns.values())
             self._conns.clear()
+            self._reached.clear()  # a worker restarted meanwhile may be starting again
             self._generation += 1
         for c in conns:
             c.close()
@@ -274,24 +278,26 @@ class Session:
         """Low-level asynchronous call: ``callback(ok, value)`` receives the outcome on a
         connection's reader thread. Returns the :class:`~torchfeed.client.Call`.
 
-        The first call to a worker waits for it to listen: refused connections are tried
-        again until ``timeout`` (a worker started a moment ago). Once this session has
-        reached a worker, a refused connection there fails the call at once (it was lost).
+        It connects in the caller's thread and fails at once where nothing listens (see
+        :meth:`rpc_async` for a call that waits for a worker that is still starting).
         """
         timeout = self.timeout if timeout is None else timeout
+        meta, buffers = self._pack(address, func, args, kwargs, pin_memory)
+        conn = self.connect(address, secret, timeout)
+        return self._send(conn, meta, buffers, args, kwargs, rref, pin_memory, timeout, callback)
+
+    def _pack(self, address, func, args, kwargs, pin_memory: bool) -> tuple[bytes, list]:
         check_pinnable(pin_memory)
         try:
-            meta, buffers = serialize.dumps((func, tuple(args or ()), dict(kwargs or {})), by_value=True)
+            return serialize.dumps((func, tuple(args or ()), dict(kwargs or {})), by_value=True)
         except Exception as exc:
             raise SerializationError(
                 f"the call of {getattr(func, '__qualname__', func)!r} cannot be sent to worker "
                 f"{client.format_address(address)}: its function or arguments cannot be pickled "
                 f"({exc})"
             ) from exc
-        # A worker never reached yet may still be starting: a refusal means "not yet" there
-        # (retried until the timeout). Once reached, a refusal means it was lost: fail at once.
-        first_contact = client.format_address(address) not in self._reached
-        conn = self.connect(address, secret, timeout, retry_refused=first_contact)
+
+    def _send(self, conn, meta, buffers, args, kwargs, rref, pin_memory, timeout, callback) -> Call:
         # The arguments stay referenced until the reply: a RemoteRef argument dropped by the
         # caller right away must not be released before the worker used it.
         keep = [args, kwargs]
@@ -324,12 +330,19 @@ class Session:
         timeout: float | None = None,
         *,
         secret: auth.SecretLike = None,
+        wait_for_worker: bool | None = None,
     ) -> torch.futures.Future:
         """Execute ``func(*args, **kwargs)`` on a worker; return a future of its result.
 
         As :func:`torchfeed.rpc_async`, with this session's connections, secret and
-        (when ``timeout`` is None) timeout.
+        (when ``timeout`` is None) timeout. A worker this session has not reached since its
+        last :meth:`close` may still be starting: refused connections to it are tried again
+        until ``timeout`` (the first refusal is logged), on a thread that reaches that address
+        for every call waiting on it; the future is returned at once. Once reached, a refused
+        connection fails the call at once (the worker was lost). ``wait_for_worker=False``
+        never waits, ``True`` always does.
         """
+        timeout = self.timeout if timeout is None else timeout
         fut: torch.futures.Future = torch.futures.Future()
 
         def done(ok: bool, value: Any) -> None:
@@ -339,20 +352,55 @@ class Session:
                 fut.set_exception(value)
 
         try:
-            self.call(
-                host,
-                func,
-                args,
-                kwargs,
-                rref=rref,
-                pin_memory=pin_memory,
-                timeout=timeout,
-                secret=secret,
-                callback=done,
-            )
+            meta, buffers = self._pack(host, func, args, kwargs, pin_memory)
+            address = client.format_address(host)
+            with self._lock:
+                wait = wait_for_worker if wait_for_worker is not None else address not in self._reached
+            if not wait:
+                conn = self.connect(address, secret, timeout)
+                self._send(conn, meta, buffers, args, kwargs, rref, pin_memory, timeout, done)
+                return fut
         except Exception as exc:
             fut.set_exception(exc)
+            return fut
+        start = time.monotonic()
+
+        def then(conn: client.Connection | None, error: BaseException | None) -> None:
+            try:
+                if error is not None:
+                    raise error
+                assert conn is not None
+                left = max(0.1, timeout - (time.monotonic() - start))
+                self._send(conn, meta, buffers, args, kwargs, rref, pin_memory, left, done)
+            except Exception as exc:
+                fut.set_exception(exc)
+
+        self._reach(address, secret, timeout, then)
         return fut
+
+    def _reach(self, address: str, secret: auth.SecretLike, timeout: float, then: Callable) -> None:
+        """Connect to ``address`` retrying refusals, on one thread per address and secret, and
+        hand the outcome to ``then(connection, error)`` of every call that waited for it."""
+        key = (address, auth.load_secret(self.secret if secret is None else secret).value)
+        with self._lock:
+            waiting = self._reaching.get(key)
+            if waiting is not None:
+                waiting.append(then)
+                return
+            self._reaching[key] = [then]
+
+        def run() -> None:
+            conn, error = None, None
+            try:
+                conn = self.connect(address, secret, timeout, retry_refused=True)
+            except BaseException as exc:  # noqa: BLE001 - handed to every waiting call
+                error = exc
+            with self._lock:
+                waiting = self._reaching.pop(key, [])
+            for each in waiting:
+                each(conn, error)
+
+        threading.Thread(target=run, name=f"torchfeed-reach-{address}", daemon=True).start()
 
 
 def _keeper_loop(ref: weakref.ref[Session]) -> None:

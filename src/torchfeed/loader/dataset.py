@@ -202,7 +202,8 @@ class RemoteDataset(Dataset[T_co]):
     def _build_on(self, workers: Sequence[str], strict: bool, wait: bool = False) -> dict[str, BaseException]:
         """Build on ``workers``; return the unreachable ones (raise if ``strict``).
 
-        With ``wait``, refused connections are retried until ``timeout`` first.
+        With ``wait``, refused connections are retried until ``timeout`` first; without, a
+        refusal fails that worker at once (the caller retries it in the background).
         """
         unreachable = building.connect_all(workers, self.secret, self.timeout, self.session) if wait else {}
         futs = {
@@ -213,6 +214,7 @@ class RemoteDataset(Dataset[T_co]):
                 rref=True,
                 timeout=self.timeout,
                 secret=self.secret,
+                wait_for_worker=False,  # refused: lost, retried by the membership thread
             )
             for w in workers
             if w not in unreachable
