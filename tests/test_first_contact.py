@@ -321,6 +321,27 @@ def test_timeout_for_a_factory_that_takes_one_is_refused_with_both_ways(workers2
         assert torchfeed.RemoteDataset(workers2, TakesTimeout, 5, session=session).timeout == 9
 
 
+class TakesAnyKeyword(torch.utils.data.Dataset):
+    def __init__(self, n, **options):
+        self.n, self.options = n, options
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+
+def test_timeout_is_ambiguous_for_a_factory_taking_any_keyword_but_not_once_bound(workers2):
+    """**kwargs could take timeout= (it did before it became RemoteDataset's own): refused, not
+    swallowed; a partial that binds the factory's timeout leaves timeout= to RemoteDataset."""
+    with pytest.raises(TypeError, match=r"ambiguous.*\*\*kwargs"):
+        torchfeed.RemoteDataset(workers2, TakesAnyKeyword, 5, timeout=3)
+    ds = torchfeed.RemoteDataset(workers2, functools.partial(TakesTimeout, timeout=3), 5, timeout=7)
+    assert ds.timeout == 7
+    assert ds.run_on_workers(lambda d: d.timeout, pass_dataset=True) == {w: 3 for w in workers2}
+
+
 def test_loader_kwargs_are_the_factory_s_timeout_included(workers2):
     loader = torchfeed.RemoteDataLoader(
         workers=workers2, dataset=TakesTimeout, args=(4,), kwargs={"timeout": 3}

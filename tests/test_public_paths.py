@@ -86,3 +86,33 @@ def test_help_does_not_import_torch():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=_env()
     )
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_objects_pickled_under_the_old_flat_modules_still_load():
+    """A pickle made before the subpackages names torchfeed.sampling (and 27 other old modules):
+    it loads, the old name being the new module (with a DeprecationWarning saying where)."""
+    import pickle
+    import warnings
+
+    from torchfeed.loader.sampling import DistributedSampler
+
+    data = pickle.dumps(
+        DistributedSampler(list(range(10)), num_replicas=2, rank=0, shuffle=False), protocol=0
+    )
+    old = data.replace(b"torchfeed.loader.sampling", b"torchfeed.sampling")
+    assert old != data
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = pickle.loads(old)
+    assert isinstance(loaded, DistributedSampler) and list(loaded) == [0, 2, 4, 6, 8]
+    assert any("torchfeed.sampling moved to torchfeed.loader.sampling" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("old", sorted(torchfeed._MOVED))
+def test_every_old_module_name_is_its_new_module(old):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        module = importlib.import_module(f"torchfeed.{old}")
+    assert module is importlib.import_module(f"torchfeed.{torchfeed._MOVED[old]}")

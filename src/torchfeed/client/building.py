@@ -63,13 +63,19 @@ def check_factory(dataset: Any, what: str = "RemoteDataset") -> None:
 
 
 def _takes_keyword(factory: Callable, name: str) -> bool:
-    """Whether ``factory`` names a parameter ``name`` that a keyword can set."""
+    """Whether a keyword ``name`` could reach ``factory``: it names such a parameter, or takes
+    ``**kwargs``; not when a ``functools.partial`` already binds it."""
+    if isinstance(factory, functools.partial) and name in factory.keywords:
+        return False  # bound: RemoteDataset's own keyword cannot be meant for it
     try:
-        parameter = inspect.signature(factory).parameters.get(name)
+        parameters = inspect.signature(factory).parameters
     except (TypeError, ValueError):  # no signature to read (some builtins): it names nothing
         return False
+    parameter = parameters.get(name)
     keyword_kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return parameter is not None and parameter.kind in keyword_kinds
+    if parameter is not None and parameter.kind in keyword_kinds:
+        return True
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def check_timeout(factory: Callable, timeout: float | None) -> None:
@@ -85,7 +91,8 @@ def check_timeout(factory: Callable, timeout: float | None) -> None:
     raise TypeError(
         f"RemoteDataset(workers, {name}, ..., timeout={timeout!r}) is ambiguous: timeout= is RemoteDataset's "
         f"own (seconds to reach the workers, build the dataset and make calls) and is never passed to the "
-        f"dataset, but {name} takes a 'timeout' parameter too. Pass {name}'s with the factory: "
+        f"dataset, but {name} may take one too (a 'timeout' parameter, or **kwargs). Pass {name}'s with the "
+        f"factory: "
         f"RemoteDataset(workers, functools.partial({name}, timeout={timeout!r}), ...); pass RemoteDataset's "
         f"with its session: RemoteDataset(workers, {name}, ..., session=torchfeed.Session(timeout={timeout!r}))"
     )
