@@ -445,7 +445,7 @@ def test_wrong_secrets_are_rate_limited_per_source(spawn, tmp_path):
 
 
 class _ThreadsRunOut:
-    """Stands in for the threading module in serverconn.py: the first ``n`` connection threads
+    """Stands in for the threading module in worker/connection.py: the first ``n`` connection threads
     cannot be started, as when the process has hit its thread limit."""
 
     def __init__(self, n: int, prefix: str):

@@ -1,4 +1,4 @@
-"""The block pool and receive blocks of torchfeed.buffers (no timing involved: blocks come back
+"""The block pool and receive blocks of torchfeed.protocol.buffers (no timing involved: blocks come back
 when the last user is garbage collected, which ``gc.collect()`` settles)."""
 
 from __future__ import annotations

@@ -187,8 +187,11 @@ def test_allow_list_has_no_stale_entries() -> None:
 
 
 # -- import direction ---------------------------------------------------------------------
-# Every import statement counts: module level, inside functions, under TYPE_CHECKING. A
-# package's __init__ importing its own modules (re-exports) is the only edge left out.
+# Every import statement counts: module level, inside functions, under TYPE_CHECKING, and so
+# do importlib.import_module / __import__ calls with a constant name. A package's __init__
+# importing its own modules (re-exports) is an edge too, so a module that imports its own
+# package back is a cycle; it is left out only of the layer order (a package is above its
+# modules).
 
 PACKAGE = "torchfeed"
 
@@ -227,6 +230,8 @@ def import_edges(path: Path, root: Path = SRC) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
+        elif (dynamic := _dynamic_import(node, package)) is not None:
+            targets = [dynamic]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -245,9 +250,24 @@ def import_edges(path: Path, root: Path = SRC) -> set[str]:
                 target = target.rpartition(".")[0]
             if target.startswith(PACKAGE) and target != name:
                 edges.add(target)
-    if _is_package(path):  # re-exports of its own modules are not edges
-        edges = {e for e in edges if not e.startswith(name + ".")}
     return edges
+
+
+def _dynamic_import(node: ast.AST, package: str) -> str | None:
+    """The module of ``importlib.import_module("x", ...)`` or ``__import__("x", ...)`` with a
+    constant name (relative names resolved against ``package``), else None."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)):
+        return None
+    func = node.func
+    called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    name = node.args[0].value
+    if called not in ("import_module", "__import__") or not isinstance(name, str):
+        return None
+    if called == "import_module" and name.startswith("."):
+        dots = len(name) - len(name.lstrip("."))
+        base = package.split(".")
+        return ".".join(base[: len(base) - (dots - 1)] + [name.lstrip(".")]).rstrip(".")
+    return name
 
 
 def import_graph(root: Path = SRC) -> dict[str, set[str]]:
@@ -323,6 +343,8 @@ def test_imports_point_down() -> None:
         if here is None:
             continue
         for target in targets:
+            if target.startswith(module + "."):
+                continue  # a package importing its own modules (re-exports)
             there = layer_of(target)
             if there is None or here is None or RANK[there] > RANK[here] or SIDES.get(here) == there:
                 wrong.append(f"{module} ({here}) imports {target} ({there})")
@@ -332,8 +354,9 @@ def test_imports_point_down() -> None:
 
 
 def test_the_cycle_check_catches_what_it_should(tmp_path: Path) -> None:
-    """A circle through a function-level import and one under TYPE_CHECKING both count;
-    a package __init__ re-exporting its own module does not."""
+    """A circle through a function-level import and one under TYPE_CHECKING both count; a
+    package __init__ re-exporting its own module is no circle, unless a module imports the
+    package back; a constant importlib.import_module counts."""
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("from .a import A\n")
@@ -348,4 +371,14 @@ def test_the_cycle_check_catches_what_it_should(tmp_path: Path) -> None:
         k.replace(PACKAGE, "pkg", 1): {t.replace(PACKAGE, "pkg", 1) for t in v} for k, v in graph.items()
     }
     assert import_cycles(graph) == [["pkg.a", "pkg.b"]]
-    assert graph["pkg"] == set()
+    assert graph["pkg"] == {"pkg.a"}
+    (pkg / "e.py").write_text(
+        "from . import d\nimport importlib\nimportlib.import_module('.f', __package__)\n"
+    )
+    (pkg / "f.py").write_text("def g():\n    from .e import d\n")
+    (pkg / "a.py").write_text("from . import helper\n")  # back into the package that re-exports a
+    graph = import_graph(pkg)
+    graph = {
+        k.replace(PACKAGE, "pkg", 1): {t.replace(PACKAGE, "pkg", 1) for t in v} for k, v in graph.items()
+    }
+    assert import_cycles(graph) == [["pkg", "pkg.a"], ["pkg.e", "pkg.f"]]

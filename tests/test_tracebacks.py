@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import linecache
+import os
 import pickle
 import sys
 import traceback
@@ -236,3 +237,31 @@ def test_a_huge_traceback_travels_as_text_only():
         expected = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     assert set(info) == {"traceback"} and info["traceback"] == expected
     assert tracebacks.render(info) == expected
+
+
+def test_a_worker_cannot_make_the_trainer_open_a_path_it_did_not_send_code_of(tmp_path):
+    """The frames of a description are the worker's word: a path the trainer sent no code of
+    is never opened (a FIFO would hang the trainer; any other file would be read)."""
+    import threading
+
+    from torchfeed import tracebacks
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    frame = {
+        "sent": True,
+        "filename": str(fifo),
+        "lineno": 1,
+        "name": "f",
+        "text": '  File "x", line 1, in f\n',
+    }
+    info = {"traceback": "worker text\n", "marker": "M:", "template": "T\nM:0\n", "frames": [frame]}
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.append(tracebacks.render(info)), daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():  # unblock the open() it is stuck in, then fail
+        with open(fifo, "w"):
+            pass
+        pytest.fail("the trainer opened a FIFO a worker named")
+    assert out == ['T\n  File "x", line 1, in f\n']

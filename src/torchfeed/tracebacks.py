@@ -23,6 +23,7 @@ Everything here is standard library only: the command line imports it before tor
 from __future__ import annotations
 
 import linecache
+import os
 import secrets
 import sys
 import textwrap
@@ -31,6 +32,31 @@ import types
 import weakref
 from collections.abc import Callable
 from typing import Any
+
+# -- trainer: the files whose code this process sent by value ------------------------------
+
+# Only these are read to render a worker's frames: a worker names any file it likes, and the
+# trainer must not open another path (a FIFO would hang it) on a worker's word.
+_sent_files: set[str] = set()
+
+
+def sending(filename: str) -> None:
+    """Trainer side: code of ``filename`` is being sent by value (its frames may be rendered)."""
+    _sent_files.add(filename)
+
+
+def _readable_here(filename: str) -> bool:
+    """A file this process sent code of, and whose source it has: in linecache already (a
+    notebook cell) or a regular file."""
+    if filename not in _sent_files:
+        return False
+    if filename in linecache.cache:
+        return True
+    try:
+        return os.path.isfile(filename)
+    except (OSError, ValueError):
+        return False
+
 
 # -- worker: which code objects came from the trainer by value -----------------------------
 
@@ -188,6 +214,8 @@ def _trainer_frame(frame: dict[str, Any]) -> str:
     filename, lineno, name = frame.get("filename"), frame.get("lineno"), frame.get("name")
     if not (frame.get("sent") and isinstance(filename, str) and isinstance(lineno, int)):
         return worker_text
+    if not _readable_here(filename):
+        return worker_text  # not a file whose code this process sent: never opened
     linecache.checkcache(filename)  # as Python does for a local traceback
     if not linecache.getline(filename, lineno).strip():
         return worker_text  # this process has no source for it either

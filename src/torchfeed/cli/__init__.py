@@ -16,6 +16,7 @@ import threading
 import time
 
 from .. import __version__
+from ..local import ENV_SYS_PATH  # set by LocalWorkers: the parent's sys.path, for imports
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # `torchfeed bench` cases (the table itself, in tools/bench.py, imports torch)
@@ -173,8 +174,6 @@ def _limit_args(args) -> list[str]:
 
 def _adopt_parent_path() -> None:
     """Make importable here what the parent process could import (LocalWorkers sets the variable)."""
-    from ..local import ENV_SYS_PATH
-
     listed = [p for p in os.environ.get(ENV_SYS_PATH, "").split(os.pathsep) if p]
     sys.path[:0] = [p for p in listed if p not in sys.path]
 

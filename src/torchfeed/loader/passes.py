@@ -45,12 +45,12 @@ _STALL_DEFAULT = 120.0  # seconds to wait for a worker when none is left and tim
 #   cancellations to workers, and (at the end of a pass) the prediction and prefetch of
 #   the next pass's first batches (:mod:`torchfeed.loader.prefetch`). It owns the sampler
 #   iterator once the pass is built.
-# * connection reader threads (one per worker connection, client.py): receive replies
+# * connection reader threads (one per worker connection, client/connection.py): receive replies
 #   into their buffers and call ``on_result`` (the pass is a ``prefetch.ResultSink``),
 #   which only records the outcome in the scheduler and the ledger (ledger.py), and
 #   wakes the consumer and the dispatch thread. No user code and no send runs on them.
 # * the keeper thread of the connections' Session (session.py: heartbeats, deadlines)
-#   and a dataset's membership thread (remote_dataset.py: the pass is its
+#   and a dataset's membership thread (loader/dataset.py: the pass is its
 #   ``MembershipListener``), which only record and wake, as reader threads do.
 #
 # Locks, in the order they may be taken (never the reverse):

@@ -166,6 +166,7 @@ def _reduce_code(code: types.CodeType):
     if not (isinstance(reduced, tuple) and len(reduced) == 2):
         return reduced  # a form this wrapper does not know: cloudpickle's own
     make, args = reduced
+    tracebacks.sending(code.co_filename)
     return tracebacks.rebuild_code, (make, args, code.co_filename)
 
 

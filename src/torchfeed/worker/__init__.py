@@ -13,17 +13,26 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .objects import ConnectionLimits, Registry, UnknownReference
-    from .server import WorkerServer, raise_fd_limit, run_worker
+    from .server import HANDSHAKE_TIMEOUT, WorkerServer, raise_fd_limit, run_worker
 
 _EXPORTS = {
     "ConnectionLimits": "objects",
+    "HANDSHAKE_TIMEOUT": "server",
     "Registry": "objects",
     "UnknownReference": "objects",
     "WorkerServer": "server",
     "raise_fd_limit": "server",
     "run_worker": "server",
 }
-__all__ = ["ConnectionLimits", "Registry", "UnknownReference", "WorkerServer", "raise_fd_limit", "run_worker"]
+__all__ = [
+    "HANDSHAKE_TIMEOUT",
+    "ConnectionLimits",
+    "Registry",
+    "UnknownReference",
+    "WorkerServer",
+    "raise_fd_limit",
+    "run_worker",
+]
 
 
 def __getattr__(name: str) -> Any:
