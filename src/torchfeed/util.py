@@ -12,7 +12,7 @@ import os
 import secrets
 import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 __all__ = [
     "atomic_write",
@@ -139,3 +139,21 @@ def saved_env(names: Iterable[str]) -> Iterator[dict[str, str | None]]:
         yield saved
     finally:
         restore_env(saved)
+
+
+def lazy_exports(package: str, exports: Mapping[str, str]) -> Callable[[str], Any]:
+    """A package's ``__getattr__`` that imports ``name`` from its module ``exports[name]`` (relative
+    to ``package``) on first use and keeps it as a plain attribute: importing the package stays
+    light (``torchfeed --help`` imports no torch)."""
+    import importlib
+    import sys
+
+    def __getattr__(name: str) -> Any:
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f".{module}", package), name)
+        setattr(sys.modules[package], name, value)  # later lookups are plain attribute reads
+        return value
+
+    return __getattr__

@@ -11,8 +11,9 @@ Names are imported on first use (the command line reads ``slurm`` without torch)
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..util import lazy_exports
 
 _EXPORTS = {
     "Environment": "env",
@@ -39,14 +40,7 @@ __all__ = [
 ]
 assert sorted(__all__) == sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'torchfeed.cluster' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 def __dir__():

@@ -10,8 +10,9 @@ checks (checks); run on the workers: fetch, streams, context.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..util import lazy_exports
 
 if TYPE_CHECKING:
     from .dataloader import RemoteDataLoader
@@ -20,11 +21,4 @@ if TYPE_CHECKING:
 _EXPORTS = {"RemoteDataLoader": "dataloader", "RemoteDataset": "dataset"}
 __all__ = ["RemoteDataLoader", "RemoteDataset"]
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)

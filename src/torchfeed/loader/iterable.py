@@ -33,7 +33,7 @@ from .. import client, errors, events, notices
 from ..client import wait_all
 from ..client.refs import RemoteRef
 from ..errors import RemoteError, Timeout, WorkerLost
-from .plan import new_pass_id, quiet
+from .plan import loader_length, new_pass_id, quiet
 from .sampling import INT63
 from .streams import BATCH, END, ERROR, NEED, open_stream, shard_order, shard_plan
 
@@ -119,9 +119,7 @@ class IterablePass:
         return self
 
     def __len__(self) -> int:
-        if self._config.length is None:
-            raise TypeError("this loader has no length: its dataset has none")
-        return self._config.length
+        return loader_length(self._config, "its dataset")
 
     # -- workers --------------------------------------------------------------------
     def inflight(self) -> dict[str, int]:

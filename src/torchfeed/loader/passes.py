@@ -127,9 +127,7 @@ class MapPass:
         return self
 
     def __len__(self) -> int:
-        if self._config.length is None:
-            raise TypeError("this loader has no length: its sampler has none")
-        return self._config.length
+        return passplan.loader_length(self._config, "its sampler")
 
     def _stall_limit(self) -> float:
         return self._timeout or _STALL_DEFAULT

@@ -137,6 +137,13 @@ class PassPlan:
     stats: Any = None  # stats.Accounting of the loader [stats hook]
 
 
+def loader_length(config: LoaderConfig, source_of_length: str) -> int:
+    """``len()`` of a pass: its loader's length, or TypeError naming what has none."""
+    if config.length is None:
+        raise TypeError(f"this loader has no length: {source_of_length} has none")
+    return config.length
+
+
 def pass_length(config: LoaderConfig, progress) -> int | None:
     """Batches a pass will load, when the sampler says (fewer after a resume)."""
     return None if config.length is None else max(config.length - progress.batches, 0)

@@ -8,8 +8,9 @@ from :mod:`torchfeed.worker.server` on first use (``torchfeed --help`` stays lig
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..util import lazy_exports
 
 if TYPE_CHECKING:
     from .objects import ConnectionLimits, Registry, UnknownReference
@@ -34,11 +35,4 @@ __all__ = [
     "run_worker",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)
