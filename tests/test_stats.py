@@ -284,7 +284,10 @@ def test_stalled_worker_is_hedged(fresh_workers):
     loader = torchfeed.RemoteDataLoader(ds, batch_size=1, straggler_factor=3)
     assert len(list(loader)) == 30
     s = loader.stats()
-    assert s.workers[w.addresses[0]].hedged > 0 and s.workers[w.addresses[1]].hedged == 0, s
+    slow_hedged, fast_hedged = s.workers[w.addresses[0]].hedged, s.workers[w.addresses[1]].hedged
+    # the stalled worker's batches are hedged; the fast one's only when the shared machine
+    # stalls it too (seen once in CI: a 10 s pause, 2 of its 28 batches hedged)
+    assert slow_hedged > 0 and fast_hedged < slow_hedged, s
 
 
 @pytest.mark.slow
