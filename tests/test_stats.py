@@ -282,7 +282,7 @@ def test_stalled_worker_is_hedged(fresh_workers):
     """The stats count hedges on the worker whose batch was overdue. Timing on a shared 2-core
     machine: CI twice saw a pass where the fast worker itself stalled (0.7 s a batch) and
     nothing could be hedged onto it, so the pass is tried up to three times; one pass in
-    which the stalled worker's batches are hedged, and more of them than the other's, shows it."""
+    which the stalled worker's batches are hedged and the other's are not shows it."""
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset(w.addresses, SleepDataset, 30, 0.003, {w.processes[0].pid: 100})
     pids = ds.run_on_workers(os.getpid)
@@ -294,7 +294,7 @@ def test_stalled_worker_is_hedged(fresh_workers):
         assert len(list(loader)) == 30
         s = loader.stats()
         seen.append(s.table())
-        if s.workers[slow].hedged > 0 and s.workers[fast].hedged < s.workers[slow].hedged:
+        if s.workers[slow].hedged > 0 and s.workers[fast].hedged == 0:
             return
     pytest.fail("the stalled worker's batches were not hedged in 3 passes:\n" + "\n\n".join(seen))
 
