@@ -30,7 +30,19 @@ def test_getitem_exception_is_its_type_and_remote_error(workers2):
     assert (err.errno, err.filename) == (2, "/data/2.jpg")  # the original's fields
     assert err.indices == [0, 1, 2, 3] and err.address in workers2 and err.remote_type == "FileNotFoundError"
     assert "Typed.__getitem__" not in err.remote_traceback or "__getitem__" in err.remote_traceback
-    with pytest.raises(CorruptSample) as info:  # a user-defined type with its own constructor
+    with pytest.raises(torchfeed.RemoteError) as info:  # a type of the user's, not allowed here
+        next(it)
+    assert (
+        type(info.value) is torchfeed.RemoteError
+        and info.value.remote_type == "compat_datasets.CorruptSample"
+    )
+    assert "sample 6: truncated JPEG" in str(info.value)
+    # allowed, it is its type, built with its own constructor's arguments
+    allowed = torchfeed.RemoteDataLoader(ds, batch_size=4, safe_globals=[CorruptSample])
+    it = iter(allowed)
+    with pytest.raises(FileNotFoundError):
+        next(it)
+    with pytest.raises(CorruptSample) as info:
         next(it)
     assert (info.value.index, info.value.reason) == (6, "truncated JPEG")
     assert "sample 6: truncated JPEG" in str(info.value)
@@ -66,8 +78,14 @@ def test_rpc_exceptions_keep_local_classes(workers2):
     def boom():
         raise LocalError("from a local class")
 
-    with pytest.raises(LocalError) as info:
+    # not allowed: its nearest allowed base (a ValueError), and a RemoteError
+    with pytest.raises(ValueError) as info:
         torchfeed.rpc_async(workers2[0], boom).wait()
+    assert isinstance(info.value, torchfeed.RemoteError) and not isinstance(info.value, LocalError)
+    assert info.value.remote_type.endswith("test_rpc_exceptions_keep_local_classes.<locals>.LocalError")
+    # allowed for the call: this very class
+    with pytest.raises(LocalError) as info:
+        torchfeed.rpc_async(workers2[0], boom, safe_globals=[LocalError]).wait()
     assert isinstance(info.value, torchfeed.RemoteError)
     with pytest.raises(KeyError):
         torchfeed.rpc_async(workers2[0], lambda: {}["missing"]).wait()
@@ -107,9 +125,13 @@ def test_types_unknown_here_fall_back_to_remote_error(fresh_workers, tmp_path):
         return only_on_worker.Thing()
 
     with pytest.raises(
-        torchfeed.SerializationError, match=f"reply from worker {address} could not be unpickled"
+        torchfeed.UnsafeReplyError, match=f"worker {address}: the reply needs only_on_worker.Thing"
     ):
         torchfeed.rpc_async(address, make_thing).wait()
+    with pytest.raises(
+        torchfeed.SerializationError, match=f"reply from worker {address} could not be unpickled"
+    ):
+        torchfeed.rpc_async(address, make_thing, trust_worker=True).wait()
 
 
 def test_stop_iteration_does_not_end_the_epoch_silently(workers2):

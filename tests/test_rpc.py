@@ -132,7 +132,18 @@ def test_result_may_be_an_instance_of_a_class_sent_by_value(addr):
         def __init__(self, x, y):
             self.x, self.y = x, y
 
-    moved = call(addr, lambda p: Point(p.x + 1, p.y), Point(1, 2))
+    def move(p):
+        return Point(p.x + 1, p.y)
+
+    # not loaded unless allowed: the reply names the class, and nothing of it runs here
+    with pytest.raises(torchfeed.UnsafeReplyError, match=r"test_rpc\.test_.*<locals>\.Point") as info:
+        call(addr, move, Point(1, 2))
+    assert info.value.global_name.endswith("<locals>.Point")
+    # allowed for the call: an instance of this very class
+    moved = torchfeed.rpc_async(addr, move, args=(Point(1, 2),), safe_globals=[Point]).wait()
+    assert (type(moved), moved.x, moved.y) == (Point, 2, 2)
+    # trusted: the class comes back by value, as before
+    moved = torchfeed.rpc_async(addr, move, args=(Point(1, 2),), trust_worker=True).wait()
     assert (type(moved).__name__, moved.x, moved.y) == ("Point", 2, 2)
 
 

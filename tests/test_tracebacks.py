@@ -199,12 +199,13 @@ def _recurse(n):
 
 @pytest.mark.parametrize("raiser", [_raise_chained, lambda: _recurse(30)])
 def test_described_traceback_is_pythons_own_text(raiser):
-    from torchfeed import errors, tracebacks
+    from torchfeed import tracebacks
+    from torchfeed.protocol import errordata
 
     try:
         raiser()
     except Exception as exc:  # noqa: BLE001
-        info = errors.describe_exception(exc)
+        info = errordata.describe_exception(exc)
         expected = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     assert info["traceback"] == expected
     assert tracebacks.render(info) == expected  # nothing here was sent by value: as it was

@@ -41,6 +41,10 @@ _EXPORTS = {
     "WorkerLost": "errors",
     "WorkerServer": "worker.server",
     "WorkerStats": "stats",
+    "UnsafeReplyError": "errors",
+    "add_safe_globals": "protocol.replies",
+    "clear_safe_globals": "protocol.replies",
+    "get_safe_globals": "protocol.replies",
     "rpc_async": "client",
     "run_worker": "worker.server",
     "set_heartbeat": "client",
@@ -71,9 +75,13 @@ __all__ = [
     "Timeout",
     "TorchfeedError",
     "UnsafeAddressFile",
+    "UnsafeReplyError",
     "WorkerLost",
     "WorkerServer",
     "WorkerStats",
+    "add_safe_globals",
+    "clear_safe_globals",
+    "get_safe_globals",
     "rpc_async",
     "run_worker",
     "set_heartbeat",
@@ -169,6 +177,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         SerializationError,
         Timeout,
         TorchfeedError,
+        UnsafeReplyError,
         WorkerLost,
     )
     from .loader.dataloader import RemoteDataLoader
@@ -176,6 +185,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .loader.sampling import DistributedSampler, set_random_seeds
     from .local import LocalWorkers
     from .protocol.limits import set_reply_limits
+    from .protocol.replies import add_safe_globals, clear_safe_globals, get_safe_globals
     from .stats import LoaderStats, WorkerStats
     from .worker.server import WorkerServer, run_worker
 

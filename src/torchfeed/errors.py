@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import pickle
 import re
-import traceback
 from collections.abc import Sequence
 from typing import Any
-
-from . import tracebacks
 
 # This module is imported by the command line before torch: keep it free of heavy imports.
 
@@ -126,7 +123,7 @@ class RemoteError(TorchfeedError):
         remote_traceback: str,
         indices: Sequence[Any] | None = None,
     ):
-        _set_remote_fields(self, address, remote_type, remote_message, remote_traceback, indices)
+        set_remote_fields(self, address, remote_type, remote_message, remote_traceback, indices)
         super().__init__(self._render())
 
     def __str__(self) -> str:
@@ -157,11 +154,22 @@ class RemoteError(TorchfeedError):
         )
 
 
+class UnsafeReplyError(SerializationError):
+    """A worker's reply names a class or function the trainer does not load by default.
+
+    ``global_name`` is its ``module.name``; allow a type of yours with
+    :func:`torchfeed.add_safe_globals` (see the message).
+    """
+
+    global_name: str = ""
+
+
 class LimitExceeded(TorchfeedError):
     """A request went over a per-connection bound of the worker (see the message for the knob)."""
 
 
-def _set_remote_fields(exc, address, remote_type, remote_message, remote_traceback, indices) -> None:
+def set_remote_fields(exc, address, remote_type, remote_message, remote_traceback, indices) -> None:
+    """Fill in the :class:`RemoteError` attributes of ``exc``."""
     exc.address = address
     exc.remote_type = remote_type
     exc.remote_message = remote_message
@@ -184,61 +192,7 @@ def _hint(exc: RemoteError) -> str:
     )
 
 
-# -- rebuilding a remote exception's type in the trainer -----------------------------------
-
-
-def describe_exception(exc: BaseException) -> dict[str, Any]:
-    """Worker side: what the trainer needs to re-raise ``exc`` (a dict of plain data and pickles).
-
-    ``type``, ``message`` and ``traceback`` are always there; ``cls`` (the type, pickled by
-    reference or by value) and ``reduced`` (its constructor arguments and state) when they
-    can be pickled; ``template``, ``frames`` and ``marker``, the traceback taken apart,
-    let the trainer show its own source for frames of code it sent (tracebacks.py).
-    """
-    etype = type(exc)
-    name = (
-        etype.__qualname__ if etype.__module__ == "builtins" else f"{etype.__module__}.{etype.__qualname__}"
-    )
-    try:
-        message = str(exc)
-    except Exception:  # a broken __str__ (or __repr__) must not break error reporting
-        try:
-            message = repr(exc)
-        except Exception:
-            message = object.__repr__(exc)
-    info: dict[str, Any] = {"type": name, "message": message}
-    try:
-        info.update(tracebacks.describe(exc))
-    except Exception:
-        try:
-            info["traceback"] = "".join(traceback.format_exception(etype, exc, exc.__traceback__))
-        except Exception:
-            info["traceback"] = f"{name}: {message}\n(the traceback could not be formatted)"
-    import cloudpickle  # by value: exception classes defined in __main__ or in functions
-
-    try:
-        info["cls"] = cloudpickle.dumps(etype)
-    except Exception:
-        return info
-    try:
-        reduced = exc.__reduce__()
-        ctor_args = tuple(reduced[1]) if len(reduced) > 1 else ()
-        state = reduced[2] if len(reduced) > 2 else None
-    except Exception:
-        ctor_args, state = tuple(getattr(exc, "args", ())), None
-    for candidate in ((ctor_args, state), (ctor_args, None), ((message,), None)):
-        try:
-            reduced = cloudpickle.dumps(candidate)
-        except Exception:
-            continue
-        if len(reduced) <= _MAX_REDUCED or candidate[1] is None and candidate[0] == (message,):
-            info["reduced"] = reduced
-            break
-    return info
-
-
-_MAX_REDUCED = 1 << 20  # an exception carrying more data than this comes back with its message only
-
+# -- rebuilding a remote exception's type in the trainer (the data: protocol/errordata.py) ----
 
 _remote_types: dict[type, type[RemoteError]] = {}
 
@@ -269,38 +223,8 @@ def remote_type_for(etype: type) -> type[RemoteError] | None:
     return made
 
 
-def rebuild_remote_error(
-    address: str, info: dict[str, Any], indices: Sequence[Any] | None = None
-) -> RemoteError:
-    """Trainer side: the exception to raise for a worker's :func:`describe_exception` dict.
-
-    Its ``remote_traceback`` shows frames of code this process sent by value with this
-    process's source (see :func:`torchfeed.tracebacks.render`).
-    """
-    fields = (address, info["type"], info["message"], tracebacks.render(info), indices)
-    etype = _loads(info.get("cls"))
-    made = remote_type_for(etype) if etype is not None else None
-    if made is None or made is etype:
-        return RemoteError(*fields)
-    reduced = _loads(info.get("reduced")) or ((info["message"],), None)
-    exc = _instantiate(made, etype, *reduced)
-    if exc is None:
-        return RemoteError(*fields)
-    _set_remote_fields(exc, *fields)
-    exc.remote_class = etype
-    return exc
-
-
-def _loads(raw: bytes | None):
-    if raw is None:
-        return None
-    try:
-        return pickle.loads(raw)
-    except Exception:  # the type's module is not importable here, or the pickle is stale
-        return None
-
-
-def _instantiate(made: type[RemoteError], etype: type, ctor_args: tuple, state) -> RemoteError | None:
+def instantiate(made: type[RemoteError], etype: type, ctor_args: tuple, state) -> RemoteError | None:
+    """An instance of ``made`` (from :func:`remote_type_for`) built as ``etype`` builds one."""
     try:
         exc = made.__new__(made, *ctor_args)
     except Exception:
@@ -319,14 +243,20 @@ def _instantiate(made: type[RemoteError], etype: type, ctor_args: tuple, state) 
 
 
 def _reduce_rebuilt(self):
-    info = {"type": self.remote_type, "message": self.remote_message, "traceback": self.remote_traceback}
-    try:
-        info["cls"] = pickle.dumps(self.remote_class)
-        state = {k: v for k, v in self.__dict__.items() if k not in _OWN_FIELDS}
-        info["reduced"] = pickle.dumps((tuple(self.args), state))
-    except Exception:
-        info.pop("cls", None)
-    return rebuild_remote_error, (self.address, info, self.indices)
+    # pickled in this process (multiprocessing, a cache): its type by reference, as pickle does
+    state = {k: v for k, v in self.__dict__.items() if k not in _OWN_FIELDS}
+    fields = (self.address, self.remote_type, self.remote_message, self.remote_traceback, self.indices)
+    return _remake, (self.remote_class, fields, tuple(self.args), state)
+
+
+def _remake(etype: type, fields: tuple, args: tuple, state: dict) -> RemoteError:
+    made = remote_type_for(etype)
+    exc = instantiate(made, etype, args, state) if made is not None and made is not etype else None
+    if exc is None:
+        return RemoteError(*fields)
+    set_remote_fields(exc, *fields)
+    exc.remote_class = etype
+    return exc
 
 
 _OWN_FIELDS = frozenset(

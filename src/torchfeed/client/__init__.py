@@ -22,7 +22,7 @@ import torch
 from ..errors import Timeout
 from ..protocol import auth, wire
 from . import session as sessions
-from .connection import Address, Callback, Connection, format_address, parse_address, reply_bytes
+from .connection import JSON_REPLY, Address, Callback, Connection, format_address, parse_address, reply_bytes
 from .refs import Call, RemoteRef
 from .session import Session
 
@@ -131,6 +131,8 @@ def call(
     timeout: float | None = None,
     secret: auth.SecretLike = None,
     callback: Callback,
+    safe_globals: Sequence[Any] | None = None,
+    trust_worker: bool = False,
 ) -> Call:
     """Low-level asynchronous call on the default session: ``callback(ok, value)`` receives
     the outcome (see :meth:`Session.call`)."""
@@ -144,6 +146,8 @@ def call(
         timeout=timeout,
         secret=secret,
         callback=callback,
+        safe_globals=safe_globals,
+        trust_worker=trust_worker,
     )
 
 
@@ -158,6 +162,8 @@ def rpc_async(
     *,
     secret: auth.SecretLike = None,
     wait_for_worker: bool | None = None,
+    safe_globals: Sequence[Any] | None = None,
+    trust_worker: bool = False,
 ) -> torch.futures.Future:
     """Execute ``func(*args, **kwargs)`` on a worker; return a future of its result.
 
@@ -186,14 +192,33 @@ def rpc_async(
     wait_for_worker : bool, optional
         Wait for a worker that refuses connections: by default only for one this session
         has not reached yet (once reached, a refusal means it was lost: the call fails at once).
+    safe_globals : list, optional
+        Classes (or functions) the result may contain beyond what torchfeed loads by
+        default (containers, scalars, tensors, arrays) and :func:`torchfeed.add_safe_globals`
+        allows: a worker's reply runs no code in this process.
+    trust_worker : bool
+        Load the result with plain pickle, as trusted data (a reply can then run any code
+        here): only for a worker you trust with this process.
 
     Returns
     -------
     torch.futures.Future
-        Raises :class:`RemoteError` from ``wait()`` if ``func`` raised on the worker.
+        Raises :class:`RemoteError` from ``wait()`` if ``func`` raised on the worker, and
+        :class:`~torchfeed.errors.UnsafeReplyError` if its result names a class that is not
+        allowed (nothing of it ran).
     """
     return sessions.default_session().rpc_async(
-        host, func, args, kwargs, pin_memory, rref, timeout, secret=secret, wait_for_worker=wait_for_worker
+        host,
+        func,
+        args,
+        kwargs,
+        pin_memory,
+        rref,
+        timeout,
+        secret=secret,
+        wait_for_worker=wait_for_worker,
+        safe_globals=safe_globals,
+        trust_worker=trust_worker,
     )
 
 
@@ -225,7 +250,7 @@ def worker_stats(address: Address, secret: auth.SecretLike = None, timeout: floa
         box.append((ok, value))
         done.set()
 
-    conn.request(wire.STATS, b"", callback=got, timeout=timeout)
+    conn.request(wire.STATS, b"", callback=got, timeout=timeout, policy=JSON_REPLY)
     if not done.wait(timeout + 1.0):
         raise Timeout(f"worker {format_address(address)} did not answer a stats request within {timeout:g} s")
     ok, value = box[0]

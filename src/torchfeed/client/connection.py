@@ -10,6 +10,7 @@ reads; the owner's keeper thread calls :meth:`Connection.tick`.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import pickle
 import socket
@@ -27,10 +28,13 @@ from ..errors import (
     SerializationError,
     Timeout,
     TorchfeedError,
+    UnsafeReplyError,
     WorkerLost,
 )
-from ..protocol import auth, limits, serialize, wire
+from ..protocol import auth, limits, wire
 from ..protocol.buffers import allocate
+from ..protocol.errordata import rebuild_remote_error
+from ..protocol.replies import SAFE, Policy, load_data
 
 log = logging.getLogger("torchfeed.client")
 
@@ -43,6 +47,7 @@ class Owner(Protocol):
 
     heartbeat_interval: float
     heartbeat_timeout: float
+    reply_policy: Policy  # how replies are loaded when a request names no policy
 
     def watch(self, connection: Connection) -> None: ...
 
@@ -78,13 +83,37 @@ def reply_bytes() -> int:
 
 
 class _Pending:
-    __slots__ = ("callback", "pin", "deadline", "session")
+    __slots__ = ("callback", "pin", "deadline", "session", "policy")
 
-    def __init__(self, callback: Callback, pin: bool, deadline: float | None, session: Owner | None):
+    def __init__(
+        self, callback: Callback, pin: bool, deadline: float | None, session: Owner | None, policy: Any
+    ):
         self.callback = callback
         self.pin = pin
         self.deadline = deadline
         self.session = session  # a call in flight keeps its session (and so this connection) open
+        self.policy = policy  # a replies.Policy, or JSON_REPLY
+
+
+JSON_REPLY = "json"  # request(policy=JSON_REPLY): the reply is JSON (STATS), not a pickle
+
+
+def _json_object(address: str, meta: bytes) -> dict:
+    try:
+        value = json.loads(meta)
+    except ValueError as exc:
+        raise SerializationError(f"worker {address} answered with bytes that are not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise SerializationError(f"worker {address} answered with JSON that is not an object: {value!r:.80}")
+    return value
+
+
+def _ref_id(meta: bytes) -> int:
+    """The remote reference id of an ``rref`` reply."""
+    ref = load_data(meta)
+    if type(ref) is not int:
+        raise ProtocolError(f"a remote reference reply carries {ref!r:.80} instead of an id")
+    return ref
 
 
 class Connection:
@@ -162,14 +191,23 @@ class Connection:
         flags: int = 0,
         pin: bool = False,
         timeout: float | None = None,
+        policy: Policy | str | None = None,
     ) -> int:
-        """Send a call; ``callback(ok, value)`` runs on the reader thread with the result."""
+        """Send a call; ``callback(ok, value)`` runs on the reader thread with the result.
+
+        ``policy`` says how its reply is loaded (a :class:`~torchfeed.protocol.replies.Policy`;
+        default: the session's ``reply_policy``), or ``JSON_REPLY``.
+        """
         rid = next(self._ids)
         deadline = time.monotonic() + timeout if timeout else None
+        owner = self._session()
+        if policy is None:
+            policy = owner.reply_policy if owner is not None else SAFE
         with self._pending_lock:
             if self.closed:
                 raise self._lost_error()
-            self._pending[rid] = _Pending(callback, pin, deadline, self._session())
+            self._pending[rid] = _Pending(callback, pin, deadline, owner, policy)
+        del owner
         try:
             self._send(kind, rid, meta, buffers, flags)
         except BaseException as exc:
@@ -254,7 +292,7 @@ class Connection:
                     self._receiving = None
                 if receiving[1]:  # cancelled while its body arrived
                     if frame.kind == wire.REPLY and frame.flags & wire.FLAG_RREF:
-                        self.release_later(pickle.loads(frame.meta))
+                        self.release_later(_ref_id(frame.meta))
                 else:
                     self._deliver(frame, buffers, pending)
                 del frame, buffers, pending  # an idle connection must not keep the last reply alive
@@ -267,7 +305,7 @@ class Connection:
         self.channel.skip(frame, meta=False)
         if frame.kind == wire.REPLY and frame.flags & wire.FLAG_RREF:
             # an object kept for a call nobody waits for any more: free it
-            self.release_later(pickle.loads(frame.meta))
+            self.release_later(_ref_id(frame.meta))
         if frame.kind == wire.BYE:
             raise ProtocolError(f"worker closed the connection: {frame.meta.decode(errors='replace')}")
 
@@ -282,13 +320,22 @@ class Connection:
 
     def _deliver(self, frame: wire.Frame, buffers, pending: _Pending) -> None:
         value: Any
+        policy = pending.policy
         try:
             if frame.kind == wire.ERROR:
-                ok, value = False, errors.rebuild_remote_error(self.address, pickle.loads(frame.meta))
+                rules = policy if isinstance(policy, Policy) else SAFE
+                ok, value = False, rebuild_remote_error(self.address, load_data(frame.meta), policy=rules)
+            elif policy == JSON_REPLY:
+                ok, value = True, _json_object(self.address, frame.meta)
             elif frame.flags & wire.FLAG_RREF:
-                ok, value = True, pickle.loads(frame.meta)
+                ok, value = True, _ref_id(frame.meta)
             else:
-                ok, value = True, serialize.loads(frame.meta, buffers)
+                ok, value = True, policy.loads(frame.meta, buffers)
+        except UnsafeReplyError as exc:  # nothing was called: say which worker sent it
+            ok, value = False, UnsafeReplyError(f"worker {self.address}: {exc}")
+            value.global_name = exc.global_name
+        except SerializationError as exc:
+            ok, value = False, exc
         except Exception as exc:  # an unpicklable reply fails that request only
             ok, value = (
                 False,

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..protocol import serialize, wire
+from ..protocol.replies import Policy
 
 if TYPE_CHECKING:
     from .connection import Connection
@@ -69,15 +70,20 @@ class RemoteRef:
         """Whether calls through this reference can still reach the object (not :attr:`closed`)."""
         return not self._conn.closed
 
-    def call(self, args: tuple, *, callback: Callback, pin: bool = False) -> Call:
+    def call(
+        self, args: tuple, *, callback: Callback, pin: bool = False, policy: Policy | None = None
+    ) -> Call:
         """Call the referenced object with ``args`` (plain pickle); ``callback(ok, value)`` gets
-        the outcome on the connection's reader thread. Returns the :class:`Call` (cancellable)."""
-        return Call(self._conn, self.request(args, callback=callback, pin=pin))
+        the outcome on the connection's reader thread. Returns the :class:`Call` (cancellable).
+        ``policy`` says how the result is loaded (default: the session's)."""
+        return Call(self._conn, self.request(args, callback=callback, pin=pin, policy=policy))
 
-    def request(self, args: tuple, *, callback: Callback, pin: bool = False) -> int:
+    def request(
+        self, args: tuple, *, callback: Callback, pin: bool = False, policy: Policy | None = None
+    ) -> int:
         """As :meth:`call`, returning the bare request id (to cancel many at once with :meth:`cancel`)."""
         meta = pickle.dumps((self.ref_id, args, None), protocol=5)
-        return self._conn.request(wire.CALL_REF, meta, callback=callback, pin=pin)
+        return self._conn.request(wire.CALL_REF, meta, callback=callback, pin=pin, policy=policy)
 
     def cancel(self, request_ids: Iterable[int]) -> None:
         """Forget these requests (ids from :meth:`request`), in one message to the worker."""

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..errors import ConnectionClosed, SerializationError
-from ..protocol import auth, serialize, wire
+from ..protocol import auth, replies, serialize, wire
 from ..protocol.buffers import check_pinnable
 from . import connection as client
 from .reach import retry_refused as retry_refused_until
@@ -75,6 +75,10 @@ class Session:
         datasets built with this session allow for building.
     secret : str, bytes or path, optional
         Default shared secret; None discovers it as :func:`torchfeed.protocol.auth.load_secret` does.
+    safe_globals : list, optional
+        Classes and functions that replies to this session's calls may contain, beyond what
+        torchfeed loads by default and :func:`torchfeed.add_safe_globals` allows (see
+        :mod:`torchfeed.protocol.replies`: a worker's reply runs no code here).
     """
 
     def __init__(
@@ -84,6 +88,7 @@ class Session:
         heartbeat_timeout: float | None = None,
         timeout: float = 120.0,
         secret: auth.SecretLike = None,
+        safe_globals: Sequence[Any] | None = None,
     ):
         interval = (
             _env_seconds("TORCHFEED_HEARTBEAT_INTERVAL", 2.0)
@@ -108,6 +113,7 @@ class Session:
             ) from None
         self.timeout = float(timeout)
         self.secret = secret
+        self.reply_policy = replies.policy(safe_globals)
         self._fresh_state()
         _sessions.add(self)
         # dropped without close(): its connections are closed when it is collected (calls
@@ -274,17 +280,24 @@ class Session:
         timeout: float | None = None,
         secret: auth.SecretLike = None,
         callback: client.Callback,
+        safe_globals: Sequence[Any] | None = None,
+        trust_worker: bool = False,
     ) -> Call:
         """Low-level asynchronous call: ``callback(ok, value)`` receives the outcome on a
         connection's reader thread. Returns the :class:`~torchfeed.client.Call`.
+        ``safe_globals`` and ``trust_worker`` are as for :meth:`rpc_async`.
 
         It connects in the caller's thread and fails at once where nothing listens (see
         :meth:`rpc_async` for a call that waits for a worker that is still starting).
         """
         timeout = self.timeout if timeout is None else timeout
         meta, buffers = self._pack(address, func, args, kwargs, pin_memory)
+        policy = self._policy(safe_globals, trust_worker)
         conn = self.connect(address, secret, timeout)
-        return self._send(conn, meta, buffers, args, kwargs, rref, pin_memory, timeout, callback)
+        return self._send(conn, meta, buffers, args, kwargs, rref, pin_memory, timeout, callback, policy)
+
+    def _policy(self, safe_globals: Sequence[Any] | None, trust_worker: bool) -> replies.Policy:
+        return replies.TRUSTED if trust_worker else self.reply_policy.with_globals(safe_globals)
 
     def _pack(self, address, func, args, kwargs, pin_memory: bool) -> tuple[bytes, list]:
         check_pinnable(pin_memory)
@@ -297,7 +310,7 @@ class Session:
                 f"({exc})"
             ) from exc
 
-    def _send(self, conn, meta, buffers, args, kwargs, rref, pin_memory, timeout, callback) -> Call:
+    def _send(self, conn, meta, buffers, args, kwargs, rref, pin_memory, timeout, callback, policy) -> Call:
         # The arguments stay referenced until the reply: a RemoteRef argument dropped by the
         # caller right away must not be released before the worker used it.
         keep = [args, kwargs]
@@ -316,6 +329,7 @@ class Session:
             flags=wire.FLAG_RREF if rref else 0,
             pin=pin_memory,
             timeout=timeout,
+            policy=policy,
         )
         return Call(conn, rid)
 
@@ -331,6 +345,8 @@ class Session:
         *,
         secret: auth.SecretLike = None,
         wait_for_worker: bool | None = None,
+        safe_globals: Sequence[Any] | None = None,
+        trust_worker: bool = False,
     ) -> torch.futures.Future:
         """Execute ``func(*args, **kwargs)`` on a worker; return a future of its result.
 
@@ -340,7 +356,9 @@ class Session:
         until ``timeout`` (the first refusal is logged), on a thread that reaches that address
         for every call waiting on it; the future is returned at once. Once reached, a refused
         connection fails the call at once (the worker was lost). ``wait_for_worker=False``
-        never waits, ``True`` always does.
+        never waits, ``True`` always does. The result is loaded as the session loads replies
+        (restricted; ``safe_globals`` allows more for this call), or by plain pickle with
+        ``trust_worker=True``: only for a worker you trust with this process.
         """
         timeout = self.timeout if timeout is None else timeout
         fut: torch.futures.Future = torch.futures.Future()
@@ -352,13 +370,14 @@ class Session:
                 fut.set_exception(value)
 
         try:
+            policy = self._policy(safe_globals, trust_worker)
             meta, buffers = self._pack(host, func, args, kwargs, pin_memory)
             address = client.format_address(host)
             with self._lock:
                 wait = wait_for_worker if wait_for_worker is not None else address not in self._reached
             if not wait:
                 conn = self.connect(address, secret, timeout)
-                self._send(conn, meta, buffers, args, kwargs, rref, pin_memory, timeout, done)
+                self._send(conn, meta, buffers, args, kwargs, rref, pin_memory, timeout, done, policy)
                 return fut
         except Exception as exc:
             fut.set_exception(exc)
@@ -371,7 +390,7 @@ class Session:
                     raise error
                 assert conn is not None
                 left = max(0.1, timeout - (time.monotonic() - start))
-                self._send(conn, meta, buffers, args, kwargs, rref, pin_memory, left, done)
+                self._send(conn, meta, buffers, args, kwargs, rref, pin_memory, left, done, policy)
             except Exception as exc:
                 fut.set_exception(exc)
 

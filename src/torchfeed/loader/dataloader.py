@@ -105,6 +105,12 @@ class RemoteDataLoader(Generic[T_co]):
         A batch needed soon that runs longer than this many times the typical batch time
         (and at least ``straggler_min_seconds``) is duplicated on a worker with a free
         credit; the first result wins. ``None`` disables duplication.
+    safe_globals : list, optional
+        Classes (or functions) that batches may contain beyond what torchfeed loads by
+        default (builtin containers and scalars, tensors, numpy arrays and scalars) and
+        what :func:`torchfeed.add_safe_globals` and the dataset's session allow: a worker's
+        reply runs no code in the trainer (:class:`~torchfeed.errors.UnsafeReplyError`
+        names what was refused). E.g. ``safe_globals=[MyRecord, PIL.Image.Image]``.
     """
 
     def __init__(
@@ -135,6 +141,7 @@ class RemoteDataLoader(Generic[T_co]):
         workers: Sequence[str] | None = None,
         args: Sequence = (),
         kwargs: dict | None = None,
+        safe_globals: Sequence[Any] | None = None,
     ):
         if callable(num_workers):
             raise TypeError(
@@ -192,6 +199,7 @@ class RemoteDataLoader(Generic[T_co]):
         self.max_retries = max_retries
         self.straggler_factor = straggler_factor
         self.straggler_min_seconds = straggler_min_seconds
+        self._reply_policy = source.session.reply_policy.with_globals(safe_globals)
         if collate_fn is None:
             collate_fn = default_collate if self._auto_collation else default_convert
         self.collate_fn = collate_fn
@@ -391,6 +399,7 @@ class RemoteDataLoader(Generic[T_co]):
             straggler_factor=self.straggler_factor,
             straggler_min_seconds=self.straggler_min_seconds,
             length=length,
+            reply_policy=self._reply_policy,
         )
 
     def _keep_estimates(self, estimates: dict[str, float]) -> None:
@@ -431,6 +440,7 @@ class RemoteDataLoader(Generic[T_co]):
             source=self._source,
             auto=self._auto_collation,
             pin=self.pin_memory,
+            policy=self._reply_policy,
             epoch=epoch,
             base_seed=base_seed,
             sample_seed=base_seed if self.per_sample_seeding else None,

@@ -33,6 +33,7 @@ from .. import client, errors, events, notices
 from ..client import wait_all
 from ..client.refs import RemoteRef
 from ..errors import RemoteError, Timeout, WorkerLost
+from ..protocol.errordata import rebuild_remote_error
 from .plan import loader_length, new_pass_id, quiet
 from .sampling import INT63
 from .streams import BATCH, END, ERROR, NEED, open_stream, shard_order, shard_plan
@@ -81,6 +82,7 @@ class IterablePass:
         self._timeout = config.timeout
         self._credits = config.prefetch_factor
         self._pin = config.pin_memory
+        self._policy = config.reply_policy
         self._cond = threading.Condition()
         self._notices = notices.Pending()
         self._closed = False
@@ -301,7 +303,9 @@ class IterablePass:
                     me._on_result(slot, incarnation, ok, value)
 
             try:
-                slot.ref.request((grants, self._total(slot)), callback=on_result, pin=self._pin)
+                slot.ref.request(
+                    (grants, self._total(slot)), callback=on_result, pin=self._pin, policy=self._policy
+                )
             except (WorkerLost, OSError) as exc:
                 if grants and self._queue is not None:  # not sent: back to the queue
                     del slot.grants[-len(grants) :]
@@ -336,7 +340,7 @@ class IterablePass:
                     self._top_up(slot)
                 else:
                     if kind == ERROR:
-                        payload = errors.rebuild_remote_error(slot.worker, payload)
+                        payload = rebuild_remote_error(slot.worker, payload, policy=self._policy)
                     slot.results[number] = (kind, payload, state, rng, taken)
                     if kind == BATCH and self._acc is not None:  # [stats hook]
                         self._acc.delivered(slot.worker, self._samples, client.reply_bytes(), None)

@@ -77,7 +77,7 @@ class MapPass:
         self._auto = plan.auto_collation
         self._pin = config.pin_memory
         self._timeout = config.timeout
-        self._head = head if head is not None and head.matches(plan, self._pin) else None
+        self._head = head if head is not None and head.matches(plan, self._pin, config.reply_policy) else None
         if head is not None and self._head is None:
             head.discard()
         self._pass_id = self._head.pass_id if self._head is not None else new_pass_id()
@@ -257,7 +257,12 @@ class MapPass:
             keys = self._source.map_index(idx, self._auto)
             worker_id, num_workers = self._source.worker_id(address)
             context = (self._pass_id, worker_id, num_workers, self._plan.base_seed)
-            rid = fetcher.request((keys, self._plan.sample_seed, context), callback=on_result, pin=self._pin)
+            rid = fetcher.request(
+                (keys, self._plan.sample_seed, context),
+                callback=on_result,
+                pin=self._pin,
+                policy=self._plan.config.reply_policy,
+            )
         except (WorkerLost, OSError, KeyError) as exc:
             with self._lock:
                 self._lose_worker(address, exc)

@@ -145,6 +145,7 @@ class Head:
         source,
         auto: bool,
         pin: bool,
+        policy: Any,
         epoch: int,
         base_seed: int,
         sample_seed: int | None,
@@ -153,6 +154,7 @@ class Head:
         estimates: dict[str, float],
     ):
         self.fetchers, self.source, self.auto, self.pin = fetchers, source, auto, pin
+        self.policy = policy  # how its batches are loaded (protocol.replies.Policy)
         self.epoch, self.base_seed, self.sample_seed = epoch, base_seed, sample_seed
         self.indices = indices
         self.pass_id = pass_id
@@ -166,7 +168,7 @@ class Head:
             None  # wakes the dispatch thread of the pass that fills this head
         )
 
-    def matches(self, plan, pin: bool) -> bool:
+    def matches(self, plan, pin: bool, policy: Any) -> bool:
         """Whether a pass built from ``plan`` loads what this head predicted (keys aside)."""
         record = plan.progress.record
         return (
@@ -177,6 +179,7 @@ class Head:
             and plan.base_seed == self.base_seed
             and plan.sample_seed == self.sample_seed
             and pin == self.pin
+            and policy is self.policy
             and plan.auto_collation == self.auto
         )
 
@@ -210,7 +213,9 @@ class Head:
             keys = self.source.map_index(self.indices[seq], self.auto)
             worker_id, num_workers = self.source.worker_id(address)
             context = (self.pass_id, worker_id, num_workers, self.base_seed)
-            rid = fetcher.request((keys, self.sample_seed, context), callback=on_result, pin=self.pin)
+            rid = fetcher.request(
+                (keys, self.sample_seed, context), callback=on_result, pin=self.pin, policy=self.policy
+            )
         except Exception:  # noqa: BLE001 - a prefetch that cannot go out is simply not used
             with self._lock:
                 self._finish(self._entries[seq], "lost")

@@ -28,7 +28,8 @@ import threading
 from collections import deque
 from typing import Any
 
-from .. import errors, seeding
+from .. import seeding
+from ..protocol import errordata
 from .context import WorkerSetup, own_copy, worker_context
 
 _ORDER_TAG = 0x5A4D  # mixed into the shard order's seed
@@ -156,7 +157,7 @@ class Stream:
                 return number, END, None, None, None, self._inbox.taken
             except Exception as exc:  # raised in order by the trainer; the stream may go on
                 self._number += 1
-                return number, ERROR, errors.describe_exception(exc), None, None, self._inbox.taken
+                return number, ERROR, errordata.describe_exception(exc), None, None, self._inbox.taken
             self._number += 1
             return number, BATCH, batch, state, rng, self._inbox.taken
 

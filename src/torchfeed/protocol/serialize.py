@@ -8,7 +8,9 @@
   preallocated block (pinned when asked), from which the tensors are views.
 
 The meta part starts with nothing but the pickle stream; the frame's buffers are the
-out-of-band buffers in the order pickle asked for them.
+out-of-band buffers in the order pickle asked for them. The trainer loads replies with
+a restricted unpickler (replies.py): what a pickle here may name for it to load by
+default is listed there.
 """
 
 from __future__ import annotations
@@ -28,26 +30,12 @@ import numpy as np
 import torch
 
 from .. import tracebacks
+from .replies import known_class, rebuild_class, rebuild_ndarray, rebuild_object_array, rebuild_tensor
 
 _state = threading.local()
 
 
 # -- tensors and arrays ----------------------------------------------------
-
-
-def _rebuild_tensor(
-    buf, dtype_name: str, shape: tuple[int, ...], requires_grad: bool, stride: tuple[int, ...] | None = None
-):
-    dtype = getattr(torch, dtype_name)
-    mv = memoryview(buf)
-    if mv.nbytes == 0:
-        t = torch.empty(shape, dtype=dtype)
-    else:
-        flat = torch.from_numpy(np.frombuffer(mv, dtype=np.uint8)).view(dtype)
-        t = flat.view(shape) if stride is None else flat.as_strided(shape, stride)
-    if requires_grad:
-        t.requires_grad_(True)
-    return t
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -97,22 +85,20 @@ def _reduce_tensor(t: torch.Tensor):
         if _span(t) > 2 * t.numel():
             t = _dense(t)
         memory = t.as_strided((_span(t),), (1,)).view(torch.uint8).numpy()
-        return _rebuild_tensor, (_buffer(memory), dtype_name, tuple(t.shape), requires_grad, t.stride())
+        return rebuild_tensor, (_buffer(memory), dtype_name, tuple(t.shape), requires_grad, t.stride())
     raw = t.reshape(-1).view(torch.uint8).numpy()
-    return _rebuild_tensor, (_buffer(raw), dtype_name, tuple(t.shape), requires_grad)
-
-
-def _rebuild_ndarray(buf, dtype, shape):
-    return np.frombuffer(memoryview(buf), dtype=np.uint8).view(dtype).reshape(shape)
+    return rebuild_tensor, (_buffer(raw), dtype_name, tuple(t.shape), requires_grad)
 
 
 def _reduce_ndarray(a: np.ndarray):
-    if a.dtype.hasobject:
+    if a.dtype == object:  # its items as a list: each pickled (and loaded) on its own terms
+        return rebuild_object_array, (list(a.reshape(-1)), a.shape)
+    if a.dtype.hasobject:  # structured with object fields: numpy's own way
         return a.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
     if not a.flags.c_contiguous:
         a = np.ascontiguousarray(a)
     raw = a.reshape(-1).view(np.uint8)
-    return _rebuild_ndarray, (_buffer(raw), a.dtype, a.shape)
+    return rebuild_ndarray, (_buffer(raw), a.dtype, a.shape)
 
 
 def _buffer(raw: np.ndarray) -> pickle.PickleBuffer:
@@ -176,6 +162,30 @@ _BY_VALUE: dict[type, Callable[[Any], Any]] = {types.CodeType: _reduce_code} if 
 class _CloudPickler(cloudpickle.Pickler):
     dispatch_table = ChainMap(_REDUCERS, _BY_VALUE, cloudpickle.Pickler.dispatch_table)
 
+    def reducer_override(self, obj):
+        reduced = super().reducer_override(obj)
+        # cloudpickle 3 rebuilds a class sent by value with its __name__ as its __qualname__:
+        # keep the real one (a class of a function, "f.<locals>.Point"), the name its
+        # instances come back under and are allowed by (replies.py)
+        if isinstance(obj, type) and isinstance(reduced, tuple) and len(reduced) == 6:
+            state = reduced[2]
+            if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], dict):
+                state = ({**state[0], "__qualname__": obj.__qualname__}, state[1])
+                reduced = (*reduced[:2], state, *reduced[3:])
+        return reduced
+
+
+class _ReplyCloudPickler(_CloudPickler):
+    """A reply's classes that cannot be named (they reached this worker by value) travel
+    under their name and by value apart: a trainer that restricts what it loads looks the
+    name up in what it allows and never loads the value (replies.py)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, type) and not known_class(obj):
+            name = f"{obj.__module__}.{obj.__qualname__}"
+            return rebuild_class, (name, cloudpickle.dumps(obj, protocol=5))
+        return super().reducer_override(obj)
+
 
 # ``bytes`` never reach a pickler's dispatch table (the C pickler writes them inline), but
 # every object passes persistent_id first: large ones go out of band that way.
@@ -204,19 +214,29 @@ class _CloudPicklerApart(_BytesApart, _CloudPickler):
     pass
 
 
-_PICKLERS = {
-    (False, False): _Pickler,
-    (True, False): _CloudPickler,
-    (False, True): _PicklerApart,
-    (True, True): _CloudPicklerApart,
+class _ReplyCloudPicklerApart(_BytesApart, _ReplyCloudPickler):
+    pass
+
+
+_PICKLERS = {  # (by_value, bytes_apart, reply)
+    (False, False, False): _Pickler,
+    (True, False, False): _CloudPickler,
+    (False, True, False): _PicklerApart,
+    (True, True, False): _CloudPicklerApart,
+    (True, False, True): _ReplyCloudPickler,
+    (True, True, True): _ReplyCloudPicklerApart,
 }
 
 
-def dumps(obj: Any, *, by_value: bool = False, bytes_apart: bool = False) -> tuple[bytes, list[memoryview]]:
+def dumps(
+    obj: Any, *, by_value: bool = False, bytes_apart: bool = False, reply: bool = False
+) -> tuple[bytes, list[memoryview]]:
     """Serialize ``obj``; return the pickle stream and the out-of-band buffers.
 
     ``by_value=True`` uses cloudpickle (for functions, classes, lambdas); ``bytes_apart``
-    sends large ``bytes`` and ``bytearray`` objects as buffers too (read with :func:`loads`).
+    sends large ``bytes`` and ``bytearray`` objects as buffers too (read with
+    :meth:`torchfeed.protocol.replies.Policy.loads`); ``reply`` (with ``by_value``) sends
+    classes that cannot be named apart (see ``_ReplyCloudPickler``).
     """
     buffers: list[memoryview] = []
 
@@ -225,7 +245,7 @@ def dumps(obj: Any, *, by_value: bool = False, bytes_apart: bool = False) -> tup
         return False  # out of band
 
     out = io.BytesIO()
-    pickler = _PICKLERS[by_value, bytes_apart](out, protocol=5, buffer_callback=keep)
+    pickler = _PICKLERS[by_value, bytes_apart, reply and by_value](out, protocol=5, buffer_callback=keep)
     pickler.buffers = buffers  # one list: buffers stay in the order the unpickler asks for them
     pickler.dump(obj)
     return out.getvalue(), buffers
@@ -235,8 +255,9 @@ def dumps_reply(obj: Any) -> tuple[bytes, list[memoryview]]:
     """Serialize a result: plain pickle (fast), by value when it needs to be.
 
     A result may be an instance of a class that reached the worker by value (defined in
-    the trainer's ``__main__`` or in a function): the trainer can only rebuild it if the
-    class travels back by value too. A result whose pickle is large is pickled again with
+    the trainer's ``__main__`` or in a function): the class travels back under its name
+    (what a trainer that restricts its loads allows it by) and by value (for a trainer
+    that trusts the worker). A result whose pickle is large is pickled again with
     its large ``bytes`` as raw buffers (encoded images or audio: no copy, no 4 GiB bound).
     """
     by_value = False
@@ -244,31 +265,14 @@ def dumps_reply(obj: Any) -> tuple[bytes, list[memoryview]]:
         meta, buffers = dumps(obj)
     except (pickle.PicklingError, AttributeError, TypeError):
         by_value = True
-        meta, buffers = dumps(obj, by_value=True)
+        meta, buffers = dumps(obj, by_value=True, reply=True)
     if len(meta) > _RETRY_APART:
         del meta, buffers
-        meta, buffers = dumps(obj, by_value=by_value, bytes_apart=True)
+        meta, buffers = dumps(obj, by_value=by_value, bytes_apart=True, reply=True)
     return meta, buffers
 
 
-# -- receiving (the receive block itself comes from buffers.allocate) ---------------
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, meta: bytes, buffers: Sequence[memoryview]):
-        self._buffers = iter(buffers)  # shared with persistent_load: one sequence, in order
-        super().__init__(io.BytesIO(meta), buffers=self._buffers)
-
-    def persistent_load(self, pid):
-        if not (isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "torchfeed-bytes"):
-            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
-        view = next(self._buffers)
-        return bytearray(view) if pid[1] else bytes(view)
-
-
-def loads(meta: bytes, buffers: Sequence[memoryview] = ()) -> Any:
-    """Inverse of :func:`dumps` with buffers already received."""
-    return _Unpickler(meta, buffers).load()
+# -- receiving (the receive block itself comes from buffers.allocate; replies: replies.py) ----
 
 
 def loads_call(meta: bytes, buffers: Sequence[memoryview], registry) -> Any:

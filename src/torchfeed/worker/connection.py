@@ -16,9 +16,9 @@ import threading
 from collections import deque
 from typing import Protocol
 
-from .. import errors, seeding
+from .. import seeding
 from ..errors import FrameTooLarge, LimitExceeded, ProtocolError
-from ..protocol import serialize, wire
+from ..protocol import errordata, serialize, wire
 from ..protocol.buffers import allocate
 from ..protocol.limits import check_reply
 from . import stats as workerstats
@@ -38,7 +38,7 @@ ENTRY_BYTES = 64
 
 
 def _describe_exception(exc: BaseException) -> bytes:
-    return pickle.dumps(errors.describe_exception(exc), protocol=5)
+    return pickle.dumps(errordata.describe_exception(exc), protocol=5)
 
 
 class Host(Protocol):

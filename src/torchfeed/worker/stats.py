@@ -10,13 +10,14 @@ blocks), so nothing holds the reader up. :func:`query` is the client side.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import threading
 import time
 from typing import Any
 
-from ..protocol import serialize, wire
+from ..protocol import wire
 
 _RATE_SECONDS = 0.9  # rates are measured over the last 1 to 2 seconds (the keeper ticks every second)
 
@@ -93,6 +94,5 @@ class Counters:
 
 
 def reply(server) -> bytes:
-    """The meta of a STATS reply (plain pickle, read by :func:`torchfeed.client.worker_stats`)."""
-    meta, _ = serialize.dumps_reply(server.counters.snapshot(server))
-    return meta
+    """The meta of a STATS reply (JSON, read by :func:`torchfeed.client.worker_stats`)."""
+    return json.dumps(server.counters.snapshot(server)).encode()

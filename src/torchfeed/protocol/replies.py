@@ -1,0 +1,321 @@
+"""Loading what workers send back: by default nothing in a reply runs code in the trainer.
+
+A worker that holds the secret may still be hostile (a compromised CPU node, or dataset
+code that returns a crafted object), and plain ``pickle.loads`` runs any function a pickle
+names. So every reply is loaded by a restricted unpickler (as ``torch.load`` does with
+``weights_only=True``): a pickle may name only
+
+* torchfeed's own rebuild functions below (tensors, arrays, classes allowed by name),
+  each of which checks what it is given (a dtype must be a real dtype...);
+* builtin containers and scalars, ``collections.OrderedDict``;
+* torch dtypes, ``torch.Size`` and ``torch.device``; numpy dtypes and scalars (not of
+  the object dtype);
+* what the user allowed: :func:`add_safe_globals` (this process), or a loader's,
+  session's or call's ``safe_globals``.
+
+Anything else raises :class:`~torchfeed.errors.UnsafeReplyError` naming the global, before
+it is called. A call made with ``trust_worker=True`` loads its reply with plain pickle.
+
+Errors and statistics do not need this: an error travels as plain data (type names,
+message, traceback text, plain arguments: :func:`torchfeed.errors.describe_exception`)
+and is loaded by :func:`load_data`, which allows no global at all; statistics are JSON.
+"""
+
+from __future__ import annotations
+
+import builtins
+import collections
+import io
+import pickle
+import sys
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import UnsafeReplyError
+
+# -- rebuild functions named by replies (their checks are the unpickler's second line) ----
+
+
+def rebuild_tensor(
+    buf, dtype_name: str, shape: tuple[int, ...], requires_grad: bool, stride: tuple[int, ...] | None = None
+):
+    dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise UnsafeReplyError(f"a tensor in the reply names {dtype_name!r}, which is not a torch dtype")
+    _check_ints("shape", shape)
+    if stride is not None:
+        _check_ints("stride", stride)
+    mv = memoryview(buf)
+    if mv.nbytes == 0:
+        t = torch.empty(shape, dtype=dtype)
+    else:
+        flat = torch.from_numpy(np.frombuffer(mv, dtype=np.uint8)).view(dtype)
+        t = flat.view(shape) if stride is None else flat.as_strided(shape, stride)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def rebuild_ndarray(buf, dtype, shape):
+    if not isinstance(dtype, np.dtype) or dtype.hasobject:
+        raise UnsafeReplyError(
+            f"an array in the reply has dtype {dtype!r}: only numpy dtypes without objects load"
+        )
+    _check_ints("shape", shape)
+    return np.frombuffer(memoryview(buf), dtype=np.uint8).view(dtype).reshape(shape)
+
+
+def rebuild_object_array(items, shape):
+    _check_ints("shape", shape)
+    if not isinstance(items, list):
+        raise UnsafeReplyError(
+            f"an object array in the reply carries {type(items).__name__} instead of a list"
+        )
+    out = np.empty(len(items), dtype=object)
+    out[:] = items if all(not isinstance(i, (list, tuple)) for i in items) else _each(items)
+    return out.reshape(shape)
+
+
+def _each(items: list) -> np.ndarray:
+    """A 1-d object array of ``items`` (numpy would make nested sequences into dimensions)."""
+    out = np.empty(len(items), dtype=object)
+    for i, item in enumerate(items):
+        out[i] = item
+    return out
+
+
+def _check_ints(what: str, values) -> None:
+    if not (isinstance(values, tuple) and all(type(v) is int and v >= 0 for v in values)):
+        raise UnsafeReplyError(f"a tensor in the reply has a {what} that is not a tuple of sizes: {values!r}")
+
+
+def rebuild_class(name: str, payload: bytes):
+    """A class the worker could only send by value (defined in the trainer's ``__main__`` or
+    in a function): ``payload`` is its cloudpickle. Used as is by trusted loads only; the
+    restricted unpickler swaps in :meth:`Policy.allowed_class`, which ignores the payload."""
+    import cloudpickle
+
+    return cloudpickle.loads(payload)
+
+
+def _scalar(dtype, data):
+    if not isinstance(dtype, np.dtype) or dtype.hasobject or not isinstance(data, bytes):
+        raise UnsafeReplyError(
+            f"a numpy scalar in the reply has dtype {dtype!r}: only plain numpy scalars load"
+        )
+    return _NUMPY_SCALAR(dtype, data)
+
+
+# the function numpy's scalars pickle with (numpy 2 names it numpy._core..., numpy 1 numpy.core...)
+_NUMPY_SCALAR = np.float32(0).__reduce__()[0]
+_NUMPY_SCALAR_NAMES = ("numpy._core.multiarray.scalar", "numpy.core.multiarray.scalar")
+
+_HERE = __name__
+_BUILTINS = (
+    "dict",
+    "list",
+    "tuple",
+    "set",
+    "frozenset",
+    "str",
+    "bytes",
+    "bytearray",
+    "int",
+    "float",
+    "complex",
+    "bool",
+)
+_ALWAYS: dict[str, Any] = {
+    **{f"builtins.{n}": getattr(builtins, n) for n in _BUILTINS},
+    "collections.OrderedDict": collections.OrderedDict,
+    "torch.Size": torch.Size,
+    "torch.device": torch.device,
+    "numpy.dtype": np.dtype,
+    **dict.fromkeys(_NUMPY_SCALAR_NAMES, _scalar),
+    f"{_HERE}.rebuild_tensor": rebuild_tensor,
+    f"{_HERE}.rebuild_ndarray": rebuild_ndarray,
+    f"{_HERE}.rebuild_object_array": rebuild_object_array,
+}
+
+# -- what the user allows ------------------------------------------------------------------
+
+_lock = threading.Lock()
+_added: dict[str, Any] = {}
+
+
+def global_name(obj: Any) -> str:
+    """``module.qualname`` of a class or function, as a pickle names it."""
+    module = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None)
+    if not (isinstance(module, str) and isinstance(qualname, str)):
+        raise TypeError(
+            f"{obj!r} has no module and qualified name: pass the class or function itself, or a pair "
+            "(object, 'module.name') with the name a pickle gives it"
+        )
+    return f"{module}.{qualname}"
+
+
+def _named(objs: Iterable[Any]) -> dict[str, Any]:
+    if isinstance(objs, (str, bytes)) or not isinstance(objs, Iterable):
+        raise TypeError(f"safe globals must be a list of classes or functions, not {objs!r}")
+    out = {}
+    for obj in objs:
+        if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[1], str):
+            out[obj[1]] = obj[0]
+        else:
+            out[global_name(obj)] = obj
+    return out
+
+
+def add_safe_globals(objs: Iterable[Any]) -> None:
+    """Allow these classes or functions in every reply this process loads.
+
+    As :func:`torch.serialization.add_safe_globals`: ``torchfeed.add_safe_globals([MyRecord,
+    PIL.Image.Image])``. An item may also be a pair ``(obj, "module.name")`` for an object a
+    pickle names differently. A reply may then build instances of these classes (with their
+    ``__new__``, ``__setstate__`` or constructor and arguments of its choice): allow only
+    types whose construction does nothing more than hold data.
+    """
+    named = _named(objs)
+    with _lock:
+        _added.update(named)
+
+
+def get_safe_globals() -> list[Any]:
+    """The objects allowed by :func:`add_safe_globals`."""
+    with _lock:
+        return list(_added.values())
+
+
+def clear_safe_globals() -> None:
+    """Forget every object allowed by :func:`add_safe_globals`."""
+    with _lock:
+        _added.clear()
+
+
+# -- policies and unpicklers ----------------------------------------------------------------
+
+
+class Policy:
+    """How a reply is loaded: restricted to the allowed globals (and ``safe_globals``), or,
+    with ``trusted=True``, by plain pickle."""
+
+    __slots__ = ("extra", "trusted")
+
+    def __init__(self, safe_globals: Iterable[Any] = (), *, trusted: bool = False):
+        self.extra = _named(safe_globals)
+        self.trusted = bool(trusted)
+
+    def __repr__(self) -> str:
+        return "Policy(trusted=True)" if self.trusted else f"Policy(safe_globals={sorted(self.extra)})"
+
+    def with_globals(self, safe_globals: Iterable[Any] | None) -> Policy:
+        """This policy with more allowed objects (itself when there are none)."""
+        more = _named(safe_globals or ())
+        if not more or self.trusted:
+            return self
+        return Policy([(obj, name) for name, obj in {**self.extra, **more}.items()])
+
+    def allowed(self, name: str) -> Any:
+        """The object allowed under ``name``, or None."""
+        found = _ALWAYS.get(name)
+        if found is None:
+            found = self.extra.get(name)
+        if found is None:
+            with _lock:
+                found = _added.get(name)
+        return found
+
+    def allowed_class(self, name: str, payload: bytes = b"") -> Any:
+        """Restricted form of :func:`rebuild_class`: the class must be allowed by name."""
+        found = self.allowed(name) if isinstance(name, str) else None
+        if found is None:
+            raise refused(str(name))
+        return found
+
+    def loads(self, meta: bytes, buffers: Sequence[memoryview] = ()) -> Any:
+        if self.trusted:
+            return _Trusting(meta, buffers).load()
+        return _Restricted(meta, buffers, self).load()
+
+
+SAFE = Policy()
+TRUSTED = Policy(trusted=True)
+
+
+def policy(safe_globals: Iterable[Any] | None = None, trust_worker: bool = False) -> Policy:
+    """The policy for these arguments (of a session, loader or call)."""
+    if trust_worker:
+        return TRUSTED
+    return SAFE.with_globals(safe_globals)
+
+
+def refused(name: str) -> UnsafeReplyError:
+    exc = UnsafeReplyError(
+        f"the reply needs {name}, which torchfeed does not load from a worker by default: a reply "
+        "may not run code in the trainer. If it is a type your dataset returns, allow it with "
+        f"torchfeed.add_safe_globals([{name.rpartition('.')[2]}]) (or the loader's or session's "
+        "safe_globals=[...]; rpc_async(..., trust_worker=True) trusts one call's result entirely). "
+        "If your dataset returns nothing of this kind, the worker may be compromised."
+    )
+    exc.global_name = name
+    return exc
+
+
+class _Buffers:
+    """persistent_load of the large ``bytes`` a worker sent apart (serialize._BytesApart)."""
+
+    _buffers: Any
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "torchfeed-bytes"):
+            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+        view = next(self._buffers)
+        return bytearray(view) if pid[1] else bytes(view)
+
+
+class _Trusting(_Buffers, pickle.Unpickler):
+    def __init__(self, meta: bytes, buffers: Sequence[memoryview]):
+        self._buffers = iter(buffers)  # shared with persistent_load: one sequence, in order
+        super().__init__(io.BytesIO(meta), buffers=self._buffers)
+
+
+class _Restricted(_Trusting):
+    def __init__(self, meta: bytes, buffers: Sequence[memoryview], rules: Policy):
+        super().__init__(meta, buffers)
+        self._rules = rules
+
+    def find_class(self, module: str, name: str) -> Any:
+        full = f"{module}.{name}"
+        if full == f"{_HERE}.rebuild_class":
+            return self._rules.allowed_class
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        found = self._rules.allowed(full)
+        if found is None:
+            raise refused(full)
+        return found
+
+
+class _DataOnly(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "builtins" and name in ("complex", "set", "frozenset", "bytearray"):
+            return getattr(builtins, name)
+        raise refused(f"{module}.{name}")
+
+
+def load_data(meta: bytes) -> Any:
+    """Load a pickle of plain data (containers, strings, numbers): no global at all."""
+    return _DataOnly(io.BytesIO(meta)).load()
+
+
+def known_class(cls: type) -> bool:
+    """Whether ``cls`` can be pickled by reference (found under its name where it lives)."""
+    obj: Any = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        obj = getattr(obj, part, None)
+    return obj is cls
