@@ -21,6 +21,7 @@ import torchfeed
 from helpers import wait_for
 from torchfeed import client
 from torchfeed.protocol import auth, wire
+from torchfeed.worker.fair import FairQueue
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,6 +29,22 @@ pytestmark = pytest.mark.timeout(120)
 def stamped_sleep(seconds: float) -> float:
     time.sleep(seconds)
     return time.monotonic()
+
+
+def test_fair_queue_takes_connections_in_turn_and_each_in_order():
+    q = FairQueue()
+    for i in range(3):
+        q.put("a", ("a", i))
+    q.put("b", ("b", 0))
+    q.put("c", ("c", 0))
+    q.put("b", ("b", 1))
+    taken = [q.get() for _ in range(4)]
+    assert taken == [("a", 0), ("b", 0), ("c", 0), ("a", 1)]
+    assert q.drop("a") == [("a", 2)] and q.drop("a") == []
+    assert q.get() == ("b", 1) and len(q) == 0
+    q.put("d", ("d", 0))
+    assert q.close() == [("d", 0)]
+    assert q.get() is None and not q.put("d", ("d", 1))  # closed: executors leave
 
 
 def test_a_trainer_with_a_backlog_does_not_starve_another(fresh_workers):
