@@ -127,7 +127,7 @@ def _add_worker_parser(sub) -> None:
         help="stop when standard input reaches its end (for a parent that holds a pipe to it: "
         "the worker ends with its parent, even if the parent is killed)",
     )
-    limits = p.add_argument_group("per-client limits and security")
+    limits = p.add_argument_group("limits (per client and per worker) and security")
     limits.add_argument(
         "--max-call-bytes",
         type=_positive,
@@ -139,6 +139,19 @@ def _add_worker_parser(sub) -> None:
         type=_positive,
         default=1024,
         help="requests one client may have waiting for replies (default 1024)",
+    )
+    limits.add_argument(
+        "--max-worker-queued-requests",
+        type=_positive,
+        default=8192,
+        help="calls of all clients together a worker process holds (being received, waiting or "
+        "running; default 8192)",
+    )
+    limits.add_argument(
+        "--max-worker-queued-bytes",
+        type=_positive,
+        default=4 << 30,
+        help="total announced size of those calls (default 4 GiB)",
     )
     limits.add_argument(
         "--max-refs",
@@ -161,7 +174,14 @@ def _add_worker_parser(sub) -> None:
     )
 
 
-_LIMIT_OPTIONS = ("max_call_bytes", "max_queued_requests", "max_refs", "max_handshakes")
+_LIMIT_OPTIONS = (
+    "max_call_bytes",
+    "max_queued_requests",
+    "max_worker_queued_requests",
+    "max_worker_queued_bytes",
+    "max_refs",
+    "max_handshakes",
+)
 
 
 def _limit_args(args) -> list[str]:
@@ -228,6 +248,8 @@ def _run_workers(args) -> int:
                 max_queued_requests=args.max_queued_requests,
                 max_call_bytes=args.max_call_bytes,
                 max_refs=args.max_refs,
+                max_worker_queued_requests=args.max_worker_queued_requests,
+                max_worker_queued_bytes=args.max_worker_queued_bytes,
             ),
             max_handshakes=args.max_handshakes,
             integrity_only=True if args.trusted_network_no_encryption else None,

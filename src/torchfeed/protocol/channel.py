@@ -15,7 +15,10 @@ replayed, dropped, reordered or injected record fails its tag check and raises
 :class:`IntegrityError`; the connection is then closed by its owner. Because the header
 is a record of its own, the lengths it announces are authentic before anything is
 allocated for them, and a message too large for this side can be skipped record by
-record without losing the stream.
+record without losing the stream. Even an authentic header is not trusted with memory:
+the meta is allocated record by record as records arrive (a peer holding the secret
+that announces 1 GiB and stalls makes this side hold nothing), and buffers land in
+memory the caller supplies.
 
 Receiving keeps the zero-copy path: a buffer chunk is received into a small scratch
 block (it stays in cache) and decrypted straight into the caller's final, possibly
@@ -76,6 +79,7 @@ class Channel:
         self._scratch_out: bytearray | None = None  # made on the first large send
         self._scratch_in = bytearray(CHUNK + TAG)
         self._scratch_skip: memoryview | None = None  # made on the first skip of a payload
+        self._scratch_meta: memoryview | None = None  # made on the first meta of several records
         # with SO_SNDTIMEO set on the socket: seconds without progress before a send fails
         self.send_stall_timeout: float | None = None
         # when a record last arrived, or a large write last went out: the peer is alive
@@ -233,9 +237,25 @@ class Channel:
         return frame
 
     def read_meta(self, frame: wire.Frame) -> bytes:
-        meta = bytearray(frame.meta_len)
-        self._open_payload(memoryview(meta))
-        frame.meta = bytes(meta)
+        """Read the meta, allocating record by record as records arrive: a header that
+        announces a large meta and stalls costs nothing (not the announced size up front)."""
+        n = frame.meta_len
+        if n == 0:  # no record at all (heartbeats)
+            frame.meta = b""
+        elif n <= CHUNK:  # one record: the usual small pickle
+            meta = bytearray(n)
+            self._open_into(memoryview(meta))
+            frame.meta = bytes(meta)
+        else:  # grown as records arrive (realloc: no copy of what is there)
+            meta = bytearray()
+            plain = self._scratch_meta
+            if plain is None:
+                plain = self._scratch_meta = memoryview(bytearray(CHUNK))
+            for start in range(0, n, CHUNK):
+                part = plain[: min(CHUNK, n - start)]
+                self._open_into(part)
+                meta += part
+            frame.meta = bytes(meta)
         return frame.meta
 
     def read_frame(self, limits: wire.Limits) -> wire.Frame:

@@ -2,15 +2,23 @@
 calls it runs on the worker's executors (see the NOTE in :mod:`torchfeed.worker`).
 
 The connection reaches its server only through public attributes: ``registry`` (remote
-references), ``tasks`` (the executors' queue), ``counters`` (statistics), ``limits``,
-``timeout``, ``address`` and ``forget()``.
+references), ``tasks`` (the executors' :class:`~torchfeed.worker.fair.FairQueue`, where
+this connection has its own FIFO of ready calls), ``budget`` (what all connections
+together hold), ``counters`` (statistics), ``limits``, ``timeout``, ``address`` and
+``forget()``.
+
+A call is counted (per connection and in the worker's budget) from its authenticated
+header until it is answered, or dropped with its closed connection. Its memory is only
+committed as its records arrive: the meta grows record by record (see
+:meth:`~torchfeed.protocol.channel.Channel.read_meta`) and the buffers' block is mapped
+but untouched (``np.empty``) until records are decrypted into it, so a header announcing
+a large call and then stalling costs no memory, only budget.
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
-import queue
 import socket
 import threading
 from collections import deque
@@ -22,7 +30,8 @@ from ..protocol import errordata, serialize, wire
 from ..protocol.buffers import allocate
 from ..protocol.limits import check_reply
 from . import stats as workerstats
-from .objects import ConnectionLimits, Registry
+from .fair import FairQueue
+from .objects import Budget, ConnectionLimits, Registry
 
 __all__ = ["ServerConnection"]
 
@@ -48,7 +57,8 @@ class Host(Protocol):
     timeout: float
     limits: ConnectionLimits
     registry: Registry
-    tasks: queue.SimpleQueue
+    tasks: FairQueue
+    budget: Budget
     counters: workerstats.Counters
 
     def forget(self, conn: ServerConnection) -> None: ...
@@ -100,6 +110,8 @@ class ServerConnection:
         except OSError:
             pass
         self.sock.close()
+        for _conn, frame, _buffers in self.server.tasks.drop(self):  # calls that will never run
+            self._answered(frame)
         self.server.registry.drop_owner(self.id)
         self.server.forget(self)
 
@@ -196,24 +208,29 @@ class ServerConnection:
             except FrameTooLarge as exc:  # authentic but too big: answer it, keep the connection
                 if exc.frame is None:  # not read far enough to be skipped
                     raise
+                self._refuse(exc.frame.request_id, exc)  # answered at once, then read past
                 channel.skip(exc.frame)
-                self._refuse(exc.frame.request_id, exc)
                 continue
             kind = frame.kind
             if kind in (wire.CALL, wire.CALL_REF):
-                refusal = self._over_limits(frame)
+                refusal = self._over_limits(frame) or self.server.budget.take(frame.size)
                 if refusal is not None:
-                    channel.skip(frame)
                     self._refuse(frame.request_id, refusal)
+                    channel.skip(frame)
                     continue
-                channel.read_meta(frame)
-                buffers = allocate(frame.buffer_lengths) if frame.buffer_lengths else []
-                channel.read_buffers(buffers)
+                try:  # memory is committed as records arrive (see the module docstring)
+                    channel.read_meta(frame)
+                    buffers = allocate(frame.buffer_lengths) if frame.buffer_lengths else []
+                    channel.read_buffers(buffers)
+                except BaseException:
+                    self.server.budget.give(frame.size)
+                    raise
                 with self._cond:
                     self.queued += 1
                     self.queued_bytes += frame.size
                     self.waiting_ids.add(frame.request_id)
-                self.server.tasks.put((self, frame, buffers))
+                if not self.server.tasks.put(self, (self, frame, buffers)):  # the worker is stopping
+                    self._answered(frame)
                 del buffers  # the task owns them now
                 continue
             channel.read_meta(frame)
@@ -268,7 +285,7 @@ class ServerConnection:
 
     def _execute(self, frame: wire.Frame, buffers) -> None:
         rid = frame.request_id
-        if rid in self.cancelled:
+        if rid in self.cancelled or self.closed:  # nobody waits for it (queued as its connection closed)
             self.cancelled.discard(rid)
             return
         try:
@@ -306,3 +323,4 @@ class ServerConnection:
             self.queued_bytes -= frame.size
             self.waiting_ids.discard(frame.request_id)
             self.cancelled.discard(frame.request_id)
+        self.server.budget.give(frame.size)

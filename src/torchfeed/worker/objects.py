@@ -1,5 +1,6 @@
-"""What a worker keeps for its clients: the limits on one connection (ConnectionLimits) and
-the objects clients hold by reference (Registry: remote datasets and ``rref=True`` results)."""
+"""What a worker keeps for its clients: the limits on one connection and on all of them
+together (ConnectionLimits, Budget) and the objects clients hold by reference (Registry:
+remote datasets and ``rref=True`` results)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,17 @@ from ..protocol import wire
 
 @dataclass(frozen=True)
 class ConnectionLimits:
-    """What one authenticated client may hold on a worker at once."""
+    """What one authenticated client may hold on a worker at once, and (``max_worker_*``)
+    what all its clients together may hold: many clients cannot add up to more."""
 
     max_queued_requests: int = 1024  # received, not yet answered
     max_unsent_bytes: int = 1 << 30  # replies produced, not yet sent: reading pauses above this
     max_call_bytes: int = 1 << 30  # pickled arguments plus buffers of one call
     max_queued_bytes: int = 2 << 30  # the size of the calls waiting
     max_refs: int = 4096  # live remote references
+    # all connections together: calls announced (being received, waiting or running) and their size
+    max_worker_queued_requests: int = 8192
+    max_worker_queued_bytes: int = 4 << 30
 
     def __post_init__(self):
         for name, value in vars(self).items():
@@ -35,6 +40,50 @@ class ConnectionLimits:
             knob="raise it with `torchfeed worker --max-call-bytes N` or pass less data per call "
             "(build large objects inside the dataset on the worker)",
         )
+
+
+class Budget:
+    """Calls held by the worker for all its clients together, and their announced size.
+
+    A call is counted from its authenticated header on (before any of its bytes are
+    received, so a call being received counts in full) until it is answered or dropped;
+    memory for it is only committed as its records arrive.
+    """
+
+    def __init__(self, limits: ConnectionLimits):
+        self.limits = limits
+        self._lock = threading.Lock()
+        self.calls = 0
+        self.bytes = 0
+
+    def take(self, nbytes: int) -> LimitExceeded | None:
+        """Count one call of ``nbytes``; or, when that would go over a limit, the error to answer."""
+        lim = self.limits
+        with self._lock:
+            if (
+                self.calls < lim.max_worker_queued_requests
+                and self.bytes + nbytes <= lim.max_worker_queued_bytes
+            ):
+                self.calls += 1
+                self.bytes += nbytes
+                return None
+            calls, held = self.calls, self.bytes
+        if calls >= lim.max_worker_queued_requests:
+            return LimitExceeded(
+                f"the worker already holds {calls} calls of all its clients together (its limit): retry "
+                "later, or start the worker with a larger --max-worker-queued-requests"
+            )
+        return LimitExceeded(
+            f"a call of {nbytes:,} bytes would take the calls the worker holds for all its clients together "
+            f"from {held:,} bytes over its limit of {lim.max_worker_queued_bytes:,}: retry later, send "
+            "smaller calls, or start the worker with a larger --max-worker-queued-bytes"
+        )
+
+    def give(self, nbytes: int) -> None:
+        """A call counted by :meth:`take` was answered or dropped."""
+        with self._lock:
+            self.calls -= 1
+            self.bytes -= nbytes
 
 
 class UnknownReference(TorchfeedError, KeyError):

@@ -7,7 +7,7 @@ One process serves many clients with these threads:
   runs every handshake without blocking (:mod:`torchfeed.worker.doorman`); unauthenticated
   peers get no thread of their own;
 * per authenticated connection, a **reader** (parses sealed frames, answers heartbeats
-  at once whatever user code is doing, puts calls on the shared task queue) and a
+  at once whatever user code is doing, queues calls for the executors) and a
   **writer** (sends the connection's replies from its outbox, in order). Executors never
   block on a socket: a small reply with nothing queued before it is written at once with
   a non-blocking send (what the socket does not take goes to the front of the outbox),
@@ -17,22 +17,33 @@ One process serves many clients with these threads:
 * ``parallel`` **executors**, shared by all connections, run user code;
 * the **keeper** drops connections silent for ``timeout`` seconds (half-open peers).
 
+Queues: calls wait in a :class:`~torchfeed.worker.fair.FairQueue`, one FIFO per
+connection; executors take the next call from the next connection (round-robin) that
+has one. One trainer with hundreds of calls queued therefore delays another trainer's
+call by about one call per executor, not by its whole backlog. The calls of one
+connection still start in the order they arrived (with ``parallel > 1`` they may run,
+and be answered, out of order, as before: clients match replies by request id and the
+loader's passes do not rely on reply order).
+
 Per connection, requests waiting for a reply, reply bytes not yet sent (the reader
 stops reading while over the bound: back pressure through TCP), the size of one call
-and the number of live remote references are bounded (:class:`ConnectionLimits`); going
-over a bound answers that request with a clear error. Objects kept for clients (remote
+and the number of live remote references are bounded (:class:`ConnectionLimits`); so
+are the calls of all connections together and their size (the worker's
+:class:`~torchfeed.worker.objects.Budget`, counted from a call's authenticated header,
+while memory is only committed as its records arrive). Going over a bound answers that
+request with a clear error naming the option to raise. Objects kept for clients (remote
 references) live in a registry and are freed when released or when the owning
 connection closes. Nothing a client does can stop the process: bad frames, failed
 handshakes and exceptions in user code end that request or that connection only.
 Shutdown (``stop``): the stop event ends the doorman loop, every connection is closed
-(its reader and writer leave on the closed socket), and one ``None`` per executor ends
-the executors after the request they are running.
+(its reader and writer leave on the closed socket, its queued calls are dropped), and
+the closed queue ends the executors after the request they are running. Calls queued
+by a connection that closes are dropped too (never run: nobody waits for them).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import resource
 import signal
 import socket
@@ -45,7 +56,8 @@ from ..protocol import auth, wire
 from . import stats as workerstats
 from .connection import ServerConnection
 from .doorman import Doorman
-from .objects import ConnectionLimits, Registry
+from .fair import FairQueue
+from .objects import Budget, ConnectionLimits, Registry
 
 log = logging.getLogger("torchfeed.worker")
 
@@ -81,7 +93,8 @@ class WorkerServer:
         self.limits = limits or ConnectionLimits()
         self.registry = Registry()
         self.counters = workerstats.Counters()  # [stats hook] for `torchfeed top`
-        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.budget = Budget(self.limits)  # what all connections together hold
+        self.tasks = FairQueue()  # ready calls, one FIFO per connection, served round-robin
         self._conns: set = set()
         self._conns_lock = threading.Lock()
         self._stopping = threading.Event()
@@ -151,9 +164,8 @@ class WorkerServer:
             pass
         self.listener.close()
         for conn in self.connections():
-            conn.close()
-        for _ in range(self.parallel):
-            self.tasks.put(None)
+            conn.close()  # drops the calls it had queued
+        self.tasks.close()  # executors leave after the call they are running
 
     def join(self, timeout: float = 5.0) -> None:
         """Wait (bounded) for the executors to finish the requests they are running."""
@@ -165,7 +177,7 @@ class WorkerServer:
     # -- threads ----------------------------------------------------------
     def _executor(self) -> None:
         while True:
-            item = self.tasks.get()
+            item = self.tasks.get()  # round-robin across connections
             if item is None:
                 return
             conn, frame, buffers = item
@@ -243,7 +255,8 @@ def run_worker(
     handshake_timeout : float
         Seconds a new connection has to authenticate before it is dropped.
     limits : ConnectionLimits, optional
-        Per-client bounds (queued requests, unsent bytes, call size, remote references).
+        Per-client bounds (queued requests, unsent bytes, call size, remote references)
+        and the worker's bounds on the calls of all clients together.
     max_handshakes : int
         Unauthenticated connections held at once (the oldest is dropped beyond it).
     integrity_only : bool, optional
