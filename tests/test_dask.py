@@ -6,6 +6,7 @@ import datetime
 import logging
 import os
 import pickle
+import secrets
 import signal
 
 import pytest
@@ -345,9 +346,7 @@ def test_start_workers_errors(client):
 @pytest.mark.slow
 def test_torchfeed_workers_end_with_their_dask_worker(client):
     """Last in this module: it kills one Dask worker and retires the other."""
-    addresses = tfd.start_workers(
-        client, secret="explicit-secret-0123456789abcdef-0123456789", export_secret=False
-    )
+    addresses = tfd.start_workers(client, secret=secrets.token_hex(32), export_secret=False)
     try:
         assert os.environ["TORCHFEED_SECRET"] == SECRET  # not exported
         assert torchfeed.rpc_async(addresses[1], os.getpid, secret=addresses.secret).wait() > 0

@@ -4,9 +4,10 @@ Secret sources, in order: ``TORCHFEED_SECRET`` (the value itself), the file name
 ``TORCHFEED_SECRET_FILE``, then a per-user default file (``$XDG_CONFIG_HOME/torchfeed/secret``
 or ``~/.config/torchfeed/secret``), created with 32 random bytes (hex) when missing. On a
 cluster with a shared home directory, trainers and workers of one user agree with no
-configuration at all. Every secret must be at least 32 bytes: the handshake gives an
-eavesdropper (or an impostor worker) material for an offline guessing attack, which only
-a long random secret makes hopeless. Secret files are opened without following symbolic
+configuration at all. Every secret must be at least 32 bytes and look random (not a few
+characters, a repeated block or runs like ``abcd``: :mod:`torchfeed.protocol.strength`):
+the handshake gives an eavesdropper (or an impostor worker) material for an offline
+guessing attack, which only a long random secret makes hopeless. Secret files are opened without following symbolic
 links and must belong to the current user, be unreadable by others and sit in a
 directory others cannot write.
 
@@ -47,7 +48,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from ..errors import AuthenticationError, ProtocolError
-from . import wire
+from . import strength, wire
 from .channel import Channel
 
 ENV_SECRET = "TORCHFEED_SECRET"
@@ -86,6 +87,12 @@ def _checked(value: bytes, source: str) -> Secret:
         raise AuthenticationError(
             f"the secret from {source} is {len(value)} bytes; torchfeed needs at least "
             f"{MIN_SECRET_BYTES}, random: make one with `{MAKE_ONE}`"
+        )
+    why = strength.weakness(value)
+    if why is not None:
+        raise AuthenticationError(
+            f"the secret from {source} is too easy to guess: {why}. Anyone who records one "
+            f"handshake can try such values offline. Use a random secret: make one with `{MAKE_ONE}`"
         )
     return Secret(value, source)
 
