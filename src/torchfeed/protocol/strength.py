@@ -20,6 +20,7 @@ The figures for random secrets are in tests/test_security.py (many draws of each
 
 from __future__ import annotations
 
+import functools
 import math
 import string
 
@@ -73,6 +74,7 @@ def estimated_bits(value: bytes) -> float:
     return predictable.count(False) * bits
 
 
+@functools.lru_cache(maxsize=64)  # explicit secrets are checked on every call that names one
 def weakness(value: bytes) -> str | None:
     """What makes ``value`` guessable, in words that never show it; None when it looks random."""
     distinct = len(set(value))
