@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from pathlib import Path
 
 import pytest
 
 TESTS = Path(__file__).resolve().parent
-SECRET = "torchfeed-test-secret-0123456789-0123456789abcdef"
+SECRET = secrets.token_hex(32)  # a random one per run, as users should make theirs
 
 # The trainer (this process) and every worker use the same secret; workers can import
 # the helper modules of tests/ (datasets defined there travel by reference).

@@ -165,3 +165,25 @@ class PoisonDataset(RangeDataset):
         if self.delay:
             time.sleep(self.delay)
         return super().__getitem__(i)
+
+
+def secret_seen_by_worker_code() -> dict:
+    """What code running on a worker finds of TORCHFEED_SECRET: in its os.environ, in the
+    environment of a subprocess it starts, and in the environment its process started with."""
+    import subprocess
+    import sys
+
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.environ.get('TORCHFEED_SECRET', ''))"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    with open("/proc/self/environ", "rb") as f:
+        initial = [entry.split(b"=", 1)[0] for entry in f.read().split(b"\0")]
+    return {
+        "os.environ": os.environ.get("TORCHFEED_SECRET"),
+        "subprocess": child.stdout.strip(),
+        "started with it": b"TORCHFEED_SECRET" in initial,
+        "pid": os.getpid(),
+    }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import secrets
 import selectors
 import shutil
 import signal
@@ -19,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import torchfeed
-from helpers import RangeDataset, deep_equal, wait_for
+from helpers import RangeDataset, deep_equal, secret_seen_by_worker_code, wait_for
 from torchfeed import cli
 from torchfeed.util import cpu_count, pid_alive
 
@@ -206,6 +207,55 @@ def test_worker_stops_whichever_thread_receives_the_signal(run):
     signal_thread(cmd.pid, others[-1], signal.SIGTERM)
     assert wait_for(lambda: cmd.proc.poll() is not None, 3), "the worker ignored SIGTERM"
     assert cmd.proc.returncode == 0
+
+
+# -- the secret ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("procs", ["1", "2"])
+def test_code_on_a_worker_does_not_see_the_secret(run, procs):
+    """Started with TORCHFEED_SECRET, the worker takes it out of its environment: dataset code
+    and its subprocesses find none. The processes of --procs N get it on their standard input,
+    so it was never in their environment at all. And the workers still authenticate."""
+    assert os.environ["TORCHFEED_SECRET"]  # conftest's, inherited by the command
+    cmd = run(WORKER + ["--procs", procs])
+    addresses = cmd.read_lines(int(procs))
+    check_addresses(addresses, int(procs))
+    for address in addresses:
+        seen = torchfeed.rpc_async(address, secret_seen_by_worker_code, timeout=60).wait()
+        assert seen["os.environ"] is None and seen["subprocess"] == "", seen
+        assert seen["started with it"] == (procs == "1"), seen  # a --procs child never had it
+        with pytest.raises(torchfeed.AuthenticationError):  # its secret is still the same one
+            torchfeed.rpc_async(address, os.getpid, secret=secrets.token_hex(32), timeout=20).wait()
+    assert cmd.stop()[0] == 0, cmd.stderr()
+
+
+def test_local_workers_hand_the_secret_over_on_stdin():
+    key = secrets.token_hex(32)
+    with torchfeed.LocalWorkers(1, env={"TORCHFEED_SECRET": key}) as workers:
+        address = workers.addresses[0]
+        seen = torchfeed.rpc_async(address, secret_seen_by_worker_code, secret=key, timeout=60).wait()
+        assert seen == {"os.environ": None, "subprocess": "", "started with it": False, "pid": seen["pid"]}
+        with pytest.raises(torchfeed.AuthenticationError):  # the tests' secret is not this pool's
+            torchfeed.rpc_async(address, os.getpid, timeout=20).wait()
+
+
+@pytest.mark.parametrize("procs", ["1", "2"])
+def test_a_weak_secret_is_one_line_exit_2(procs):
+    env = dict(child_env(), TORCHFEED_SECRET="0123456789abcdef" * 4)
+    done = subprocess.run(WORKER + ["--procs", procs], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("torchfeed worker: error: the secret from environment variable")
+    assert "too easy to guess" in done.stderr and "secrets.token_hex(32)" in done.stderr
+    assert "0123456789abcdef" not in done.stderr
+
+
+def test_secret_on_stdin_without_a_secret_is_one_line_exit_2():
+    done = subprocess.run(
+        WORKER + ["--secret-on-stdin"], input="", env=child_env(), capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and "standard input did not start with the secret" in done.stderr
 
 
 # -- several processes ------------------------------------------------------------------

@@ -6,6 +6,7 @@ import datetime
 import logging
 import os
 import pickle
+import secrets
 import signal
 
 import pytest
@@ -17,12 +18,13 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import torchfeed
 import torchfeed.dask as tfd
-from helpers import RangeDataset, wait_for
+from helpers import RangeDataset, secret_seen_by_worker_code, wait_for
 from s3server import S3Server
 from test_datasets import make_tree, to_tensor
 from torchfeed.dask.ranks import _order_workers
+from torchfeed.dask.transport import in_clear
 from torchfeed.datasets import ImageFolder
-from torchfeed.util import pid_alive
+from torchfeed.util import free_port, pid_alive
 
 pytestmark = pytest.mark.dask
 
@@ -117,7 +119,10 @@ def torchfeed_pids(dask_worker=None):
 
 
 def secret_here():
-    return os.environ.get("TORCHFEED_SECRET")
+    """The secret this Dask worker process finds, and what its environment holds."""
+    from torchfeed.protocol import auth
+
+    return auth.load_secret().value.decode(), os.environ.get("TORCHFEED_SECRET")
 
 
 # ---------------------------------------------------------------- DDP
@@ -290,7 +295,12 @@ def test_dask_hosted_workers_feed_remote_loaders(client, tmp_path):
             client.scheduler_info()["workers"]
         )
         assert os.environ["TORCHFEED_SECRET"] == addresses.secret.value.decode() != SECRET  # a fresh secret
-        assert set(client.run(secret_here).values()) == {addresses.secret.value.decode()}
+        # the Dask worker processes find it (for ranks), and keep it out of their environment
+        assert set(client.run(secret_here).values()) == {(addresses.secret.value.decode(), SECRET)}
+        for address in addresses:  # nor do the torchfeed workers have it in theirs
+            seen = torchfeed.rpc_async(address, secret_seen_by_worker_code, timeout=60).wait()
+            assert seen["os.environ"] is None and seen["subprocess"] == "", seen
+            assert not seen["started with it"], seen
         assert type(pickle.loads(pickle.dumps(addresses))) is list  # the secret never travels with it
 
         ds = torchfeed.RemoteDataset(addresses, RangeDataset, 10)
@@ -325,7 +335,7 @@ def test_dask_hosted_workers_feed_remote_loaders(client, tmp_path):
         tfd.stop_workers(client)
     assert os.environ["TORCHFEED_SECRET"] == SECRET
     assert wait_for(lambda: not any(pid_alive(p) for p in pids), 20), "the torchfeed workers did not stop"
-    assert set(client.run(secret_here).values()) == {SECRET}
+    assert set(client.run(secret_here).values()) == {(SECRET, SECRET)}
 
 
 def test_start_workers_errors(client):
@@ -342,12 +352,107 @@ def test_start_workers_errors(client):
     tfd.stop_workers(client)  # nothing running: no error
 
 
+# ---------------------------------------------------------------- the secret's way through Dask
+
+
+@pytest.mark.parametrize(
+    "address, clear",
+    [
+        ("tcp://127.0.0.1:8786", False),
+        ("tcp://127.0.0.2:8786", False),  # all of 127.0.0.0/8 is loopback
+        ("tcp://127.255.1.3:1", False),
+        ("tcp://localhost:8786", False),
+        ("tcp://[::1]:8786", False),
+        ("tcp://[::ffff:127.0.0.1]:8786", False),
+        ("127.0.0.1:8786", False),  # no scheme: tcp
+        ("tls://10.0.0.5:8786", False),
+        ("tls://scheduler.example.org:8786", False),
+        ("wss://10.0.0.5:8786", False),
+        ("tcp://10.0.0.5:8786", True),
+        ("10.0.0.5:8786", True),
+        ("tcp://192.0.2.2:8786", True),
+        ("tcp://[fd00::2]:8786", True),
+        ("tcp://0.0.0.0:8786", True),
+        ("tcp://scheduler.example.org:8786", True),  # names are not resolved: a network
+        ("tcp://localhost.example.org:8786", True),
+        ("ws://10.0.0.5:8786", True),
+        ("nosuchscheme://127.0.0.1:1", True),  # not provably safe
+    ],
+)
+def test_which_dask_addresses_carry_a_secret_in_clear(address, clear):
+    assert in_clear(address) is clear
+
+
+@pytest.fixture(scope="module")
+def advertised_cluster():
+    """A Dask worker that advertises tcp://0.0.0.0 (not loopback to the check), listening on
+    loopback: connections to 0.0.0.0 stay on this machine, so even without the check no
+    byte leaves it."""
+    port = free_port()
+    with (
+        LocalCluster(
+            n_workers=1,
+            threads_per_worker=1,
+            processes=True,
+            host="127.0.0.1",
+            dashboard_address=None,
+            silence_logs=logging.ERROR,
+            worker_port=port,
+            contact_address=f"tcp://0.0.0.0:{port}",
+        ) as cluster,
+        Client(cluster) as c,
+    ):
+        c.wait_for_workers(1, timeout=60)
+        assert list(c.scheduler_info(n_workers=-1)["workers"]) == [f"tcp://0.0.0.0:{port}"]
+        yield c
+
+
+def test_start_workers_refuses_to_send_the_secret_in_clear(advertised_cluster):
+    c = advertised_cluster
+    with pytest.raises(ValueError) as info:
+        tfd.start_workers(c, host="127.0.0.1", start_timeout=30)
+    message = str(info.value)
+    assert "tcp://0.0.0.0:" in message and "not encrypted" in message
+    for fix in ("Security(require_encryption=True", "secret_file=", "allow_insecure=True"):
+        assert fix in message
+    # nothing was sent: no torchfeed worker started, no secret adopted there, none exported here
+    assert [p for ps in c.run(torchfeed_pids).values() for p in ps] == []
+    assert set(c.run(secret_here).values()) == {(SECRET, SECRET)}
+    assert os.environ["TORCHFEED_SECRET"] == SECRET
+
+
+def test_start_workers_in_clear_when_allowed(advertised_cluster):
+    c = advertised_cluster
+    addresses = tfd.start_workers(c, host="127.0.0.1", allow_insecure=True, export_secret=False)
+    try:
+        assert torchfeed.rpc_async(addresses[0], os.getpid, secret=addresses.secret, timeout=30).wait() > 0
+    finally:
+        tfd.stop_workers(c)
+
+
+def test_start_workers_with_a_shared_secret_file_sends_only_its_path(advertised_cluster, tmp_path):
+    c = advertised_cluster
+    value = secrets.token_hex(32)
+    path = tmp_path / "secret"
+    path.write_text(value + "\n")
+    path.chmod(0o600)
+    addresses = tfd.start_workers(c, host="127.0.0.1", secret_file=str(path), export_secret=False)
+    try:
+        assert addresses.secret.value == value.encode()
+        assert torchfeed.rpc_async(addresses[0], os.getpid, secret=value, timeout=30).wait() > 0
+        assert set(c.run(secret_here).values()) == {(value, SECRET)}  # read there, not sent
+        seen = torchfeed.rpc_async(addresses[0], secret_seen_by_worker_code, secret=value, timeout=60).wait()
+        assert seen["os.environ"] is None and not seen["started with it"], seen
+    finally:
+        tfd.stop_workers(c)
+    with pytest.raises(ValueError, match="not both"):
+        tfd.start_workers(c, secret=value, secret_file=str(path))
+
+
 @pytest.mark.slow
 def test_torchfeed_workers_end_with_their_dask_worker(client):
     """Last in this module: it kills one Dask worker and retires the other."""
-    addresses = tfd.start_workers(
-        client, secret="explicit-secret-0123456789abcdef-0123456789", export_secret=False
-    )
+    addresses = tfd.start_workers(client, secret=secrets.token_hex(32), export_secret=False)
     try:
         assert os.environ["TORCHFEED_SECRET"] == SECRET  # not exported
         assert torchfeed.rpc_async(addresses[1], os.getpid, secret=addresses.secret).wait() > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import pickle
 import random
+import secrets
 import struct
 
 import pytest
@@ -121,9 +122,12 @@ def _parse_all(data: bytes) -> None:
         pass
 
 
+FUZZ_SECRET = secrets.token_hex(32)
+
+
 @pytest.fixture(scope="module")
 def server():
-    s = worker.WorkerServer(secret="fuzz-secret-0123456789-0123456789abcdefghijk").start()
+    s = worker.WorkerServer(secret=FUZZ_SECRET).start()
     quiet = logging.getLogger("torchfeed.worker")
     level, quiet.level = quiet.level, logging.CRITICAL  # 50,000 rejected peers would be logged
     yield s
@@ -182,9 +186,7 @@ def monkeypatch_unpickle():
 def test_server_still_serves_after_fuzzing(server):
     import torchfeed
 
-    got = torchfeed.rpc_async(
-        server.address, lambda: "alive", secret="fuzz-secret-0123456789-0123456789abcdefghijk"
-    ).wait()
+    got = torchfeed.rpc_async(server.address, lambda: "alive", secret=FUZZ_SECRET).wait()
     assert got == "alive"
 
 

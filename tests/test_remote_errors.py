@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import secrets
 import sys
 import threading
 import time
@@ -16,8 +17,8 @@ from torchfeed.util import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
-SECRET_A = "a1" * 32  # 64 hex characters
-SECRET_B = "b2" * 32
+SECRET_A = secrets.token_hex(32)
+SECRET_B = secrets.token_hex(32)
 
 
 def test_getitem_exception_is_its_type_and_remote_error(workers2):

@@ -9,8 +9,10 @@ Attacks by an on-path relay, floods and stalled clients are in test_attacks.py.
 
 from __future__ import annotations
 
+import base64
 import os
 import pickle
+import secrets
 import socket
 import stat
 import struct
@@ -23,12 +25,12 @@ import pytest
 import torchfeed
 from helpers import named_workers, wait_for
 from torchfeed import client
-from torchfeed.protocol import auth, replies, serialize, wire
+from torchfeed.protocol import auth, replies, serialize, strength, wire
 
 pytestmark = pytest.mark.timeout(60)
 
-SECRET = os.environ["TORCHFEED_SECRET"]  # set by conftest.py for the whole session
-WRONG = "definitely-not-the-right-secret-0123456789abcdef"
+SECRET = os.environ.get("TORCHFEED_SECRET", "")  # conftest.py's; workers importing this module have none
+WRONG = secrets.token_hex(32)
 
 
 # -- helpers ------------------------------------------------------------------
@@ -126,7 +128,7 @@ def evil_call_meta(path: Path) -> bytes:
     return pickle.dumps((Marker(str(path)), (), {}), protocol=5)
 
 
-SHARED_FILE_SECRET = "shared-file-secret-0123456789-0123456789abcdef"
+SHARED_FILE_SECRET = secrets.token_hex(32)
 
 
 @pytest.fixture(scope="module")
@@ -608,34 +610,33 @@ def write_secret(path: Path, text: str, mode: int = 0o600) -> Path:
 
 
 def test_env_secret_wins_over_file(clean_env, monkeypatch, tmp_path):
-    monkeypatch.setenv(auth.ENV_SECRET, "from-the-environment-0123456789abcdef-123456")
-    monkeypatch.setenv(
-        auth.ENV_SECRET_FILE, str(write_secret(tmp_path / "s", "from-the-file-0123456789abcdef-0123456789"))
-    )
+    from_env, from_file = secrets.token_hex(32), secrets.token_hex(32)
+    monkeypatch.setenv(auth.ENV_SECRET, from_env)
+    monkeypatch.setenv(auth.ENV_SECRET_FILE, str(write_secret(tmp_path / "s", from_file)))
     secret = auth.load_secret()
-    assert secret.value == b"from-the-environment-0123456789abcdef-123456"
+    assert secret.value == from_env.encode()
     assert auth.ENV_SECRET in secret.source
     # an unusable file does not matter when the variable is set
     monkeypatch.setenv(auth.ENV_SECRET_FILE, str(tmp_path / "missing"))
-    assert auth.load_secret().value == b"from-the-environment-0123456789abcdef-123456"
-    assert "from-the-environment" not in repr(secret)
+    assert auth.load_secret().value == from_env.encode()
+    assert from_env not in repr(secret)
 
 
 def test_secret_file_is_read(clean_env, monkeypatch, tmp_path):
-    path = write_secret(tmp_path / "secret", "  0123456789abcdef-file-secret-0123456789abcdef \n")
+    value = secrets.token_urlsafe(32)
+    path = write_secret(tmp_path / "secret", f"  {value} \n")
     monkeypatch.setenv(auth.ENV_SECRET_FILE, str(path))
     secret = auth.load_secret()
-    assert secret.value == b"0123456789abcdef-file-secret-0123456789abcdef"
+    assert secret.value == value.encode()
     assert str(path) in secret.source
     assert not (clean_env / "torchfeed" / "secret").exists()  # no default file made
 
 
 def test_empty_env_secret_falls_back_to_the_file(clean_env, monkeypatch, tmp_path):
     monkeypatch.setenv(auth.ENV_SECRET, "")
-    monkeypatch.setenv(
-        auth.ENV_SECRET_FILE, str(write_secret(tmp_path / "s", "file-secret-0123456789-0123456789abcdef"))
-    )
-    assert auth.load_secret().value == b"file-secret-0123456789-0123456789abcdef"
+    value = secrets.token_hex(32)
+    monkeypatch.setenv(auth.ENV_SECRET_FILE, str(write_secret(tmp_path / "s", value)))
+    assert auth.load_secret().value == value.encode()
 
 
 def test_default_file_is_created_private(clean_env):
@@ -666,7 +667,7 @@ def test_default_path_without_xdg(clean_env, monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660, 0o666])
 def test_readable_secret_file_is_refused(clean_env, monkeypatch, tmp_path, mode):
-    path = write_secret(tmp_path / "secret", "a-perfectly-long-secret-value-0123456789abcdef", mode)
+    path = write_secret(tmp_path / "secret", secrets.token_hex(32), mode)
     monkeypatch.setenv(auth.ENV_SECRET_FILE, str(path))
     with pytest.raises(torchfeed.AuthenticationError, match="chmod 600") as info:
         auth.load_secret()
@@ -676,7 +677,7 @@ def test_readable_secret_file_is_refused(clean_env, monkeypatch, tmp_path, mode)
 def test_readable_default_file_is_refused(clean_env):
     path = clean_env / "torchfeed" / "secret"
     path.parent.mkdir(parents=True)
-    write_secret(path, "a-perfectly-long-secret-value-0123456789abcdef", 0o644)
+    write_secret(path, secrets.token_hex(32), 0o644)
     with pytest.raises(torchfeed.AuthenticationError, match="chmod 600"):
         auth.load_secret()
 
@@ -720,8 +721,99 @@ def test_a_short_secret_cannot_start_a_worker_or_a_client(worker):
         torchfeed.rpc_async(address, os.getpid, secret=SHORT, timeout=5).wait()
 
 
+WEAK = {  # the red team's examples (the first one was the docs' own) and two cousins
+    "hex-alphabet-4-times": "0123456789abcdef" * 4,
+    "one-letter": "a" * 32,
+    "word-4-times": "password" * 4,
+    "word-4-times-and-a-digit": "password" * 4 + "1",
+    "alphabet-run": "abcdefghijklmnopqrstuvwxyz012345",
+    "two-characters": "ab" * 20,
+}
+
+
+@pytest.mark.parametrize("source", ["env", "file", "argument-str", "argument-bytes", "Secret"])
+@pytest.mark.parametrize("weak", list(WEAK.values()), ids=list(WEAK))
+def test_weak_secrets_are_refused_from_every_source(clean_env, monkeypatch, tmp_path, source, weak):
+    """Long enough, but guessable: few characters, a repeated block, runs like 'abcd'."""
+    if source == "env":
+        monkeypatch.setenv(auth.ENV_SECRET, weak)
+        call = auth.load_secret
+    elif source == "file":
+        monkeypatch.setenv(auth.ENV_SECRET_FILE, str(write_secret(tmp_path / "weak", weak + "\n")))
+        call = auth.load_secret
+    else:
+        value = {
+            "argument-str": weak,
+            "argument-bytes": weak.encode(),
+            "Secret": auth.Secret(weak.encode(), "test"),
+        }[source]
+        call = lambda: auth.load_secret(value)  # noqa: E731
+    with pytest.raises(torchfeed.AuthenticationError) as info:
+        call()
+    message = str(info.value)
+    assert "too easy to guess" in message and "secrets.token_hex(32)" in message, message
+    assert weak not in message and weak[:8] not in message  # it says what is wrong, not the value
+
+
+def test_weak_secret_messages_say_what_is_wrong():
+    def why(value: str) -> str:
+        with pytest.raises(torchfeed.AuthenticationError) as info:
+            auth.load_secret(value)
+        return str(info.value)
+
+    assert "only 1 different character" in why("a" * 32)
+    assert "repeats one block of 16 characters" in why("0123456789abcdef" * 4)
+    assert "repeats one block of 8 characters" in why("password" * 4)
+    assert "runs like 'abcd'" in why("abcdefghijklmnopqrstuvwxyz012345")
+
+
+RANDOM_KINDS = {
+    "token_hex(16)": lambda: secrets.token_hex(16),
+    "token_hex(32)": lambda: secrets.token_hex(32),
+    "token_hex(64)": lambda: secrets.token_hex(64),
+    "token_urlsafe(24)": lambda: secrets.token_urlsafe(24),
+    "token_urlsafe(32)": lambda: secrets.token_urlsafe(32),
+    "token_bytes(32)": lambda: secrets.token_bytes(32),
+    "b64encode(token_bytes(24))": lambda: base64.b64encode(secrets.token_bytes(24)),
+    "b64encode(token_bytes(32))": lambda: base64.b64encode(secrets.token_bytes(32)).decode(),
+    "str(randbits(128))": lambda: str(secrets.randbits(128)).rjust(32, "0"),
+    "token_hex(16).upper()": lambda: secrets.token_hex(16).upper(),
+}
+
+
+@pytest.mark.parametrize("kind", list(RANDOM_KINDS))
+def test_random_secrets_always_pass(kind):
+    """Thousands of draws of every usual way to make a secret: none refused, all far from the bar.
+
+    In 100,000 draws of each kind the lowest estimate seen was 96 bits for token_hex(16) (the
+    shortest: 32 characters of 4 bits) and for str(randbits(128)), and 156 or more for the
+    others; the bar is 64 bits. Fewer than 6 different characters in token_hex(16) has
+    probability 3e-13.
+    """
+    make = RANDOM_KINDS[kind]
+    lowest = float("inf")
+    for _ in range(3000):
+        value = make()
+        assert auth.load_secret(value).value == (value if isinstance(value, bytes) else value.encode())
+        raw = value if isinstance(value, bytes) else value.encode()
+        lowest = min(lowest, strength.estimated_bits(raw))
+    assert lowest >= strength.MIN_ESTIMATED_BITS + 16, f"{kind}: lowest estimate {lowest:.0f} bits"
+
+
+def test_default_secret_files_always_pass(clean_env):
+    """The per-user default file torchfeed makes (token_hex(32)) is accepted, every time."""
+    path = clean_env / "torchfeed" / "secret"
+    values = set()
+    for _ in range(200):
+        if path.exists():
+            path.unlink()
+        auth._discovered.clear()
+        values.add(auth.load_secret().value)
+    assert len(values) == 200 and all(len(v) == 64 for v in values)
+
+
 def test_explicit_secret_types():
-    long = "0123456789abcdef" * 2
+    long = secrets.token_hex(16)
     assert auth.load_secret(long).value == long.encode()
     assert auth.load_secret(long.encode()).value == long.encode()
     s = auth.Secret(long.encode(), "test")
@@ -731,7 +823,7 @@ def test_explicit_secret_types():
 
 
 def test_symlinked_secret_file_is_refused(clean_env, monkeypatch, tmp_path):
-    target = write_secret(tmp_path / "real", "a-perfectly-long-secret-value-0123456789abcdef")
+    target = write_secret(tmp_path / "real", secrets.token_hex(32))
     link = tmp_path / "link"
     link.symlink_to(target)
     monkeypatch.setenv(auth.ENV_SECRET_FILE, str(link))
@@ -741,7 +833,7 @@ def test_symlinked_secret_file_is_refused(clean_env, monkeypatch, tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
 def test_secret_file_of_another_user_is_refused(clean_env, monkeypatch, tmp_path):
-    path = write_secret(tmp_path / "theirs", "a-perfectly-long-secret-value-0123456789abcdef")
+    path = write_secret(tmp_path / "theirs", secrets.token_hex(32))
     os.chown(path, 65534, 65534)
     monkeypatch.setenv(auth.ENV_SECRET_FILE, str(path))
     with pytest.raises(torchfeed.AuthenticationError, match="not to you"):
@@ -752,7 +844,7 @@ def test_secret_file_of_another_user_is_refused(clean_env, monkeypatch, tmp_path
 def test_secret_in_a_directory_others_can_write_is_refused(clean_env, monkeypatch, tmp_path, mode):
     shared = tmp_path / "shared"
     shared.mkdir()
-    path = write_secret(shared / "secret", "a-perfectly-long-secret-value-0123456789abcdef")
+    path = write_secret(shared / "secret", secrets.token_hex(32))
     os.chmod(shared, mode)
     monkeypatch.setenv(auth.ENV_SECRET_FILE, str(path))
     with pytest.raises(torchfeed.AuthenticationError, match="can be written by other users"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import secrets
 import threading
 import time
 
@@ -15,7 +16,7 @@ from torchfeed.protocol import auth
 
 pytestmark = pytest.mark.timeout(60)
 
-OTHER_SECRET = "a-second-session-secret-0123456789-0123456789abcdef"
+OTHER_SECRET = secrets.token_hex(32)
 
 
 def _square(x):

@@ -9,6 +9,8 @@ cases with torch's ``num_workers=2``, since the split among workers is the point
 
 from __future__ import annotations
 
+import secrets
+
 import pytest
 import torch
 from torch.utils.data import (
@@ -261,9 +263,9 @@ def test_a_pickled_remote_dataset_carries_no_secret(workers2):
     import pickle
 
     ds = torchfeed.RemoteDataset(workers2, Plain, 5)
-    ds.secret = b"x" * 40  # as if given explicitly
+    ds.secret = key = secrets.token_bytes(40)  # as if given explicitly
     state = pickle.loads(pickle.dumps(ds)).__dict__
-    assert state["secret"] is None and b"x" * 40 not in pickle.dumps(ds)
+    assert state["secret"] is None and key not in pickle.dumps(ds)
 
 
 def test_a_copied_remote_dataset_keeps_its_session_and_secret(workers2):

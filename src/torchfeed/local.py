@@ -54,6 +54,8 @@ class LocalWorkers:
         Interface to bind.
     env : dict, optional
         Extra environment variables for the workers (``TORCHFEED_SECRET``, ``PYTHONPATH`` ...).
+        ``TORCHFEED_SECRET`` (given here or inherited) is handed to each worker on its
+        standard input instead, so it never sits in a worker's environment.
     start_timeout : float
         Seconds to wait for every worker to print its address.
     extra_args : sequence of str
@@ -72,10 +74,16 @@ class LocalWorkers:
     ):
         if n < 1:
             raise ValueError(f"need at least one worker, got n={n}")
+        from .protocol.auth import ENV_SECRET, handover_line
+
         self.host = host
         self._env = {**os.environ, ENV_SYS_PATH: _parent_sys_path(), **(env or {})}
         self._env.setdefault("PYTHONUNBUFFERED", "1")
         self._args = ["--parallel", str(parallel), "--watch-stdin", *extra_args]
+        secret = self._env.pop(ENV_SECRET, "")  # not inherited by what dataset code starts
+        self._secret_line = handover_line(secret.encode()) if secret else b""
+        if secret:
+            self._args.append("--secret-on-stdin")
         self.processes: list[subprocess.Popen] = []
         self.addresses: list[str] = []
         self._pumps: list[tuple] = []
@@ -108,6 +116,13 @@ class LocalWorkers:
             env=self._env,
             start_new_session=True,
         )
+        if self._secret_line:
+            assert proc.stdin is not None  # stdin=PIPE
+            try:
+                proc.stdin.write(self._secret_line)
+                proc.stdin.flush()
+            except OSError:
+                pass  # it died at once: _read_address reports its stderr
         pumps = (
             Pump(proc.stdout, to_stdout, f"[worker {i}] ", first_line=True, name=f"torchfeed-worker-{i}-out"),
             Pump(proc.stderr, to_stderr, f"[worker {i}] ", name=f"torchfeed-worker-{i}-err"),

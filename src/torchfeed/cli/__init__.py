@@ -127,6 +127,9 @@ def _add_worker_parser(sub) -> None:
         help="stop when standard input reaches its end (for a parent that holds a pipe to it: "
         "the worker ends with its parent, even if the parent is killed)",
     )
+    p.add_argument(  # how LocalWorkers, --procs and the Dask plugin hand over the secret
+        "--secret-on-stdin", action="store_true", help=argparse.SUPPRESS
+    )
     limits = p.add_argument_group("limits (per client and per worker) and security")
     limits.add_argument(
         "--max-call-bytes",
@@ -228,11 +231,14 @@ def _run_workers(args) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr
     )
+    secret = _take_secret(args.secret_on_stdin)  # before --watch-stdin reads on
+    if secret is None:
+        return 2
     _adopt_parent_path()
     if args.watch_stdin:
         _watch_stdin()
     if args.procs > 1:
-        return _run_many(args)
+        return _run_many(args, secret)
     from ..worker.server import ConnectionLimits, run_worker
 
     try:
@@ -241,6 +247,7 @@ def _run_workers(args) -> int:
             args.port,
             args.timeout,
             args.parallel,
+            secret=secret,
             address_file=args.address_file,
             torch_threads=args.threads,
             handshake_timeout=args.handshake_timeout,
@@ -271,6 +278,24 @@ def _run_workers(args) -> int:
     os._exit(0)
 
 
+def _take_secret(on_stdin: bool):
+    """The worker's secret, out of the environment: dataset code's subprocesses do not inherit
+    ``TORCHFEED_SECRET``. None (after a one-line error) when it is missing or too weak."""
+    from ..errors import AuthenticationError
+    from ..protocol import auth
+
+    try:
+        if on_stdin:
+            secret = auth.read_handover(0)
+            auth.adopt_secret(secret)
+            os.environ.pop(auth.ENV_SECRET, None)
+            return secret
+        return auth.take_secret_from_environment()
+    except AuthenticationError as exc:
+        print(f"torchfeed worker: error: {exc}", file=sys.stderr, flush=True)
+        return None
+
+
 def _about_address_file(exc: OSError, path: str) -> bool:
     from ..addrfile import UnsafeAddressFile
 
@@ -298,12 +323,15 @@ def _child_command(args, i: int) -> list[str]:
         "--handshake-timeout",
         str(args.handshake_timeout),
         "--watch-stdin",
+        "--secret-on-stdin",
         *_limit_args(args),
     ]
 
 
-def _run_many(args) -> int:
-    """--procs N: all processes ready, their lines printed and filed, or none left running."""
+def _run_many(args, secret) -> int:
+    """--procs N: all processes ready, their lines printed and filed, or none left running.
+    Each gets the secret on its standard input (not in its environment)."""
+    from ..protocol.auth import handover_line
     from ..pumps import Pump, to_stderr, to_stdout
 
     children: list[subprocess.Popen] = []
@@ -324,6 +352,12 @@ def _run_many(args) -> int:
             _child_command(args, i), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
         children.append(c)
+        assert c.stdin is not None  # stdin=PIPE
+        try:
+            c.stdin.write(handover_line(secret.value))
+            c.stdin.flush()
+        except OSError:
+            pass  # it died at once: reported below, from its stderr
         outs.append(Pump(c.stdout, to_stdout, first_line=True, name=f"torchfeed-out-{i}"))
         errs.append(Pump(c.stderr, to_stderr, f"[process {i}] ", name=f"torchfeed-err-{i}", hold=True))
     addresses = []

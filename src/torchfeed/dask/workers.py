@@ -20,22 +20,17 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from ..protocol import auth
 from ..util import restore_env
+from .transport import refuse_clear_transport
 
 log = logging.getLogger(__name__)
 
 PLUGIN_NAME = "torchfeed-workers"
 
-# Runs `torchfeed worker ...` and ends it (SIGTERM) when its standard input closes, i.e. when
-# the Dask worker that started it is gone, even if that one was killed with no chance to clean up.
+# Runs `torchfeed worker ...`; with --watch-stdin it ends (SIGTERM) when its standard input
+# closes, i.e. when the Dask worker that started it is gone, even if that one was killed with
+# no chance to clean up. The secret comes first on that pipe (--secret-on-stdin).
 _BOOTSTRAP = """\
-import os, signal, sys, threading
-def _watch():
-    try:
-        while os.read(0, 4096):
-            pass
-    finally:
-        os.kill(os.getpid(), signal.SIGTERM)
-threading.Thread(target=_watch, daemon=True).start()
+import sys
 from torchfeed.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -44,11 +39,18 @@ sys.exit(main(sys.argv[1:]))
 class _Process:
     """One torchfeed worker process; its stderr goes on to this Dask worker's stderr, the tail is kept."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str]):
+    def __init__(self, cmd: list[str], env: dict[str, str], stdin_line: bytes):
         self.popen = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True
         )
         self.pid = self.popen.pid
+        if stdin_line:
+            assert self.popen.stdin is not None  # stdin=PIPE
+            try:
+                self.popen.stdin.write(stdin_line.decode())
+                self.popen.stdin.flush()
+            except OSError:
+                pass  # it died at once: read_address reports its stderr
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         self._forwarder = threading.Thread(
             target=self._forward, name=f"torchfeed-worker-{self.pid}-stderr", daemon=True
@@ -105,7 +107,7 @@ class _WorkerProcesses(WorkerPlugin):
     def __init__(self):
         self.processes: list[_Process] = []
         self.addresses: list[str] = []
-        self._saved_secret: tuple[str | None] | None = None  # set when this plugin set the variable
+        self._previous: tuple[auth.Secret | None] | None = None  # set when this plugin adopted one
 
     def setup(self, worker) -> None:
         pass
@@ -113,22 +115,35 @@ class _WorkerProcesses(WorkerPlugin):
     async def teardown(self, worker) -> None:
         await asyncio.to_thread(self.stop)
 
-    def start(self, n: int, secret: auth.Secret, host: str, args: Sequence[str], timeout: float) -> list[str]:
-        value = secret.value.decode()
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **{auth.ENV_SECRET: value})
-        cmd = [sys.executable, "-c", _BOOTSTRAP, "worker", "--host", host, "--port", "0", *args]
+    def start(
+        self, n: int, secret: auth.Secret | str, host: str, args: Sequence[str], timeout: float
+    ) -> list[str]:
+        """``secret``: the secret, or the path of a secret file this machine shares with the driver."""
+        # the secret never goes into an environment (the workers' nor this process's):
+        # subprocesses of dataset code or of Dask tasks would inherit it
+        env = {k: v for k, v in os.environ.items() if k != auth.ENV_SECRET}
+        env["PYTHONUNBUFFERED"] = "1"
+        cmd = [sys.executable, "-c", _BOOTSTRAP, "worker", "--host", host, "--port", "0", "--watch-stdin"]
+        if isinstance(secret, str):
+            env[auth.ENV_SECRET_FILE] = secret
+            secret = auth.secret_from_file(secret)
+            line = b""
+        else:
+            cmd.append("--secret-on-stdin")
+            line = auth.handover_line(secret.value)
+        cmd += args
         try:
             for _ in range(n):
-                self.processes.append(_Process(cmd, env))
+                self.processes.append(_Process(cmd, env, line))
             deadline = time.monotonic() + timeout
             self.addresses = [p.read_address(deadline) for p in self.processes]
         except BaseException:
             self.stop()
             raise
         # tasks in this Dask worker (ranks started by run()) reach the workers with the same secret
-        if self._saved_secret is None:
-            self._saved_secret = (os.environ.get(auth.ENV_SECRET),)
-        os.environ[auth.ENV_SECRET] = value
+        previous = auth.adopt_secret(secret)
+        if self._previous is None:
+            self._previous = (previous,)
         return list(self.addresses)
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -138,13 +153,13 @@ class _WorkerProcesses(WorkerPlugin):
         deadline = time.monotonic() + timeout
         for p in processes:
             p.wait(max(0.0, deadline - time.monotonic()))
-        if self._saved_secret is not None:
-            (previous,), self._saved_secret = self._saved_secret, None
-            restore_env({auth.ENV_SECRET: previous})
+        if self._previous is not None:
+            (previous,), self._previous = self._previous, None
+            auth.adopt_secret(previous)
 
 
 async def _start_on_worker(
-    n: int, secret: auth.Secret, host: str | None, args: Sequence[str], timeout: float, dask_worker=None
+    n: int, secret: auth.Secret | str, host: str | None, args: Sequence[str], timeout: float, dask_worker=None
 ) -> list[str]:
     plugin = dask_worker.plugins.get(PLUGIN_NAME)
     if plugin is None:
@@ -174,6 +189,8 @@ def start_workers(
     procs_per_worker: int = 1,
     *,
     secret: auth.SecretLike = None,
+    secret_file: str | os.PathLike[str] | None = None,
+    allow_insecure: bool = False,
     export_secret: bool = True,
     host: str | None = None,
     parallel: int = 1,
@@ -189,10 +206,14 @@ def start_workers(
     plugin tracks them: they stop on :func:`stop_workers`, when their Dask worker closes,
     and on their own if their Dask worker dies. Calling this again replaces them.
 
-    The secret reaches the workers through the Dask client (use Dask's TLS on untrusted
-    networks). By default a fresh random secret is made for these workers, and set as
+    The secret reaches the Dask workers through Dask's own connections, so it is refused
+    (ValueError) when any of them is clear text that leaves this machine (not ``tls://``,
+    host not loopback), unless ``allow_insecure=True``: use Dask's TLS, or ``secret_file``.
+    The torchfeed worker processes get it on their standard input, never in their
+    environment. By default a fresh random secret is made for these workers, and set as
     ``TORCHFEED_SECRET`` in this process (``export_secret``, undone by :func:`stop_workers`)
-    and in the Dask worker processes (for ranks started by :func:`run`), so
+    and adopted (:func:`torchfeed.protocol.auth.adopt_secret`, not put in the environment)
+    by the Dask worker processes (for ranks started by :func:`run`), so
     ``RemoteDataset(addresses, ...)`` works as is in both places.
 
     Parameters
@@ -202,6 +223,13 @@ def start_workers(
         torchfeed worker processes per Dask worker (one uses about one core).
     secret : str or bytes, optional
         Use this secret instead of a fresh one.
+    secret_file : str or path, optional
+        A secret file that this process and every Dask worker's machine can read at the same
+        path (a shared home directory): the workers read it themselves and only the path is
+        sent through Dask, which then needs no TLS.
+    allow_insecure : bool
+        Send the secret through Dask even over clear-text connections that leave this machine
+        (only on networks no one else can listen on).
     export_secret : bool
         Set ``TORCHFEED_SECRET`` in this process (otherwise use ``.secret`` yourself).
     host : str, optional
@@ -220,21 +248,32 @@ def start_workers(
     """
     if procs_per_worker < 1:
         raise ValueError(f"procs_per_worker must be >= 1, got {procs_per_worker}")
-    if secret is None:
-        sec = auth.Secret(secrets.token_hex(32).encode(), "generated by torchfeed.dask.start_workers")
+    sent: auth.Secret | str  # what travels through Dask: the secret, or a shared file's path
+    if secret_file is not None:
+        if secret is not None:
+            raise ValueError("give secret= or secret_file=, not both")
+        sent = os.path.abspath(os.path.expanduser(os.fspath(secret_file)))
+        sec = auth.secret_from_file(sent)
     else:
-        sec = auth.load_secret(secret)
+        if not allow_insecure:  # before anything is sent
+            refuse_clear_transport(client, "torchfeed.dask.start_workers")
+        if secret is None:
+            sec = auth.Secret(secrets.token_hex(32).encode(), "generated by torchfeed.dask.start_workers")
+        else:
+            sec = auth.load_secret(secret)
+        sent = sec
+    if export_secret:
         try:
             sec.value.decode()
         except UnicodeDecodeError:
             raise ValueError(
-                "the secret must be text (it is handed to the workers in an environment "
-                "variable): use a str, e.g. secrets.token_hex(32)"
+                "the secret must be text to be exported as TORCHFEED_SECRET: use a str, e.g. "
+                "secrets.token_hex(32), or export_secret=False"
             ) from None
     args = ["--parallel", str(parallel), "--threads", str(threads), *worker_args]
     client.register_plugin(_WorkerProcesses(), name=PLUGIN_NAME)
     results = client.run(
-        _start_on_worker, procs_per_worker, sec, host, args, start_timeout, on_error="return"
+        _start_on_worker, procs_per_worker, sent, host, args, start_timeout, on_error="return"
     )
     failures = {w: r for w, r in results.items() if isinstance(r, BaseException)}
     if failures or not results:

@@ -4,11 +4,18 @@ Secret sources, in order: ``TORCHFEED_SECRET`` (the value itself), the file name
 ``TORCHFEED_SECRET_FILE``, then a per-user default file (``$XDG_CONFIG_HOME/torchfeed/secret``
 or ``~/.config/torchfeed/secret``), created with 32 random bytes (hex) when missing. On a
 cluster with a shared home directory, trainers and workers of one user agree with no
-configuration at all. Every secret must be at least 32 bytes: the handshake gives an
-eavesdropper (or an impostor worker) material for an offline guessing attack, which only
-a long random secret makes hopeless. Secret files are opened without following symbolic
+configuration at all. Every secret must be at least 32 bytes and look random (not a few
+characters, a repeated block or runs like ``abcd``: :mod:`torchfeed.protocol.strength`):
+the handshake gives an eavesdropper (or an impostor worker) material for an offline
+guessing attack, which only a long random secret makes hopeless. Secret files are opened without following symbolic
 links and must belong to the current user, be unreadable by others and sit in a
 directory others cannot write.
+
+Workers keep the secret out of their environment: ``torchfeed worker`` adopts it
+(:func:`adopt_secret`: this process's ``load_secret()`` still finds it) and removes
+``TORCHFEED_SECRET`` from ``os.environ``, so subprocesses of dataset code do not inherit
+it; processes that start workers (``LocalWorkers``, ``--procs N``, the Dask plugin) hand it
+over on the worker's standard input (:func:`handover_line`, ``--secret-on-stdin``).
 
 Handshake (fixed-size clear frames, nothing is unpickled)::
 
@@ -47,7 +54,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from ..errors import AuthenticationError, ProtocolError
-from . import wire
+from . import strength, wire
 from .channel import Channel
 
 ENV_SECRET = "TORCHFEED_SECRET"
@@ -86,6 +93,12 @@ def _checked(value: bytes, source: str) -> Secret:
         raise AuthenticationError(
             f"the secret from {source} is {len(value)} bytes; torchfeed needs at least "
             f"{MIN_SECRET_BYTES}, random: make one with `{MAKE_ONE}`"
+        )
+    why = strength.weakness(value)
+    if why is not None:
+        raise AuthenticationError(
+            f"the secret from {source} is too easy to guess: {why}. Anyone who records one "
+            f"handshake can try such values offline. Use a random secret: make one with `{MAKE_ONE}`"
         )
     return Secret(value, source)
 
@@ -154,14 +167,75 @@ def _create_default(path: Path) -> None:
         os.unlink(tmp)
 
 
+def secret_from_file(path: str | os.PathLike) -> Secret:
+    """The secret in the file ``path``, checked like ``TORCHFEED_SECRET_FILE``'s."""
+    path = Path(path).expanduser()
+    return _checked(read_secret_file(path), f"file {path}")
+
+
+_adopted: list[Secret | None] = [None]  # this process's secret, set by adopt_secret()
+
+
+def adopt_secret(secret: Secret | None) -> Secret | None:
+    """Make ``secret`` what ``load_secret()`` finds in this process, ahead of the environment,
+    without putting it in the environment that subprocesses inherit; ``None`` stops that.
+    Returns the one adopted before."""
+    previous, _adopted[0] = _adopted[0], secret
+    return previous
+
+
+def take_secret_from_environment() -> Secret:
+    """Find the secret as ``load_secret()`` does, adopt it and remove ``TORCHFEED_SECRET``
+    from this process's environment: what it starts (dataset code's subprocesses) does not
+    inherit the value. ``TORCHFEED_SECRET_FILE``, a path, stays."""
+    secret = load_secret()
+    adopt_secret(secret)
+    os.environ.pop(ENV_SECRET, None)
+    return secret
+
+
+# A worker's parent (LocalWorkers, `torchfeed worker --procs N`, the Dask plugin) hands it
+# the secret on its standard input (`--secret-on-stdin`), never in its environment: one line,
+# hex (a file's secret may hold any byte), written right after the start.
+HANDOVER_SOURCE = "the process that started this worker (handed over on standard input)"
+_HANDOVER_MAX = 2 * (1 << 16) + 2
+
+
+def handover_line(value: bytes) -> bytes:
+    """What a parent writes on a worker's standard input to give it the secret ``value``."""
+    return value.hex().encode() + b"\n"
+
+
+def read_handover(fd: int = 0) -> Secret:
+    """Read the line :func:`handover_line` made from ``fd`` (no further: the rest of the pipe
+    stays unread, e.g. for ``--watch-stdin``) and check the secret in it."""
+    line = bytearray()
+    while len(line) < _HANDOVER_MAX and not line.endswith(b"\n"):
+        chunk = os.read(fd, 1)
+        if not chunk:
+            break
+        line += chunk
+    try:
+        value = bytes.fromhex(line.decode("ascii"))
+    except ValueError:
+        value = b""
+    if not line.endswith(b"\n") or not value:
+        raise AuthenticationError(
+            "--secret-on-stdin: standard input did not start with the secret (one line, hex); this "
+            "option is for the processes that start workers (LocalWorkers, --procs). Without it the "
+            f"worker finds its secret in {ENV_SECRET}, {ENV_SECRET_FILE} or the default file"
+        )
+    return _checked(value, HANDOVER_SOURCE)
+
+
 def load_secret(secret: SecretLike = None) -> Secret:
     """Find the shared secret.
 
     Parameters
     ----------
     secret : str, bytes, Secret or None
-        An explicit secret (at least 32 bytes); ``None`` searches the environment and
-        the default file.
+        An explicit secret (at least 32 bytes); ``None``: the one this process adopted
+        (:func:`adopt_secret`), else searches the environment and the default file.
     """
     if isinstance(secret, Secret):
         return _checked(secret.value, secret.source)
@@ -171,6 +245,9 @@ def load_secret(secret: SecretLike = None) -> Secret:
         return _checked(bytes(secret), "the secret= argument")
     if secret is not None:
         raise TypeError(f"secret must be str, bytes or None, not {type(secret).__name__}")
+    adopted = _adopted[0]
+    if adopted is not None:
+        return adopted
     key = (os.environ.get(ENV_SECRET), os.environ.get(ENV_SECRET_FILE), str(default_secret_path()))
     cached = _discovered.get(key)
     if cached is None:

@@ -1,0 +1,69 @@
+"""May a secret travel through this Dask cluster's connections? (:func:`refuse_clear_transport`)
+
+:func:`torchfeed.dask.start_workers` hands the torchfeed secret to the Dask workers through
+Dask itself: client -> scheduler -> each worker. On ``tcp://`` (or ``ws://``)
+that is clear text, readable by anyone on the network path, and the secret lets its holder
+run code on the torchfeed workers. It is safe only on TLS (``tls://``, ``wss://``), inside
+one process (``inproc://``) or when every hop stays on this machine (a loopback host:
+127.0.0.0/8, ::1, ``localhost``). Host names other than ``localhost`` are not resolved: a
+name is taken to mean a network.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+import distributed
+from distributed.comm.addressing import get_address_host, parse_address
+
+ENCRYPTED_SCHEMES = frozenset({"tls", "wss", "inproc"})
+
+
+def is_loopback_host(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def in_clear(address: str) -> bool:
+    """Whether a secret sent to ``address`` (a Dask address) could be read on a network."""
+    try:
+        scheme, _ = parse_address(address)
+        if scheme in ENCRYPTED_SCHEMES:
+            return False
+        return not is_loopback_host(get_address_host(address))
+    except (ValueError, TypeError):  # no such scheme here, or not an address: not provably safe
+        return True
+
+
+def clear_addresses(client: distributed.Client) -> list[str]:
+    """The scheduler's and workers' addresses a secret sent through ``client`` would cross in
+    clear. Reads addresses the client already has; sends nothing secret."""
+    scheduler = client.scheduler.address if client.scheduler is not None else None
+    addresses = [scheduler] if scheduler else []
+    addresses += sorted(client.scheduler_info(n_workers=-1).get("workers", {}))
+    return [a for a in addresses if in_clear(a)]
+
+
+def refuse_clear_transport(client: distributed.Client, what: str) -> None:
+    """Raise ValueError when a secret sent through ``client`` would cross a network in clear."""
+    exposed = clear_addresses(client)
+    if not exposed:
+        return
+    listed = ", ".join(exposed[:4]) + (f" and {len(exposed) - 4} more" if len(exposed) > 4 else "")
+    raise ValueError(
+        f"{what} would send the torchfeed secret through this Dask cluster's own connections, and "
+        f"they are not encrypted and leave this machine ({listed}): anyone who can read that "
+        "network traffic gets the secret, and with it can run code on the torchfeed workers and "
+        "read your data. Fix it in one of these ways: (1) run the Dask cluster over TLS "
+        "(distributed.security.Security(require_encryption=True, ...), tls:// addresses); "
+        "(2) keep the secret in a file that the Dask workers' machines already share (e.g. in a "
+        "shared home directory, chmod 600) and pass secret_file=PATH: only the path is sent; "
+        "(3) if no one else can listen on this network, pass allow_insecure=True"
+    )
