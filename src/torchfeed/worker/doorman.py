@@ -14,6 +14,9 @@ held to a small budget:
   sharing a host (or a NAT address) with a guesser is not locked out; guessing itself is
   made hopeless by the 32-byte minimum on secrets, not by this limit.
 
+A client with the right secret is answered AUTH_OK only if the endpoint it dialled names
+this worker (:mod:`torchfeed.worker.names`); else AUTH_FAIL says which worker it reached.
+
 ``accept`` failing for lack of file descriptors, memory or buffers (EMFILE, ENFILE,
 ENOMEM, ENOBUFS) is logged, the oldest handshake is evicted to free a descriptor, and
 accepting pauses with exponential backoff (10 ms to 1 s): the loop never ends because of
@@ -35,6 +38,7 @@ from collections.abc import Callable
 from ..errors import ProtocolError
 from ..protocol import auth, wire
 from ..util import double_delay
+from .names import Names
 
 log = logging.getLogger("torchfeed.worker")
 
@@ -127,6 +131,7 @@ class Doorman:
         max_pending: int = 128,
         allow_integrity_only: bool = False,
         limiter: FailureLimiter | None = None,
+        names: Names | None = None,
     ):
         self.listener = listener
         self.secret = secret
@@ -136,6 +141,10 @@ class Doorman:
         self.max_pending = max_pending
         self.allow_integrity_only = allow_integrity_only
         self.limiter = limiter or FailureLimiter()
+        if names is None:
+            here = listener.getsockname()
+            names = Names(str(here[0]), here[1], f"{here[0]}:{here[1]}")
+        self.names = names
         self.say = RateLimitedLog()
         self._pending: OrderedDict[int, _Handshake] = OrderedDict()  # fd -> handshake, oldest first
         self._sel = selectors.DefaultSelector()
@@ -276,6 +285,8 @@ class Doorman:
                 self._send_quietly(hs, wire.AUTH_FAIL, reply)
             self._close(hs)
             return
+        if self._misrouted(hs):
+            return
         leftover = bytes(hs.buf[_AUTH_FRAME:])
         if not self._send_quietly(hs, wire.AUTH_OK, reply):
             self._close(hs)
@@ -288,6 +299,20 @@ class Doorman:
         except Exception as exc:  # e.g. "can't start new thread": this client only
             self.say(logging.WARNING, "handoff", "could not serve client %s: %s", hs.peer, exc)
             hs.sock.close()
+
+    def _misrouted(self, hs: _Handshake) -> bool:
+        """Refuse (and close) a client whose dialled endpoint is not this worker's."""
+        dialled = auth.dialled_of(bytes(hs.buf[wire.HEADER.size : _AUTH_FRAME]))
+        try:
+            refusal = self.names.refusal(dialled, hs.sock.getsockname())
+        except OSError:  # the socket is gone
+            refusal = "connection lost"
+        if refusal is None:
+            return False
+        self.say(logging.WARNING, f"misrouted {hs.host}", "refused client %s: %s", hs.peer, refusal)
+        self._send_quietly(hs, wire.AUTH_FAIL, refusal.encode()[:500])
+        self._close(hs)
+        return True
 
     def _send_quietly(self, hs: _Handshake, kind: int, meta: bytes) -> bool:
         frame = wire.pack_header(kind, 0, len(meta), []) + meta
