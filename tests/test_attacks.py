@@ -494,6 +494,47 @@ def test_idle_and_half_open_floods_under_a_low_fd_limit(spawn, many_fds, tmp_pat
 
 
 @pytest.mark.slow
+def test_a_flood_from_one_source_sheds_its_own_connections(spawn, tmp_path):
+    """One source (127.0.0.2) holds 300 idle connections and replaces every one the worker
+    drops; meanwhile a trainer on 127.0.0.1 connects 30 times. Every handshake succeeds (at
+    capacity the worker evicts the flooding source's handshakes, never the trainer's) and
+    none waits for the flood to end. Before, the oldest handshake of any source was evicted:
+    with 32 slots most of the trainer's handshakes were reset."""
+    log = tmp_path / "worker.log"
+    w = spawn("--max-handshakes", "32", "--log-level", "INFO", log=log)
+    host, port = w.address.rsplit(":", 1)
+    flooder = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve().parent / "flooder.py"), host, port, "300", "60"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    times, failures = [], []
+    try:
+        assert flooder.stdout.readline().strip() == "ready"
+        time.sleep(0.5)
+        for _ in range(30):
+            start = time.monotonic()
+            try:
+                client.Connection(w.address, auth.load_secret(), 10, session=client.default_session()).close()
+                times.append(time.monotonic() - start)
+            except (OSError, torchfeed.TorchfeedError) as exc:
+                failures.append(repr(exc))
+        flooding = flooder.poll() is None
+    finally:
+        report = flooder.communicate(timeout=20)[0].strip()  # closes its stdin: it stops and reports
+    times.sort()
+    print(
+        f"{report}; trainer: {len(times)} handshakes, median {times[len(times) // 2] * 1000 if times else 0:.1f} ms"
+    )
+    assert flooding, report
+    assert not failures, (failures, report)
+    assert times[len(times) // 2] < 1.0, times  # generous: not queued behind the flood (it lasts 60 s)
+    assert "dropping the oldest of 127.0.0.2's" in log.read_text()
+    assert w.alive()
+
+
+@pytest.mark.slow
 def test_accept_survives_running_out_of_file_descriptors(spawn, many_fds, tmp_path):
     """With more handshakes allowed than descriptors, accept() hits EMFILE: the worker
     logs it, sheds the oldest handshake, backs off and keeps serving."""

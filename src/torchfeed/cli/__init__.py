@@ -150,7 +150,7 @@ def _add_worker_parser(sub) -> None:
         "--max-handshakes",
         type=_positive,
         default=128,
-        help="unauthenticated connections held at once; beyond it the oldest is dropped (default 128)",
+        help="unauthenticated connections held at once; beyond it the oldest of the source holding the most is dropped (default 128)",
     )
     limits.add_argument(
         "--trusted-network-no-encryption",

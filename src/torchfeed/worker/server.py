@@ -255,7 +255,8 @@ def run_worker(
     limits : ConnectionLimits, optional
         Per-client bounds (queued requests, unsent bytes, call size, remote references).
     max_handshakes : int
-        Unauthenticated connections held at once (the oldest is dropped beyond it).
+        Unauthenticated connections held at once (beyond it, the oldest of the source holding
+        the most is dropped).
     integrity_only : bool, optional
         Also accept clients that opted out of encryption (trusted networks only); by
         default read from ``TORCHFEED_TRUSTED_NETWORK_NO_ENCRYPTION``.
