@@ -21,8 +21,35 @@ W2C_SEALED = 2 * wire.HEADER.size + auth.HELLO_BYTES + auth.MAC_BYTES  # HELLO +
 Hook = Callable[[int, str, int, bytes], bytes]
 
 
+def _listen_transparently(port: int) -> socket.socket:
+    """A listener on the worker's port at another loopback address (127.0.0.2, ...): the
+    trainer dials an endpoint the worker owns, as when an attacker on the path intercepts
+    traffic to the worker's real address."""
+    for last in range(2, 255):
+        sock = socket.socket()
+        try:
+            sock.bind((f"127.0.0.{last}", port))
+            return sock
+        except OSError:
+            sock.close()
+    raise RuntimeError(f"no loopback address has port {port} free for a relay")
+
+
 class Relay:
-    def __init__(self, target: str, hook: Hook | None = None, capture_limit: int = 64 << 20):
+    """``transparent``: listen on the port of ``posing_as`` (default: the target) at another
+    loopback address, an endpoint that worker counts as its own (an interception of its
+    traffic); else on a port of its own, like a port forward (a worker refuses that unless
+    started with ``--reachable-at`` the relay's address)."""
+
+    def __init__(
+        self,
+        target: str,
+        hook: Hook | None = None,
+        capture_limit: int = 64 << 20,
+        *,
+        transparent: bool = True,
+        posing_as: str | None = None,
+    ):
         host, port = target.rsplit(":", 1)
         self.target = (host, int(port))
         self.hook = hook
@@ -31,10 +58,14 @@ class Relay:
         self.connections = 0
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []
-        self.listener = socket.socket()
-        self.listener.bind(("127.0.0.1", 0))
+        if transparent:
+            self.listener = _listen_transparently(int((posing_as or target).rsplit(":", 1)[1]))
+        else:
+            self.listener = socket.socket()
+            self.listener.bind(("127.0.0.1", 0))
         self.listener.listen(64)
-        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        host, port = self.listener.getsockname()
+        self.address = f"{host}:{port}"
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
 

@@ -88,8 +88,8 @@ def spawn():
 def relays():
     made = []
 
-    def make(target, hook=None):
-        made.append(Relay(target, hook))
+    def make(target, hook=None, **kw):
+        made.append(Relay(target, hook, **kw))
         return made[-1]
 
     yield make
@@ -172,6 +172,93 @@ def test_relay_forwards_honestly(workers2, relays):
     r = relays(workers2[0])
     assert fresh_call(r.address, lambda: 6 * 7) == 42
     assert r.connections == 1
+
+
+def test_a_relay_cannot_hand_a_trainer_to_another_worker(workers2, relays):
+    """Both workers hold the secret. A relay that intercepts the trainers' traffic for
+    worker A (it listens on an endpoint A owns: A's port, on another loopback address) and
+    hands it to worker B is refused by B, naming what was dialled and who answered. The
+    same interception forwarding to A, and B dialled directly, work."""
+    a, b = workers2
+    to_a = relays(a)
+    assert fresh_call(to_a.address, lambda: 6 * 7) == 42
+    to_b = relays(b, posing_as=a)
+    assert to_b.address.rsplit(":", 1)[1] == a.rsplit(":", 1)[1]
+    with pytest.raises(torchfeed.AuthenticationError) as info:
+        fresh_call(to_b.address)
+    message = str(info.value)
+    assert f"the connection to worker {to_b.address} reached a different worker" in message, message
+    assert f"dialled {to_b.address}, but this is the worker at {b}" in message, message
+    assert f"--reachable-at {to_b.address}" in message, message
+    assert to_b.connections == 1  # it did reach B
+    assert fresh_call(b, lambda: 6 * 7) == 42
+    assert fresh_call("localhost:" + b.rsplit(":", 1)[1], lambda: 6 * 7) == 42  # a name for 127.0.0.1
+
+
+def test_a_port_forward_is_served_only_when_the_worker_knows_that_address(spawn, relays):
+    """A relay on a port of its own (an SSH tunnel, a NAT or container port mapping) is an
+    endpoint the worker cannot see: refused unless the worker lists it with --reachable-at."""
+    forward = relays("127.0.0.1:9", transparent=False)  # its target is set below
+    plain = spawn()
+    forward.target = client.parse_address(plain.address)
+    with pytest.raises(torchfeed.AuthenticationError, match=f"--reachable-at {forward.address}"):
+        fresh_call(forward.address)
+    told = spawn("--reachable-at", forward.address)
+    forward.target = client.parse_address(told.address)
+    assert fresh_call(forward.address) == told.proc.pid
+    anything = spawn("--reachable-at", "*")
+    forward.target = client.parse_address(anything.address)
+    assert fresh_call(forward.address) == anything.proc.pid
+
+
+def test_every_usual_way_of_dialling_a_worker_bound_to_all_interfaces_works():
+    """Bound to 0.0.0.0, a worker answers to its announced name and to every address of
+    its machine (here: loopback ones), and refuses another port's trainers."""
+    from torchfeed.worker.server import WorkerServer
+
+    srv = WorkerServer(host="0.0.0.0", port=0, timeout=30).start()
+    other = WorkerServer(port=0, timeout=30).start()
+    relay = Relay(f"127.0.0.1:{srv.port}", posing_as=other.address)
+    try:
+        for address in (
+            srv.address,
+            f"127.0.0.1:{srv.port}",
+            f"localhost:{srv.port}",
+            f"127.0.0.3:{srv.port}",
+        ):
+            assert fresh_call(address, lambda: 6 * 7) == 42, address
+        with pytest.raises(torchfeed.AuthenticationError, match=f"dialled {relay.address}, but this is"):
+            fresh_call(relay.address)
+    finally:
+        relay.close()
+        srv.stop()
+        other.stop()
+
+
+def test_reachable_at_entries_and_their_errors():
+    from torchfeed.worker.names import Names
+
+    def refusal(names, host, port):
+        return names.refusal(auth.pack_endpoint((host, port)), ("127.0.0.1", 5000))
+
+    names = Names("127.0.0.1", 5000, "node1:5000", ["*:7000", "127.0.0.1:7001", "[::1]:7002"])
+    assert refusal(names, "127.0.0.1", 5000) is None
+    assert refusal(names, "127.0.0.9", 5000) is None  # loopback reaches the same machine
+    assert refusal(names, "10.1.2.3", 7000) is None
+    assert refusal(names, "127.0.0.1", 7001) is None
+    assert refusal(names, "::1", 7002) is None
+    assert refusal(names, "10.1.2.3", 5000) == (
+        "not this worker: the trainer dialled 10.1.2.3:5000, but this is the worker at node1:5000 "
+        "(port 5000): a relay, port forwarding or NAT sent the connection here. If that forwarding "
+        "is intended, start this worker with --reachable-at 10.1.2.3:5000"
+    )
+    assert "dialled 127.0.0.1:7002" in refusal(names, "127.0.0.1", 7002)
+    assert "dialled [::1]:5001" in refusal(names, "::1", 5001)
+    assert "dialled an unknown address" in names.refusal(bytes(auth.ENDPOINT_BYTES), ("127.0.0.1", 5000))
+    assert refusal(Names("127.0.0.1", 5000, "x", ["*"]), "10.1.2.3", 1) is None
+    for bad in ("node1", "node1:", ":7000", "node1:70000", "node1:x"):
+        with pytest.raises(ValueError, match="expected HOST:PORT"):
+            Names("127.0.0.1", 5000, "x", [bad])
 
 
 def test_injected_call_is_never_executed(workers2, relays, tmp_path):
@@ -405,6 +492,47 @@ def test_idle_and_half_open_floods_under_a_low_fd_limit(spawn, many_fds, tmp_pat
         f"served during the flood after {during:.2f} s, after 600 idle {after_idle:.2f} s, "
         f"after 300 half-open {after_half_open:.2f} s"
     )
+
+
+@pytest.mark.slow
+def test_a_flood_from_one_source_sheds_its_own_connections(spawn, tmp_path):
+    """One source (127.0.0.2) holds 300 idle connections and replaces every one the worker
+    drops; meanwhile a trainer on 127.0.0.1 connects 30 times. Every handshake succeeds (at
+    capacity the worker evicts the flooding source's handshakes, never the trainer's) and
+    none waits for the flood to end. Before, the oldest handshake of any source was evicted:
+    with 32 slots most of the trainer's handshakes were reset."""
+    log = tmp_path / "worker.log"
+    w = spawn("--max-handshakes", "32", "--log-level", "INFO", log=log)
+    host, port = w.address.rsplit(":", 1)
+    flooder = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve().parent / "flooder.py"), host, port, "300", "60"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    times, failures = [], []
+    try:
+        assert flooder.stdout.readline().strip() == "ready"
+        time.sleep(0.5)
+        for _ in range(30):
+            start = time.monotonic()
+            try:
+                client.Connection(w.address, auth.load_secret(), 10, session=client.default_session()).close()
+                times.append(time.monotonic() - start)
+            except (OSError, torchfeed.TorchfeedError) as exc:
+                failures.append(repr(exc))
+        flooding = flooder.poll() is None
+    finally:
+        report = flooder.communicate(timeout=20)[0].strip()  # closes its stdin: it stops and reports
+    times.sort()
+    print(
+        f"{report}; trainer: {len(times)} handshakes, median {times[len(times) // 2] * 1000 if times else 0:.1f} ms"
+    )
+    assert flooding, report
+    assert not failures, (failures, report)
+    assert times[len(times) // 2] < 1.0, times  # generous: not queued behind the flood (it lasts 60 s)
+    assert "dropping the oldest of 127.0.0.2's" in log.read_text()
+    assert w.alive()
 
 
 @pytest.mark.slow

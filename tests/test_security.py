@@ -53,8 +53,13 @@ def raw_client(address: str, secret: str = SECRET, timeout: float = 5.0):
     return sock, auth.client_handshake(sock, auth.load_secret(secret), address)
 
 
-def auth_meta(secret: str, hello: bytes, cnonce: bytes, mode: int = auth.MODE_ENCRYPTED) -> bytes:
-    return cnonce + bytes([mode]) + auth.handshake_proof(secret.encode(), b"client", hello, cnonce, mode)
+def auth_meta(
+    sock: socket.socket, secret: str, hello: bytes, cnonce: bytes, mode: int = auth.MODE_ENCRYPTED
+) -> bytes:
+    """An AUTH message's meta for a client connected with ``sock`` (the endpoint it dialled)."""
+    dialled = auth.pack_endpoint(sock.getpeername())
+    proof = auth.handshake_proof(secret.encode(), b"client", hello, cnonce, mode, dialled)
+    return cnonce + bytes([mode]) + dialled + proof
 
 
 def read_hello(sock: socket.socket, reader: wire.FrameReader) -> bytes:
@@ -265,7 +270,7 @@ def test_impostor_worker_through_rpc_async(fake_worker):
 def test_worker_proof_is_bound_to_the_client_nonce(fake_worker):
     """A worker that replays the client's own proof (reflection) is rejected."""
     fake = fake_worker(
-        lambda sock, r, wn, meta: wire.send_frame(sock, wire.AUTH_OK, meta=meta[auth.NONCE_BYTES + 1 :])
+        lambda sock, r, wn, meta: wire.send_frame(sock, wire.AUTH_OK, meta=meta[-auth.MAC_BYTES :])
     )
     with pytest.raises(torchfeed.AuthenticationError):
         client.connect(fake.address, timeout=5)
@@ -275,10 +280,9 @@ def test_worker_that_knows_the_secret_is_accepted_by_the_fake_setup(fake_worker)
     """Control for the impostor tests: the same fake server with a correct proof passes."""
 
     def honest(sock, reader, hello, meta):
-        cnonce, mode = meta[: auth.NONCE_BYTES], meta[auth.NONCE_BYTES]
-        wire.send_frame(
-            sock, wire.AUTH_OK, meta=auth.handshake_proof(SECRET.encode(), b"worker", hello, cnonce, mode)
-        )
+        cnonce, mode, dialled = meta[: auth.NONCE_BYTES], meta[auth.NONCE_BYTES], auth.dialled_of(meta)
+        proof = auth.handshake_proof(SECRET.encode(), b"worker", hello, cnonce, mode, dialled)
+        wire.send_frame(sock, wire.AUTH_OK, meta=proof)
 
     fake = fake_worker(honest)
     sock = raw_connect(fake.address)
@@ -301,7 +305,7 @@ def test_replayed_auth_message_is_rejected(worker):
     sock = raw_connect(address)
     reader = wire.FrameReader(sock)
     hello = read_hello(sock, reader)
-    recorded = auth_meta(SECRET, hello, os.urandom(32))
+    recorded = auth_meta(sock, SECRET, hello, os.urandom(32))
     wire.send_frame(sock, wire.AUTH, meta=recorded)
     assert reader.read_frame(wire.HANDSHAKE_LIMITS).kind == wire.AUTH_OK
     sock.close()
@@ -356,7 +360,7 @@ def test_call_after_wrong_secret_is_not_unpickled(worker, tmp_path):
     reader = wire.FrameReader(sock)
     try:
         hello = read_hello(sock, reader)
-        wire.send_frame(sock, wire.AUTH, meta=auth_meta(WRONG, hello, os.urandom(32)))
+        wire.send_frame(sock, wire.AUTH, meta=auth_meta(sock, WRONG, hello, os.urandom(32)))
         # pipelined: the CALL is sent before the verdict arrives
         wire.send_frame(sock, wire.CALL, 1, meta=evil_call_meta(marker))
         assert reader.read_frame(wire.HANDSHAKE_LIMITS).kind == wire.AUTH_FAIL
@@ -958,7 +962,7 @@ def test_reflected_records_are_rejected():
 
 def test_a_worker_of_an_older_wire_version_is_refused_at_the_handshake_with_a_clear_message():
     """Pickles name module paths (torchfeed.loader.fetch, ...), which moved between versions:
-    a trainer meeting a worker of version 2 must fail at its first frame, naming both versions."""
+    a trainer meeting a worker of the previous version must fail at its first frame, naming both."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
@@ -967,7 +971,9 @@ def test_a_worker_of_an_older_wire_version_is_refused_at_the_handshake_with_a_cl
     def old_worker():
         conn, _ = server.accept()
         with conn:
-            conn.sendall(header(kind=wire.HELLO, meta_len=len(auth.hello_meta(False)), version=2))
+            conn.sendall(
+                header(kind=wire.HELLO, meta_len=len(auth.hello_meta(False)), version=wire.VERSION - 1)
+            )
             conn.sendall(auth.hello_meta(False))
             conn.recv(1024)
 
@@ -975,7 +981,8 @@ def test_a_worker_of_an_older_wire_version_is_refused_at_the_handshake_with_a_cl
     thread.start()
     try:
         with pytest.raises(
-            torchfeed.ProtocolError, match=r"version 2, this side speaks 3.*same torchfeed version"
+            torchfeed.ProtocolError,
+            match=rf"version {wire.VERSION - 1}, this side speaks {wire.VERSION}.*same torchfeed version",
         ):
             client.Connection(address, auth.load_secret(SECRET), 5, session=client.default_session())
     finally:

@@ -166,7 +166,7 @@ def _add_worker_parser(sub) -> None:
         "--max-handshakes",
         type=_positive,
         default=128,
-        help="unauthenticated connections held at once; beyond it the oldest is dropped (default 128)",
+        help="unauthenticated connections held at once; beyond it the oldest of the source holding the most is dropped (default 128)",
     )
     limits.add_argument(
         "--trusted-network-no-encryption",
@@ -174,6 +174,17 @@ def _add_worker_parser(sub) -> None:
         help="also accept clients that set TORCHFEED_TRUSTED_NETWORK_NO_ENCRYPTION=1: their "
         "traffic is authenticated but NOT encrypted. Only for networks no one else can "
         "listen on",
+    )
+    limits.add_argument(
+        "--reachable-at",
+        action="append",
+        default=[],
+        type=_reachable,
+        metavar="HOST:PORT",
+        help="an endpoint trainers may dial to reach this worker besides its own addresses "
+        "(port forwarding, NAT, containers, tunnels; repeatable; *:PORT for any address with "
+        "that port, * for any). Without it, a connection that arrives for another endpoint, "
+        "as a relay sending another worker's trainers here would make it, is refused",
     )
 
 
@@ -192,7 +203,19 @@ def _limit_args(args) -> list[str]:
     out = []
     for name in _LIMIT_OPTIONS:
         out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    for entry in args.reachable_at:
+        out += ["--reachable-at", entry]
     return out + (["--trusted-network-no-encryption"] if args.trusted_network_no_encryption else [])
+
+
+def _reachable(value: str) -> str:
+    from ..worker.names import parse_reachable
+
+    try:
+        parse_reachable(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def _adopt_parent_path() -> None:
@@ -260,7 +283,11 @@ def _run_workers(args) -> int:
             ),
             max_handshakes=args.max_handshakes,
             integrity_only=True if args.trusted_network_no_encryption else None,
+            reachable_at=args.reachable_at,
         )
+    except ValueError as exc:  # a --reachable-at host that does not resolve
+        print(f"torchfeed worker: error: {exc}", file=sys.stderr, flush=True)
+        os._exit(2)
     except OSError as exc:  # the port is taken, the interface does not exist, the file cannot be written
         if args.address_file and _about_address_file(exc, args.address_file):
             _address_file_error(args.address_file, f"cannot append to it: {exc.strerror or exc}")

@@ -20,17 +20,22 @@ over on the worker's standard input (:func:`handover_line`, ``--secret-on-stdin`
 Handshake (fixed-size clear frames, nothing is unpickled)::
 
     worker -> client  HELLO    worker nonce (32) | worker policy (1)
-    client -> worker  AUTH     client nonce (32) | mode (1) | proof (32)
+    client -> worker  AUTH     client nonce (32) | mode (1) | dialled (18) | proof (32)
     worker -> client  AUTH_OK  proof (32)                   (or AUTH_FAIL, reason text)
 
-with ``proof = HMAC-SHA256(K, role | HELLO meta | client nonce | mode)`` and ``K`` derived
-from the secret with HKDF-SHA256. Each side proves it holds the secret without sending
-it, over a transcript that includes both fresh nonces and the negotiated mode, so a
-recorded handshake cannot be replayed and the mode cannot be downgraded. Both sides then
-derive one AES-256-GCM key per direction with HKDF-SHA256 (salt: both nonces; info: the
-direction and the mode) and continue in :class:`torchfeed.protocol.channel.Channel`, where every
-record is authenticated and numbered. A relay that does not hold the secret can forward
-the handshake but can neither read nor alter nor inject anything after it.
+with ``proof = HMAC-SHA256(K, role | HELLO meta | client nonce | mode | dialled)`` and
+``K`` derived from the secret with HKDF-SHA256. Each side proves it holds the secret
+without sending it, over a transcript that includes both fresh nonces, the negotiated
+mode and the endpoint the client dialled, so a recorded handshake cannot be replayed, the
+mode cannot be downgraded and a relay cannot hand a connection meant for one worker to
+another worker holding the same secret: ``dialled`` is the IP address (16 bytes, IPv4 as
+IPv4-mapped IPv6) and port the client's TCP connection went to, and the worker answers
+AUTH_OK only if that endpoint is its own (see :mod:`torchfeed.worker.names`). Both sides
+then derive one AES-256-GCM key per direction with HKDF-SHA256 (salt: both nonces; info:
+the direction, the mode and the dialled endpoint) and continue in
+:class:`torchfeed.protocol.channel.Channel`, where every record is authenticated and
+numbered. A relay that does not hold the secret can forward the handshake but can
+neither read nor alter nor inject anything after it.
 
 The mode is ``encrypted`` unless both sides opted into integrity-only traffic with the
 environment variable ``TORCHFEED_TRUSTED_NETWORK_NO_ENCRYPTION=1`` (and, for the worker,
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
 import secrets
 import stat
@@ -63,8 +69,10 @@ ENV_NO_ENCRYPTION = "TORCHFEED_TRUSTED_NETWORK_NO_ENCRYPTION"
 NONCE_BYTES = 32
 MAC_BYTES = 32
 MIN_SECRET_BYTES = 32
+ENDPOINT_BYTES = 18  # IPv6 address (IPv4 mapped) and port
 HELLO_BYTES = NONCE_BYTES + 1
-AUTH_BYTES = NONCE_BYTES + 1 + MAC_BYTES
+AUTH_BYTES = NONCE_BYTES + 1 + ENDPOINT_BYTES + MAC_BYTES
+NOT_THIS_WORKER = "not this worker: "  # an AUTH_FAIL reason: the connection reached the wrong worker
 MODE_ENCRYPTED = 0
 MODE_INTEGRITY_ONLY = 1
 MAKE_ONE = 'python -c "import secrets; print(secrets.token_hex(32))"'
@@ -292,9 +300,45 @@ def _hkdf(secret: bytes, salt: bytes, info: bytes, length: int = 32) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt, info=info).derive(secret)
 
 
-def handshake_proof(secret: bytes, role: bytes, hello: bytes, cnonce: bytes, mode: int) -> bytes:
-    key = _hkdf(secret, b"", b"torchfeed/2 handshake proof")
-    return hmac.new(key, role + hello + cnonce + bytes([mode]), hashlib.sha256).digest()
+def handshake_proof(
+    secret: bytes, role: bytes, hello: bytes, cnonce: bytes, mode: int, dialled: bytes
+) -> bytes:
+    key = _hkdf(secret, b"", b"torchfeed/4 handshake proof")
+    return hmac.new(key, role + hello + cnonce + bytes([mode]) + dialled, hashlib.sha256).digest()
+
+
+# -- the dialled endpoint ----------------------------------------------------------------
+
+
+def pack_endpoint(sockaddr) -> bytes:
+    """``(host, port, ...)`` of an IP socket -> the 18 bytes sent in AUTH; anything else
+    (a Unix socket, an unparsable host) -> 18 zero bytes, "unknown"."""
+    try:
+        ip = ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0])
+        port = int(sockaddr[1])
+    except (ValueError, TypeError, IndexError):
+        return bytes(ENDPOINT_BYTES)
+    if isinstance(ip, ipaddress.IPv4Address):
+        ip = ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + ip.packed)
+    return ip.packed + port.to_bytes(2, "big")
+
+
+def unpack_endpoint(packed: bytes) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
+    """The 18 bytes of :func:`pack_endpoint` -> ``(ip, port)``; IPv4-mapped addresses as IPv4."""
+    ip6 = ipaddress.IPv6Address(packed[:16])
+    return ip6.ipv4_mapped or ip6, int.from_bytes(packed[16:18], "big")
+
+
+def endpoint_text(packed: bytes) -> str:
+    if packed == bytes(ENDPOINT_BYTES):
+        return "an unknown address"
+    ip, port = unpack_endpoint(packed)
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def dialled_of(auth_meta: bytes) -> bytes:
+    """The dialled endpoint in an AUTH message's meta."""
+    return auth_meta[NONCE_BYTES + 1 : NONCE_BYTES + 1 + ENDPOINT_BYTES]
 
 
 @dataclass(frozen=True)
@@ -311,11 +355,13 @@ class SessionKeys:
         return Channel(sock, self.send, self.recv, encrypt=self.encrypt, reader=reader)
 
 
-def _session(secret: bytes, hello: bytes, cnonce: bytes, mode: int, *, worker: bool) -> SessionKeys:
+def _session(
+    secret: bytes, hello: bytes, cnonce: bytes, mode: int, dialled: bytes, *, worker: bool
+) -> SessionKeys:
     salt = hello[:NONCE_BYTES] + cnonce
-    tag = bytes([mode])
-    to_worker = _hkdf(secret, salt, b"torchfeed/2 client->worker " + tag)
-    to_client = _hkdf(secret, salt, b"torchfeed/2 worker->client " + tag)
+    tag = bytes([mode]) + dialled
+    to_worker = _hkdf(secret, salt, b"torchfeed/4 client->worker " + tag)
+    to_client = _hkdf(secret, salt, b"torchfeed/4 worker->client " + tag)
     encrypt = mode == MODE_ENCRYPTED
     return (
         SessionKeys(to_client, to_worker, encrypt) if worker else SessionKeys(to_worker, to_client, encrypt)
@@ -333,12 +379,14 @@ def check_auth(secret: Secret, hello: bytes, auth_meta: bytes) -> tuple[bool, by
     """Check a client's AUTH meta against our HELLO meta.
 
     Returns ``(ok, reply meta, keys)``: on success the reply is the AUTH_OK proof, else
-    the AUTH_FAIL reason text (keys are then meaningless).
+    the AUTH_FAIL reason text (keys are then meaningless). Whether the dialled endpoint
+    (:func:`dialled_of`) names this worker is the caller's to check before answering.
     """
     if len(auth_meta) != AUTH_BYTES:
         raise ProtocolError(f"expected an AUTH message of {AUTH_BYTES} bytes, got {len(auth_meta)}")
-    cnonce, mode, proof = auth_meta[:NONCE_BYTES], auth_meta[NONCE_BYTES], auth_meta[NONCE_BYTES + 1 :]
-    if not hmac.compare_digest(proof, handshake_proof(secret.value, b"client", hello, cnonce, mode)):
+    cnonce, mode, proof = auth_meta[:NONCE_BYTES], auth_meta[NONCE_BYTES], auth_meta[-MAC_BYTES:]
+    dialled = dialled_of(auth_meta)
+    if not hmac.compare_digest(proof, handshake_proof(secret.value, b"client", hello, cnonce, mode, dialled)):
         return False, b"wrong secret", SessionKeys(b"", b"", True)
     if mode not in (MODE_ENCRYPTED, MODE_INTEGRITY_ONLY) or (mode == MODE_INTEGRITY_ONLY and not hello[-1]):
         return (
@@ -346,11 +394,29 @@ def check_auth(secret: Secret, hello: bytes, auth_meta: bytes) -> tuple[bool, by
             b"this worker requires encryption (it was not started with --trusted-network-no-encryption)",
             SessionKeys(b"", b"", True),
         )
-    reply = handshake_proof(secret.value, b"worker", hello, cnonce, mode)
-    return True, reply, _session(secret.value, hello, cnonce, mode, worker=True)
+    reply = handshake_proof(secret.value, b"worker", hello, cnonce, mode, dialled)
+    return True, reply, _session(secret.value, hello, cnonce, mode, dialled, worker=True)
 
 
 # -- client side (blocking) -----------------------------------------------------------
+
+
+def _dialled(sock) -> bytes:
+    try:
+        return pack_endpoint(sock.getpeername())
+    except OSError:
+        return bytes(ENDPOINT_BYTES)
+
+
+def _refused(address: str, reason: str, secret: Secret) -> AuthenticationError:
+    if reason == "wrong secret":
+        return AuthenticationError(f"worker {address} rejected this client's secret; " + fix_hint(secret))
+    if reason.startswith(NOT_THIS_WORKER):
+        return AuthenticationError(
+            f"the connection to worker {address} reached a different worker, which refused it: "
+            + reason[len(NOT_THIS_WORKER) :]
+        )
+    return AuthenticationError(f"worker {address} rejected this client: {reason}")
 
 
 def client_handshake(sock, secret: Secret, address: str, *, integrity_only: bool = False) -> Channel:
@@ -364,25 +430,21 @@ def client_handshake(sock, secret: Secret, address: str, *, integrity_only: bool
     hello = frame.meta
     mode = MODE_INTEGRITY_ONLY if integrity_only and hello[-1] else MODE_ENCRYPTED
     cnonce = secrets.token_bytes(NONCE_BYTES)
-    wire.send_frame(
-        sock,
-        wire.AUTH,
-        meta=cnonce + bytes([mode]) + handshake_proof(secret.value, b"client", hello, cnonce, mode),
-    )
+    dialled = _dialled(sock)
+    proof = handshake_proof(secret.value, b"client", hello, cnonce, mode, dialled)
+    wire.send_frame(sock, wire.AUTH, meta=cnonce + bytes([mode]) + dialled + proof)
     frame = reader.read_frame(wire.HANDSHAKE_LIMITS)
     if frame.kind == wire.AUTH_FAIL:
-        reason = frame.meta.decode(errors="replace")
-        if reason == "wrong secret":
-            raise AuthenticationError(f"worker {address} rejected this client's secret; " + fix_hint(secret))
-        raise AuthenticationError(f"worker {address} rejected this client: {reason}")
+        raise _refused(address, frame.meta.decode(errors="replace"), secret)
     if frame.kind == wire.BYE:
         raise ProtocolError(f"worker {address} refused the connection: {frame.meta.decode(errors='replace')}")
     if frame.kind != wire.AUTH_OK or len(frame.meta) != MAC_BYTES:
         raise ProtocolError(f"worker {address} sent an unexpected handshake reply (kind {frame.kind})")
-    if not hmac.compare_digest(frame.meta, handshake_proof(secret.value, b"worker", hello, cnonce, mode)):
+    expected = handshake_proof(secret.value, b"worker", hello, cnonce, mode, dialled)
+    if not hmac.compare_digest(frame.meta, expected):
         raise AuthenticationError(
             f"worker {address} could not prove it holds our secret (it may be an impostor or use "
             "another secret); " + fix_hint(secret)
         )
-    keys = _session(secret.value, hello, cnonce, mode, worker=False)
+    keys = _session(secret.value, hello, cnonce, mode, dialled, worker=False)
     return keys.channel(sock, reader)

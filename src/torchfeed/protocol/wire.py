@@ -27,12 +27,13 @@ from dataclasses import dataclass
 from ..errors import FrameTooLarge, ProtocolError
 
 MAGIC = b"TFED"
-VERSION = 3  # 2: sealed records after the handshake; 3: modules in subpackages (pickles name them)
+VERSION = 4  # 2: sealed records after the handshake; 3: modules in subpackages (pickles name them);
+# 4: the AUTH message carries (and the proofs cover) the endpoint the client dialled
 HEADER = struct.Struct("<4sBBHQIII")
 
 # message kinds
 HELLO = 1  # worker -> client: nonce (handshake step 1)
-AUTH = 2  # client -> worker: client nonce + proof
+AUTH = 2  # client -> worker: client nonce, mode, the endpoint it dialled, proof
 AUTH_OK = 3  # worker -> client: worker proof
 AUTH_FAIL = 4  # worker -> client: short reason text
 CALL = 10  # client -> worker: cloudpickled (func, args, kwargs, options)

@@ -6,7 +6,10 @@ progress with a selector, each costing one socket and a few hundred bytes. Peers
 held to a small budget:
 
 * at most ``max_pending`` handshakes at once; a new connection beyond that evicts the
-  oldest handshake (idle floods cannot lock out a real client for long);
+  oldest handshake of the source holding the most (an IPv4 address or an IPv6 /64): a
+  flood from one source sheds its own connections, never those of other sources (and
+  handshakes in progress are served before the next few accepts, so a real client's AUTH
+  does not wait behind the flood's new connections);
 * ``handshake_timeout`` seconds to finish;
 * wrong secrets are rate limited per source address (a token bucket): a source out of
   tokens gets no AUTH_FAIL answer and no log line for its failures until it earns a token
@@ -14,8 +17,11 @@ held to a small budget:
   sharing a host (or a NAT address) with a guesser is not locked out; guessing itself is
   made hopeless by the 32-byte minimum on secrets, not by this limit.
 
+A client with the right secret is answered AUTH_OK only if the endpoint it dialled names
+this worker (:mod:`torchfeed.worker.names`); else AUTH_FAIL says which worker it reached.
+
 ``accept`` failing for lack of file descriptors, memory or buffers (EMFILE, ENFILE,
-ENOMEM, ENOBUFS) is logged, the oldest handshake is evicted to free a descriptor, and
+ENOMEM, ENOBUFS) is logged, a handshake is evicted as above to free a descriptor, and
 accepting pauses with exponential backoff (10 ms to 1 s): the loop never ends because of
 load. A successful handshake is handed to ``on_authenticated``; if that fails (no thread
 can be started), the connection is closed and the doorman goes on.
@@ -24,6 +30,7 @@ can be started), the connection is closed and the doorman goes on.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import selectors
 import socket
@@ -35,6 +42,7 @@ from collections.abc import Callable
 from ..errors import ProtocolError
 from ..protocol import auth, wire
 from ..util import double_delay
+from .names import Names
 
 log = logging.getLogger("torchfeed.worker")
 
@@ -83,11 +91,26 @@ class FailureLimiter:
         self._tokens[host] = (max(0.0, self._level(host, now) - 1.0), now)
 
 
+def source_of(host: str) -> str:
+    """The unit a flood is counted in: an IPv4 address, or the /64 network of an IPv6 one
+    (one machine usually holds a whole /64)."""
+    if ":" not in host:  # IPv4: the common case, kept cheap (it runs once per connection)
+        return host
+    try:
+        ip = ipaddress.IPv6Address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.IPv6Network((ip, 64), strict=False))
+
+
 class _Handshake:
-    __slots__ = ("sock", "peer", "host", "hello", "buf", "deadline")
+    __slots__ = ("sock", "peer", "host", "source", "hello", "buf", "deadline")
 
     def __init__(self, sock: socket.socket, peer: str, host: str, hello: bytes, deadline: float):
         self.sock, self.peer, self.host, self.hello, self.deadline = sock, peer, host, hello, deadline
+        self.source = source_of(host)
         self.buf = bytearray()
 
 
@@ -113,6 +136,10 @@ def judge(received: bytes, hello: bytes, secret: auth.Secret) -> tuple[str, byte
     return ("ok", reply, keys) if ok else ("fail", reply, None)
 
 
+def _listener_last(event) -> bool:
+    return event[0].data is None
+
+
 class Doorman:
     """Accept loop and handshakes of one worker (see the module docstring)."""
 
@@ -127,6 +154,7 @@ class Doorman:
         max_pending: int = 128,
         allow_integrity_only: bool = False,
         limiter: FailureLimiter | None = None,
+        names: Names | None = None,
     ):
         self.listener = listener
         self.secret = secret
@@ -136,8 +164,13 @@ class Doorman:
         self.max_pending = max_pending
         self.allow_integrity_only = allow_integrity_only
         self.limiter = limiter or FailureLimiter()
+        if names is None:
+            here = listener.getsockname()
+            names = Names(str(here[0]), here[1], f"{here[0]}:{here[1]}")
+        self.names = names
         self.say = RateLimitedLog()
         self._pending: OrderedDict[int, _Handshake] = OrderedDict()  # fd -> handshake, oldest first
+        self._by_source: dict[str, OrderedDict[int, _Handshake]] = {}  # the same, per source
         self._sel = selectors.DefaultSelector()
         self._accept_paused_until = 0.0
         self._backoff = 0.0
@@ -157,7 +190,8 @@ class Doorman:
                     self._expire()
                 except Exception:  # never the end of the accept loop
                     log.exception("unexpected error in the accept loop")
-                for key, _ in self._sel.select(timeout=self._wait()):
+                # handshakes in progress first: an honest AUTH never waits behind a burst of accepts
+                for key, _ in sorted(self._sel.select(timeout=self._wait()), key=_listener_last):
                     try:
                         if key.data is None:
                             self._accept_some()
@@ -181,7 +215,7 @@ class Doorman:
         return wait
 
     def _accept_some(self) -> None:
-        for _ in range(64):  # then let handshakes in progress run
+        for _ in range(16):  # then let handshakes in progress run
             try:
                 sock, addr = self.listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -199,7 +233,7 @@ class Doorman:
 
     def _pause_accepting(self, exc: OSError) -> None:
         if self._pending:  # free a descriptor for the next real client
-            self._evict_oldest()
+            self._evict()
         self._backoff = double_delay(self._backoff, 0.01, 1.0)
         self._accept_paused_until = time.monotonic() + self._backoff
         self._sel.unregister(self.listener)
@@ -222,7 +256,7 @@ class Doorman:
         host = str(addr[0])
         peer = f"{addr[0]}:{addr[1]}"
         while len(self._pending) >= self.max_pending:
-            self._evict_oldest()
+            self._evict()
         hello = auth.hello_meta(self.allow_integrity_only)
         try:
             sock.setblocking(False)
@@ -240,6 +274,7 @@ class Doorman:
             sock.close()
             return
         self._pending[sock.fileno()] = hs
+        self._by_source.setdefault(hs.source, OrderedDict())[sock.fileno()] = hs
 
     # -- one handshake ---------------------------------------------------------------
     def _advance(self, hs: _Handshake) -> None:
@@ -276,6 +311,8 @@ class Doorman:
                 self._send_quietly(hs, wire.AUTH_FAIL, reply)
             self._close(hs)
             return
+        if self._misrouted(hs):
+            return
         leftover = bytes(hs.buf[_AUTH_FRAME:])
         if not self._send_quietly(hs, wire.AUTH_OK, reply):
             self._close(hs)
@@ -289,6 +326,20 @@ class Doorman:
             self.say(logging.WARNING, "handoff", "could not serve client %s: %s", hs.peer, exc)
             hs.sock.close()
 
+    def _misrouted(self, hs: _Handshake) -> bool:
+        """Refuse (and close) a client whose dialled endpoint is not this worker's."""
+        dialled = auth.dialled_of(bytes(hs.buf[wire.HEADER.size : _AUTH_FRAME]))
+        try:
+            refusal = self.names.refusal(dialled, hs.sock.getsockname())
+        except OSError:  # the socket is gone
+            refusal = "connection lost"
+        if refusal is None:
+            return False
+        self.say(logging.WARNING, f"misrouted {hs.host}", "refused client %s: %s", hs.peer, refusal)
+        self._send_quietly(hs, wire.AUTH_FAIL, refusal.encode()[:500])
+        self._close(hs)
+        return True
+
     def _send_quietly(self, hs: _Handshake, kind: int, meta: bytes) -> bool:
         frame = wire.pack_header(kind, 0, len(meta), []) + meta
         try:
@@ -298,7 +349,13 @@ class Doorman:
 
     # -- bookkeeping -----------------------------------------------------------------
     def _forget(self, hs: _Handshake) -> None:
-        self._pending.pop(hs.sock.fileno(), None)
+        fd = hs.sock.fileno()
+        if self._pending.pop(fd, None) is not None:
+            mine = self._by_source.get(hs.source)
+            if mine is not None:
+                mine.pop(fd, None)
+                if not mine:
+                    del self._by_source[hs.source]
         try:
             self._sel.unregister(hs.sock)
         except (KeyError, ValueError):
@@ -308,14 +365,23 @@ class Doorman:
         self._forget(hs)
         hs.sock.close()
 
-    def _evict_oldest(self) -> None:
-        _, hs = next(iter(self._pending.items()))
+    def _evict(self) -> None:
+        """Drop the oldest handshake of the source holding the most (ties: the older one)."""
+
+        def weight(source: str) -> tuple[int, float]:
+            held = self._by_source[source]
+            return len(held), -next(iter(held.values())).deadline
+
+        source = max(self._by_source, key=weight)
+        held = self._by_source[source]
+        hs = next(iter(held.values()))
         self.say(
             logging.INFO,
             "evict",
-            "too many handshakes in progress (%d): dropping the oldest, from %s",
+            "too many handshakes in progress (%d): dropping the oldest of %s's %d",
             len(self._pending),
-            hs.peer,
+            source,
+            len(held),
         )
         self._close(hs)
 

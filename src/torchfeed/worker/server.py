@@ -50,6 +50,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Sequence
 
 from ..addrfile import announce, read_address_file  # noqa: F401  (read_address_file: old import path)
 from ..protocol import auth, wire
@@ -57,6 +58,7 @@ from . import stats as workerstats
 from .connection import ServerConnection
 from .doorman import Doorman
 from .fair import FairQueue
+from .names import Names
 from .objects import Budget, ConnectionLimits, Registry
 
 log = logging.getLogger("torchfeed.worker")
@@ -79,6 +81,7 @@ class WorkerServer:
         limits: ConnectionLimits | None = None,
         max_pending_handshakes: int = 128,
         integrity_only: bool | None = None,
+        reachable_at: Sequence[str] = (),
     ):
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
@@ -109,6 +112,11 @@ class WorkerServer:
         self.address = f"[{shown}]:{self.port}" if ":" in shown else f"{shown}:{self.port}"
         if integrity_only is None:
             integrity_only = auth.integrity_only_requested()
+        try:
+            names = Names(host, self.port, self.address, reachable_at)
+        except ValueError:
+            self.listener.close()
+            raise
         self.doorman = Doorman(
             self.listener,
             self.secret,
@@ -117,6 +125,7 @@ class WorkerServer:
             stopping=self._stopping,
             max_pending=max_pending_handshakes,
             allow_integrity_only=integrity_only,
+            names=names,
         )
         self._threads = [
             threading.Thread(target=self._executor, name=f"torchfeed-exec-{i}", daemon=True)
@@ -232,6 +241,7 @@ def run_worker(
     limits: ConnectionLimits | None = None,
     max_handshakes: int = 128,
     integrity_only: bool | None = None,
+    reachable_at: Sequence[str] = (),
 ) -> None:
     """Start listening and serving remote calls until SIGTERM/SIGINT.
 
@@ -258,10 +268,15 @@ def run_worker(
         Per-client bounds (queued requests, unsent bytes, call size, remote references)
         and the worker's bounds on the calls of all clients together.
     max_handshakes : int
-        Unauthenticated connections held at once (the oldest is dropped beyond it).
+        Unauthenticated connections held at once (beyond it, the oldest of the source holding
+        the most is dropped).
     integrity_only : bool, optional
         Also accept clients that opted out of encryption (trusted networks only); by
         default read from ``TORCHFEED_TRUSTED_NETWORK_NO_ENCRYPTION``.
+    reachable_at : sequence of str
+        Endpoints (``HOST:PORT``, ``*:PORT`` or ``*``) trainers may dial to reach this
+        worker besides its own addresses: port forwarding, NAT, containers, tunnels
+        (see :mod:`torchfeed.worker.names`).
     """
     raise_fd_limit()
     if torch_threads is not None:
@@ -278,6 +293,7 @@ def run_worker(
         limits=limits,
         max_pending_handshakes=max_handshakes,
         integrity_only=integrity_only,
+        reachable_at=reachable_at,
     )
     in_main = threading.current_thread() is threading.main_thread()
     if in_main:
