@@ -204,7 +204,9 @@ def test_memory_is_fixed_at_any_batch_rate():
 
 
 def test_stats_cost_grows_little_with_workers():
-    """The per-worker part is cheap: 64 workers stay under 50 us (median; about 20 us measured)."""
+    """The per-worker part is cheap: 32 times the workers cost well under 32 times the time
+    (about 20 us for 64 workers here; compared within one run, as this machine is shared)."""
+    best = {}
     for n in (2, 16, 64):
         acc = Accounting()
         names = [f"10.0.0.{i}:5000" for i in range(n)]
@@ -215,14 +217,16 @@ def test_stats_cost_grows_little_with_workers():
             acc.delivered(names[i % n], 4, 1000, 0.001)
             acc.consumed(entered, 4)
         medians = []
-        for _ in range(3):  # the best of three medians: this machine is shared
+        for _ in range(3):  # the best of three medians
             costs = []
             for _ in range(500):
                 t0 = time.perf_counter()
                 acc.snapshot(names)
                 costs.append(time.perf_counter() - t0)
             medians.append(statistics.median(costs))
-        assert min(medians) < 50e-6, (n, [f"{m * 1e6:.1f} us" for m in medians])
+        best[n] = min(medians)
+    shown = {n: f"{t * 1e6:.1f} us" for n, t in best.items()}
+    assert best[64] < 12 * best[2] and best[64] < 500e-6, shown
 
 
 def test_removed_worker_drains_and_is_forgotten():
