@@ -450,6 +450,17 @@ def test_start_workers_with_a_shared_secret_file_sends_only_its_path(advertised_
 
 
 @pytest.mark.slow
+def test_start_workers_sends_the_secret_only_to_the_workers_it_checked(client, monkeypatch):
+    # a Dask worker that joins after the check is not sent the secret (it was not checked)
+    first = sorted(client.scheduler_info()["workers"])[0]
+    monkeypatch.setattr(tfd.workers, "refuse_clear_transport", lambda client, what: [first])
+    addresses = tfd.start_workers(client, export_secret=False)
+    try:
+        assert list(addresses.by_dask_worker) == [first] and len(addresses) == 1
+    finally:
+        tfd.stop_workers(client)
+
+
 def test_torchfeed_workers_end_with_their_dask_worker(client):
     """Last in this module: it kills one Dask worker and retires the other."""
     addresses = tfd.start_workers(client, secret=secrets.token_hex(32), export_secret=False)

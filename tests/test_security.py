@@ -16,6 +16,8 @@ import secrets
 import socket
 import stat
 import struct
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -634,6 +636,34 @@ def test_secret_file_is_read(clean_env, monkeypatch, tmp_path):
     assert secret.value == value.encode()
     assert str(path) in secret.source
     assert not (clean_env / "torchfeed" / "secret").exists()  # no default file made
+
+
+def test_binary_secret_file_is_read_as_it_is(clean_env, monkeypatch, tmp_path):
+    # raw random bytes may begin or end with a whitespace byte: they are not stripped
+    for edge in (b" ", b"\n", b"\t", b"\r\n"):
+        value = b"\xff" + secrets.token_bytes(30) + edge
+        path = tmp_path / "binary"
+        path.write_bytes(value)
+        os.chmod(path, 0o600)
+        monkeypatch.setattr(auth, "_discovered", {})
+        monkeypatch.setenv(auth.ENV_SECRET_FILE, str(path))
+        assert auth.load_secret().value == value == auth.load_secret(value).value
+
+
+def test_a_process_that_adopted_its_secret_hands_it_to_its_local_workers(clean_env, tmp_path):
+    # a worker (or a Dask worker after start_workers) holds its secret outside its environment
+    script = (
+        "import secrets, torchfeed\n"
+        "from torchfeed.protocol import auth\n"
+        "value = secrets.token_hex(32)\n"
+        "auth.adopt_secret(auth.load_secret(value))\n"
+        "with torchfeed.LocalWorkers(1) as w:\n"
+        "    print(torchfeed.rpc_async(w.addresses[0], sum, args=([1, 2],), secret=value).wait())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in (auth.ENV_SECRET, auth.ENV_SECRET_FILE)}
+    env["XDG_CONFIG_HOME"] = str(clean_env)  # the workers' default file would be another secret
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0 and done.stdout.strip() == "3", done.stderr[-2000:]
 
 
 def test_empty_env_secret_falls_back_to_the_file(clean_env, monkeypatch, tmp_path):

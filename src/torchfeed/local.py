@@ -55,7 +55,9 @@ class LocalWorkers:
     env : dict, optional
         Extra environment variables for the workers (``TORCHFEED_SECRET``, ``PYTHONPATH`` ...).
         ``TORCHFEED_SECRET`` (given here or inherited) is handed to each worker on its
-        standard input instead, so it never sits in a worker's environment.
+        standard input instead, so it never sits in a worker's environment; without one,
+        a process that adopted its secret (a worker, a Dask worker after
+        :func:`torchfeed.dask.start_workers`) hands over that one.
     start_timeout : float
         Seconds to wait for every worker to print its address.
     extra_args : sequence of str
@@ -74,14 +76,19 @@ class LocalWorkers:
     ):
         if n < 1:
             raise ValueError(f"need at least one worker, got n={n}")
-        from .protocol.auth import ENV_SECRET, handover_line
+        from .protocol.auth import ENV_SECRET, ENV_SECRET_FILE, adopted_secret, handover_line
 
         self.host = host
         self._env = {**os.environ, ENV_SYS_PATH: _parent_sys_path(), **(env or {})}
         self._env.setdefault("PYTHONUNBUFFERED", "1")
         self._args = ["--parallel", str(parallel), "--watch-stdin", *extra_args]
-        secret = self._env.pop(ENV_SECRET, "")  # not inherited by what dataset code starts
-        self._secret_line = handover_line(secret.encode()) if secret else b""
+        secret = self._env.pop(ENV_SECRET, "").encode()  # not inherited by what dataset code starts
+        if not secret and not {ENV_SECRET, ENV_SECRET_FILE} & set(env or {}):
+            # a process that adopted its secret (a worker, a Dask worker after start_workers)
+            # has none in its environment: its workers get the one it uses
+            adopted = adopted_secret()
+            secret = adopted.value if adopted is not None else b""
+        self._secret_line = handover_line(secret) if secret else b""
         if secret:
             self._args.append("--secret-on-stdin")
         self.processes: list[subprocess.Popen] = []

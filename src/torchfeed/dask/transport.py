@@ -38,24 +38,32 @@ def in_clear(address: str) -> bool:
         if scheme in ENCRYPTED_SCHEMES:
             return False
         return not is_loopback_host(get_address_host(address))
-    except (ValueError, TypeError):  # no such scheme here, or not an address: not provably safe
+    except Exception:  # no such scheme here, or not an address (ucx: a warning): not provably safe
         return True
 
 
-def clear_addresses(client: distributed.Client) -> list[str]:
-    """The scheduler's and workers' addresses a secret sent through ``client`` would cross in
-    clear. Reads addresses the client already has; sends nothing secret."""
+def clear_addresses(client: distributed.Client, workers: list[str] | None = None) -> list[str]:
+    """The scheduler's and workers' addresses (``workers``, default: the cluster's now) a secret
+    sent through ``client`` would cross in clear. Reads addresses; sends nothing secret."""
     scheduler = client.scheduler.address if client.scheduler is not None else None
     addresses = [scheduler] if scheduler else []
-    addresses += sorted(client.scheduler_info(n_workers=-1).get("workers", {}))
+    addresses += current_workers(client) if workers is None else workers
     return [a for a in addresses if in_clear(a)]
 
 
-def refuse_clear_transport(client: distributed.Client, what: str) -> None:
-    """Raise ValueError when a secret sent through ``client`` would cross a network in clear."""
-    exposed = clear_addresses(client)
+def current_workers(client: distributed.Client) -> list[str]:
+    """The addresses of the cluster's workers now."""
+    return sorted(client.scheduler_info(n_workers=-1).get("workers", {}))
+
+
+def refuse_clear_transport(client: distributed.Client, what: str) -> list[str]:
+    """Raise ValueError when a secret sent through ``client`` would cross a network in clear;
+    return the workers checked: send the secret to these only (one that joins later was not
+    checked)."""
+    workers = current_workers(client)
+    exposed = clear_addresses(client, workers)
     if not exposed:
-        return
+        return workers
     listed = ", ".join(exposed[:4]) + (f" and {len(exposed) - 4} more" if len(exposed) > 4 else "")
     raise ValueError(
         f"{what} would send the torchfeed secret through this Dask cluster's own connections, and "

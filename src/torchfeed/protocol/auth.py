@@ -124,7 +124,8 @@ def _check_private_dir(path: Path) -> None:
 
 
 def read_secret_file(path: Path) -> bytes:
-    """The stripped content of a secret file, after checking who can read and replace it."""
+    """The content of a secret file (stripped when it is text), after checking who can read
+    and replace it."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -153,7 +154,10 @@ def read_secret_file(path: Path) -> bytes:
                 f"secret file {path} is readable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
                 f"anyone who reads it can run code on your workers. Fix it with `chmod 600 {path}`"
             )
-        value = f.read(1 << 16).strip()
+        value = f.read(1 << 16)
+    # text (hex, base64, a line written by echo): without surrounding whitespace; raw random
+    # bytes as they are (stripping would cut a secret that ends in a byte like 0x0a or 0x20)
+    value = value.strip() if value.isascii() else value
     _check_private_dir(path.parent)
     return value
 
@@ -190,6 +194,11 @@ def adopt_secret(secret: Secret | None) -> Secret | None:
     Returns the one adopted before."""
     previous, _adopted[0] = _adopted[0], secret
     return previous
+
+
+def adopted_secret() -> Secret | None:
+    """The secret this process adopted (:func:`adopt_secret`), if any."""
+    return _adopted[0]
 
 
 def take_secret_from_environment() -> Secret:
