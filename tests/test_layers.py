@@ -34,6 +34,12 @@ ALLOWED = {
         "getattr(getattr(getattr(torch.utils.data, '_utils', None), 'worker', None), '_generate_state')",
     ): "torch's worker seeding, reproduced exactly",
     ("tools/measure.py", "getattr(tl, '_iterator')"): "torch DataLoader: its worker processes' pids",
+    # what a hostile reply could reach: read to refuse it (no public way to read either)
+    (
+        "protocol/picklescan.py",
+        "getattr(copyreg, '_extension_registry')",
+    ): "copyreg's extension registry: a reply's EXT codes bypass find_class when it is not empty",
+    ("protocol/rebuild.py", "t._backward_hooks"): "a tensor's hooks, which a pickle's BUILD can set",
     ("tools/measure.py", "getattr(it, '_workers')"): "torch DataLoader: its worker processes' pids",
     ("tools/bench_epochs.py", "os._exit"): "the documented way to leave a forked child without cleanup",
     ("tools/bench_epochs.py", "loader._iterator"): "torch DataLoader: its worker processes' pids",

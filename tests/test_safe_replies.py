@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import torchfeed
-from torchfeed.protocol import errordata, replies, serialize
+from torchfeed.protocol import errordata, rebuild, replies, serialize
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -292,15 +292,21 @@ def test_rebuild_helpers_check_what_they_are_given():
     # a dtype taken from the pickle must be a torch dtype, not any attribute of torch
     for name in ("load", "save", "Tensor", "__builtins__"):
         with pytest.raises(torchfeed.UnsafeReplyError, match="not a torch dtype"):
-            _load(_Calls(replies.rebuild_tensor, buf, name, (2,), False))
+            _load(_Calls(rebuild.rebuild_tensor, buf, name, (2,), False))
     with pytest.raises(torchfeed.UnsafeReplyError, match="shape"):
-        _load(_Calls(replies.rebuild_tensor, buf, "float32", "2", False))
-    assert _load(_Calls(replies.rebuild_tensor, buf, "float32", (2,), False)).tolist() == [0.0, 0.0]
-    # arrays: numpy dtypes without objects only
-    with pytest.raises(torchfeed.UnsafeReplyError, match="dtype"):
-        _load(_Calls(replies.rebuild_ndarray, buf, "f4", (2,)))
-    with pytest.raises(torchfeed.UnsafeReplyError, match="dtype"):
-        _load(_Calls(replies.rebuild_ndarray, buf, np.dtype(object), (1,)))
+        _load(_Calls(rebuild.rebuild_tensor, buf, "float32", "2", False))
+    assert _load(_Calls(rebuild.rebuild_tensor, buf, "float32", (2,), False)).tolist() == [0.0, 0.0]
+    # no elements from nothing: an empty buffer is an empty tensor; a broadcast (stride 0)
+    # may not reach far beyond the bytes that arrived
+    with pytest.raises(torchfeed.UnsafeReplyError, match="without its bytes"):
+        _load(_Calls(rebuild.rebuild_tensor, b"", "float32", (1 << 28,), False))
+    with pytest.raises(torchfeed.UnsafeReplyError, match="elements of torch.float32 over 8 bytes"):
+        _load(_Calls(rebuild.rebuild_tensor, buf, "float32", (1 << 40,), False, (0,)))
+    # arrays: dtypes arrive as descriptions, built fresh by numpy, without objects
+    assert _load(_Calls(rebuild.rebuild_ndarray, buf, "<f4", (2,))).tolist() == [0.0, 0.0]
+    for spec in ("|O", [("a", "|O")], {"names": ["a"], "formats": ["|O"], "offsets": [0], "itemsize": 8}):
+        with pytest.raises(torchfeed.UnsafeReplyError, match="dtype"):
+            _load(_Calls(rebuild.rebuild_ndarray, buf, spec, (1,)))
     # an object array's items are loaded under the same rules
     with pytest.raises(torchfeed.UnsafeReplyError, match="posix.system"):
         _load(np.array([1, _Calls(os.system, "true")], dtype=object))
@@ -309,6 +315,123 @@ def test_rebuild_helpers_check_what_they_are_given():
         _load(_Calls(replies.rebuild_class, "some.Class", pickle.dumps(_Calls(os.system, "true"))))
     # torch dtypes by name: only dtypes
     assert _load(torch.bfloat16) is torch.bfloat16
+
+
+class _CallsThenSets(_Calls):
+    """Pickles as ``func(*args)`` followed by BUILD with ``state`` (``__setstate__``)."""
+
+    def __init__(self, func, args, state):
+        super().__init__(func, *args)
+        self.state = state
+
+    def __reduce__(self):
+        return self.func, self.args, self.state
+
+
+def _forged_dtype() -> np.dtype:
+    """A V8 dtype whose field is an object pointer while its flags say it holds none."""
+    d = np.dtype("V8", False, True)
+    d.__setstate__((3, "|", None, ("a",), {"a": (np.dtype("O"), 0)}, 8, 1, 0))
+    return d
+
+
+def test_a_dtype_is_never_taken_from_the_pickle():
+    # the red team's dtype with a hidden object field: its bytes would be read as pointers
+    forged = _forged_dtype()
+    for crafted in (forged, np.zeros(1, dtype="V8").view(forged), _Calls(np.dtype, "V8", False, True)):
+        with pytest.raises(torchfeed.UnsafeReplyError, match="Python objects|numpy.dtype"):
+            _load(crafted)
+    # a fresh dtype changed by BUILD after it was made: flags that claim objects
+    with pytest.raises(torchfeed.UnsafeReplyError, match="changed after it was made"):
+        _load(_CallsThenSets(rebuild.rebuild_dtype, ("|V8",), (3, "|", None, None, None, 8, 1, 63)))
+    # numpy scalars travel as descriptions and bytes
+    for value in (np.float32(1.5), np.int64(-3), np.str_("ab"), np.datetime64("2020-01-02"), np.bool_(True)):
+        got = _load(value)
+        assert type(got) is type(value) and got == value
+
+
+def test_objects_a_rebuild_made_cannot_be_changed_by_the_pickle():
+    import collections
+
+    # an OrderedDict whose methods are shadowed by instance attributes (items() -> [])
+    with pytest.raises(torchfeed.UnsafeReplyError, match="OrderedDict"):
+        _load(_CallsThenSets(collections.OrderedDict, ([("x", 1)],), {"items": torch.Size}))
+    # a tensor given backward hooks of the pickle's choice
+    hooks = collections.OrderedDict([(0, torch.Size)])
+    with pytest.raises(torchfeed.UnsafeReplyError, match="tensor"):
+        _load(
+            _CallsThenSets(
+                rebuild.rebuild_tensor, (bytearray(8), "float32", (2,), False), (True, None, hooks)
+            )
+        )
+    # plain OrderedDicts and tensors load
+    assert _load(collections.OrderedDict(a=torch.ones(2)))["a"].tolist() == [1.0, 1.0]
+
+
+def test_a_huge_broadcast_is_sent_dense(workers2):
+    expanded = torch.arange(3, dtype=torch.float32).reshape(3, 1).expand(3, 8_000_000)  # 96 MB over 12 bytes
+    back = torchfeed.rpc_async(workers2[0], lambda: expanded).wait()
+    assert torch.equal(back, expanded)
+    small = torch.ones(1).expand(1000)  # a small broadcast keeps its strides
+    assert torchfeed.rpc_async(workers2[0], lambda: small).wait().stride() == (0,)
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter (a crash there fails the test, not the test process)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_deep_nesting_is_refused_before_it_overflows_the_stack():
+    # a dict keyed by a tuple nested 300,000 deep: hashing it recursed in C and killed the process
+    code = (
+        "import torchfeed\n"
+        "from torchfeed.protocol import replies\n"
+        "deep = b'\\x80\\x05}' + b')' + b'\\x85' * 300_000 + b'Ns.'\n"
+        "for load in (replies.SAFE.loads, replies.load_data):\n"
+        "    try:\n"
+        "        load(deep)\n"
+        "    except torchfeed.UnsafeReplyError as e:\n"
+        "        print('refused', 'levels deep' in str(e))\n"
+    )
+    done = _run(code)
+    assert done.returncode == 0 and done.stdout.split() == ["refused", "True"] * 2, done
+    # ordinary nesting loads
+    nested: list = []
+    for _ in range(200):
+        nested = [nested, (1, 2)]
+    assert _load({"x": nested, "pad": "p" * (64 << 10)})["x"] == nested
+
+
+def test_lookups_of_refused_names_run_nothing_of_torch():
+    # torch's module __getattr__ imports subsystems and calls functions behind deprecated names
+    code = (
+        "import pickle, sys, torchfeed\n"
+        "from torchfeed.protocol import replies\n"
+        "before = set(sys.modules)\n"
+        "for name in ('has_cudnn', '_dynamo', 'onnx', 'load'):\n"
+        "    try:\n"
+        "        replies.SAFE.loads(b'\\x80\\x05ctorch\\n' + name.encode() + b'\\n.')\n"
+        "    except torchfeed.UnsafeReplyError:\n"
+        "        pass\n"
+        "print(sorted(set(sys.modules) - before))\n"
+    )
+    done = _run(code)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done
+
+
+def test_extension_codes_are_refused():
+    import copyreg
+
+    copyreg.add_extension("posix", "system", 240)
+    try:
+        assert pickle.loads(b"\x80\x02\x82\xf0.") is os.system  # plain pickle: cached from now on
+        with pytest.raises(torchfeed.UnsafeReplyError, match="extension code"):
+            replies.SAFE.loads(b"\x80\x02\x82\xf0.")
+        with pytest.raises(torchfeed.UnsafeReplyError, match="extension code"):
+            replies.load_data(b"\x80\x02\x82\xf0.")
+    finally:
+        copyreg.remove_extension("posix", "system", 240)
 
 
 def test_error_descriptions_are_plain_data_and_rebuilt_from_allowed_types():

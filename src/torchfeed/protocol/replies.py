@@ -5,26 +5,26 @@ code that returns a crafted object), and plain ``pickle.loads`` runs any functio
 names. So every reply is loaded by a restricted unpickler (as ``torch.load`` does with
 ``weights_only=True``): a pickle may name only
 
-* torchfeed's own rebuild functions below (tensors, arrays, classes allowed by name),
-  each of which checks what it is given (a dtype must be a real dtype...);
-* builtin containers and scalars, ``collections.OrderedDict``;
-* torch dtypes, ``torch.Size`` and ``torch.device``; numpy dtypes and scalars (not of
-  the object dtype);
+* the rebuild functions of rebuild.py (tensors, arrays, dtypes, numpy scalars), which
+  check their arguments, and :func:`rebuild_class` (a class allowed by name);
+* ``complex``, ``collections.OrderedDict``, torch dtypes, ``torch.Size`` and
+  ``torch.device`` (builtin containers, strings and numbers have opcodes of their own);
 * what the user allowed: :func:`add_safe_globals` (this process), or a loader's,
   session's or call's ``safe_globals``.
 
 Anything else raises :class:`~torchfeed.errors.UnsafeReplyError` naming the global, before
-it is called. A call made with ``trust_worker=True`` loads its reply with plain pickle.
+it is called. Before loading, picklescan.py refuses pickles that nest deep enough to
+overflow the stack and extension codes; after, rebuild.Made refuses a load whose pickle
+changed (BUILD) an object a rebuild function made. A call made with ``trust_worker=True``
+loads its reply with plain pickle.
 
 Errors and statistics do not need this: an error travels as plain data (type names,
-message, traceback text, plain arguments: :func:`torchfeed.errors.describe_exception`)
-and is loaded by :func:`load_data`, which allows no global at all; statistics are JSON.
+message, traceback text, plain arguments: :func:`torchfeed.protocol.errordata.describe_exception`)
+and is loaded by :func:`load_data`, which allows no global but ``complex``; statistics are JSON.
 """
 
 from __future__ import annotations
 
-import builtins
-import collections
 import io
 import pickle
 import sys
@@ -32,65 +32,13 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..errors import UnsafeReplyError
+from . import picklescan, rebuild
 
-# -- rebuild functions named by replies (their checks are the unpickler's second line) ----
-
-
-def rebuild_tensor(
-    buf, dtype_name: str, shape: tuple[int, ...], requires_grad: bool, stride: tuple[int, ...] | None = None
-):
-    dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
-    if not isinstance(dtype, torch.dtype):
-        raise UnsafeReplyError(f"a tensor in the reply names {dtype_name!r}, which is not a torch dtype")
-    _check_ints("shape", shape)
-    if stride is not None:
-        _check_ints("stride", stride)
-    mv = memoryview(buf)
-    if mv.nbytes == 0:
-        t = torch.empty(shape, dtype=dtype)
-    else:
-        flat = torch.from_numpy(np.frombuffer(mv, dtype=np.uint8)).view(dtype)
-        t = flat.view(shape) if stride is None else flat.as_strided(shape, stride)
-    if requires_grad:
-        t.requires_grad_(True)
-    return t
-
-
-def rebuild_ndarray(buf, dtype, shape):
-    if not isinstance(dtype, np.dtype) or dtype.hasobject:
-        raise UnsafeReplyError(
-            f"an array in the reply has dtype {dtype!r}: only numpy dtypes without objects load"
-        )
-    _check_ints("shape", shape)
-    return np.frombuffer(memoryview(buf), dtype=np.uint8).view(dtype).reshape(shape)
-
-
-def rebuild_object_array(items, shape):
-    _check_ints("shape", shape)
-    if not isinstance(items, list):
-        raise UnsafeReplyError(
-            f"an object array in the reply carries {type(items).__name__} instead of a list"
-        )
-    out = np.empty(len(items), dtype=object)
-    out[:] = items if all(not isinstance(i, (list, tuple)) for i in items) else _each(items)
-    return out.reshape(shape)
-
-
-def _each(items: list) -> np.ndarray:
-    """A 1-d object array of ``items`` (numpy would make nested sequences into dimensions)."""
-    out = np.empty(len(items), dtype=object)
-    for i, item in enumerate(items):
-        out[i] = item
-    return out
-
-
-def _check_ints(what: str, values) -> None:
-    if not (isinstance(values, tuple) and all(type(v) is int and v >= 0 for v in values)):
-        raise UnsafeReplyError(f"a tensor in the reply has a {what} that is not a tuple of sizes: {values!r}")
+_HERE = __name__
+_REBUILD = rebuild.__name__
 
 
 def rebuild_class(name: str, payload: bytes):
@@ -102,44 +50,18 @@ def rebuild_class(name: str, payload: bytes):
     return cloudpickle.loads(payload)
 
 
-def _scalar(dtype, data):
-    if not isinstance(dtype, np.dtype) or dtype.hasobject or not isinstance(data, bytes):
-        raise UnsafeReplyError(
-            f"a numpy scalar in the reply has dtype {dtype!r}: only plain numpy scalars load"
-        )
-    return _NUMPY_SCALAR(dtype, data)
-
-
-# the function numpy's scalars pickle with (numpy 2 names it numpy._core..., numpy 1 numpy.core...)
-_NUMPY_SCALAR = np.float32(0).__reduce__()[0]
-_NUMPY_SCALAR_NAMES = ("numpy._core.multiarray.scalar", "numpy.core.multiarray.scalar")
-
 _HERE = __name__
-_BUILTINS = (
-    "dict",
-    "list",
-    "tuple",
-    "set",
-    "frozenset",
-    "str",
-    "bytes",
-    "bytearray",
-    "int",
-    "float",
-    "complex",
-    "bool",
-)
+# what a reply may name, besides the Policy's own entries (see _Restricted.find_class): only
+# callables that build plain values. Containers have their own opcodes in pickle protocol 5;
+# builtins such as bytes(n) would allocate whatever a pickle asks for.
 _ALWAYS: dict[str, Any] = {
-    **{f"builtins.{n}": getattr(builtins, n) for n in _BUILTINS},
-    "collections.OrderedDict": collections.OrderedDict,
+    "builtins.complex": complex,
     "torch.Size": torch.Size,
     "torch.device": torch.device,
-    "numpy.dtype": np.dtype,
-    **dict.fromkeys(_NUMPY_SCALAR_NAMES, _scalar),
-    f"{_HERE}.rebuild_tensor": rebuild_tensor,
-    f"{_HERE}.rebuild_ndarray": rebuild_ndarray,
-    f"{_HERE}.rebuild_object_array": rebuild_object_array,
+    f"{_REBUILD}.rebuild_object_array": rebuild.rebuild_object_array,
+    f"{_REBUILD}.rebuild_np_scalar": rebuild.rebuild_np_scalar,
 }
+
 
 # -- what the user allows ------------------------------------------------------------------
 
@@ -240,6 +162,7 @@ class Policy:
     def loads(self, meta: bytes, buffers: Sequence[memoryview] = ()) -> Any:
         if self.trusted:
             return _Trusting(meta, buffers).load()
+        picklescan.check(meta)
         return _Restricted(meta, buffers, self).load()
 
 
@@ -288,28 +211,43 @@ class _Restricted(_Trusting):
     def __init__(self, meta: bytes, buffers: Sequence[memoryview], rules: Policy):
         super().__init__(meta, buffers)
         self._rules = rules
+        self._made = made = rebuild.Made()
+        # the rebuild functions through what they made (checked after the load: rebuild.py)
+        self._own: dict[str, Any] = {
+            f"{_HERE}.rebuild_class": rules.allowed_class,
+            f"{_REBUILD}.rebuild_tensor": made.tensor,
+            f"{_REBUILD}.rebuild_ndarray": made.ndarray,
+            f"{_REBUILD}.rebuild_dtype": made.dtype,
+            "collections.OrderedDict": made.ordered_dict,
+        }
 
     def find_class(self, module: str, name: str) -> Any:
         full = f"{module}.{name}"
-        if full == f"{_HERE}.rebuild_class":
-            return self._rules.allowed_class
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        found = self._rules.allowed(full)
+        found = self._own.get(full)
+        if found is None and module == "torch":
+            found = rebuild.TORCH_DTYPES.get(name)
+        if found is None:
+            found = self._rules.allowed(full)
         if found is None:
             raise refused(full)
         return found
 
+    def load(self) -> Any:
+        value = super().load()
+        self._made.check()
+        return value
+
 
 class _DataOnly(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module == "builtins" and name in ("complex", "set", "frozenset", "bytearray"):
-            return getattr(builtins, name)
+        if module == "builtins" and name == "complex":  # containers have opcodes of their own
+            return complex
         raise refused(f"{module}.{name}")
 
 
 def load_data(meta: bytes) -> Any:
     """Load a pickle of plain data (containers, strings, numbers): no global at all."""
+    picklescan.check(meta)
     return _DataOnly(io.BytesIO(meta)).load()
 
 

@@ -30,7 +30,16 @@ import numpy as np
 import torch
 
 from .. import tracebacks
-from .replies import known_class, rebuild_class, rebuild_ndarray, rebuild_object_array, rebuild_tensor
+from .rebuild import (
+    BROADCAST_SLACK,
+    dtype_spec,
+    rebuild_dtype,
+    rebuild_ndarray,
+    rebuild_np_scalar,
+    rebuild_object_array,
+    rebuild_tensor,
+)
+from .replies import known_class, rebuild_class
 
 _state = threading.local()
 
@@ -82,7 +91,10 @@ def _reduce_tensor(t: torch.Tensor):
         # sub-byte integer dtypes (int1..uint7) have no contiguous(): copy as same-size ints
         t = t.view(_INT_OF_SIZE[t.element_size()]).contiguous().view(t.dtype)
     else:
-        if _span(t) > 2 * t.numel():
+        span = _span(t)
+        # gaps (more memory than elements), or a broadcast the trainer would refuse (far more
+        # elements than memory: rebuild.BROADCAST_SLACK): only the elements travel
+        if span > 2 * t.numel() or (t.numel() - 2 * span) * t.element_size() > BROADCAST_SLACK:
             t = _dense(t)
         memory = t.as_strided((_span(t),), (1,)).view(torch.uint8).numpy()
         return rebuild_tensor, (_buffer(memory), dtype_name, tuple(t.shape), requires_grad, t.stride())
@@ -91,6 +103,8 @@ def _reduce_tensor(t: torch.Tensor):
 
 
 def _reduce_ndarray(a: np.ndarray):
+    if type(a) is not np.ndarray:  # np.memmap (a memory-mapped file's slice): its values
+        a = np.asarray(a)
     if a.dtype == object:  # its items as a list: each pickled (and loaded) on its own terms
         return rebuild_object_array, (list(a.reshape(-1)), a.shape)
     if a.dtype.hasobject:  # structured with object fields: numpy's own way
@@ -98,7 +112,28 @@ def _reduce_ndarray(a: np.ndarray):
     if not a.flags.c_contiguous:
         a = np.ascontiguousarray(a)
     raw = a.reshape(-1).view(np.uint8)
-    return rebuild_ndarray, (_buffer(raw), a.dtype, a.shape)
+    return rebuild_ndarray, (_buffer(raw), dtype_spec(a.dtype), a.shape)
+
+
+# numpy dtypes and scalars travel as descriptions (rebuild.py): the trainer builds fresh ones
+def _reduce_dtype(d: np.dtype):
+    return rebuild_dtype, (dtype_spec(d),)
+
+
+def _reduce_np_scalar(x: np.generic):
+    return rebuild_np_scalar, (dtype_spec(x.dtype), x.tobytes())
+
+
+def _subclasses(cls: type) -> set[type]:
+    out: set[type] = set()
+    todo: list[type] = [cls]
+    while todo:
+        subs: list[type] = todo.pop().__subclasses__()
+        for sub in subs:
+            if sub not in out:
+                out.add(sub)
+                todo.append(sub)
+    return out
 
 
 def _buffer(raw: np.ndarray) -> pickle.PickleBuffer:
@@ -127,6 +162,9 @@ def _reduce_file(f: io.IOBase):
 _REDUCERS: dict[type, Callable[[Any], Any]] = {
     torch.Tensor: _reduce_tensor,
     np.ndarray: _reduce_ndarray,
+    np.memmap: _reduce_ndarray,
+    **dict.fromkeys({np.dtype, *_subclasses(np.dtype)}, _reduce_dtype),
+    **dict.fromkeys(_subclasses(np.generic) - {np.object_}, _reduce_np_scalar),
     **dict.fromkeys(
         (io.TextIOWrapper, io.BufferedReader, io.BufferedWriter, io.BufferedRandom, io.FileIO), _reduce_file
     ),
