@@ -17,6 +17,7 @@ import torch
 
 import torchfeed
 from torchfeed import errors
+from torchfeed.datasets import Shards
 from torchfeed.protocol import errordata, replies
 
 pytestmark = pytest.mark.timeout(120)
@@ -213,3 +214,109 @@ def test_worker_lost_raised_by_dataset_code_is_an_error_not_a_lost_worker(worker
     assert not isinstance(err, torchfeed.WorkerLost) and err.remote_type == "torchfeed.errors.WorkerLost"
     assert err.indices == [4, 5] and "this dataset itself called" in str(err)
     assert ds.lost_workers() == {} and sorted(ds.alive_workers()) == sorted(workers2)
+
+
+# -- iterable-style passes: a stream's malformed reply or its dataset's OSError -----------
+
+
+class _Garbage(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(4))
+
+
+def _answer_streams_with_garbage() -> None:
+    """On a worker: every stream request is answered with something that is not a stream's reply."""
+    import torchfeed.loader.streams as streams
+
+    streams.Stream.__call__ = lambda self, grants=(), total=None: ("not", "a", "reply")
+
+
+def test_a_malformed_stream_reply_ends_the_pass_with_an_error(fresh_workers):
+    address = fresh_workers(1).addresses[0]
+    torchfeed.rpc_async(address, _answer_streams_with_garbage).wait()
+    loader = torchfeed.RemoteDataLoader(torchfeed.RemoteDataset([address], _Garbage), timeout=PROMPT)
+    with pytest.raises(torchfeed.ProtocolError, match=f"worker {address} .* not a stream's reply"):
+        list(loader)
+
+
+class MissingFile(torch.utils.data.IterableDataset):
+    """Opening the stream fails with an OSError of the dataset's own (not a lost connection)."""
+
+    def __iter__(self):
+        return iter(open("/nonexistent/torchfeed-test-file"))
+
+
+def test_a_dataset_oserror_opening_a_stream_is_raised_not_a_lost_worker(workers2):
+    ds = torchfeed.RemoteDataset(workers2, MissingFile)
+    with pytest.raises(FileNotFoundError) as info:
+        list(torchfeed.RemoteDataLoader(ds, timeout=PROMPT))
+    assert isinstance(info.value, torchfeed.RemoteError) and not isinstance(info.value, torchfeed.WorkerLost)
+    assert ds.lost_workers() == {} and sorted(ds.alive_workers()) == sorted(workers2)
+
+
+# -- numbers a worker reports are checked before anything is sized by them ---------------
+
+
+class PlannedShards(Shards):
+    """Shards whose plan (number of shards, shuffle, seed) is given: what a worker reports."""
+
+    def __init__(self, plan):
+        super().__init__(["s0", "s1"], str.split)
+        self.plan = plan
+
+    def _torchfeed_plan(self):
+        return self.plan
+
+
+@pytest.mark.parametrize(
+    "plan, match",
+    [
+        ((10**10, False, None), "10000000000 shards"),
+        ((-1, False, None), "-1 shards"),
+        (("2", False, None), "a str shards"),
+        ((True, False, None), "True shards"),
+        ((2, "yes", None), "shuffle"),
+        ((2, False, 1.5), "seed"),
+        ([2, False, None], "not \\(number of shards"),
+    ],
+)
+def test_shard_plans_out_of_range_are_refused(workers2, plan, match):
+    ds = torchfeed.RemoteDataset(workers2, PlannedShards, plan)
+    start = time.monotonic()
+    with pytest.raises(torchfeed.TorchfeedError, match=f"worker {workers2[0]} .*{match}"):
+        iter(torchfeed.RemoteDataLoader(ds, batch_size=None, timeout=PROMPT))
+    assert time.monotonic() - start < PROMPT
+
+
+class HugeLength(torch.utils.data.Dataset):
+    def __len__(self):
+        return 2**62
+
+    def __getitem__(self, i):
+        return i
+
+
+def _describe_as(value) -> None:
+    """On a worker: describe every dataset with ``value``."""
+    import torchfeed.client.building as building
+
+    building.describe = lambda dataset: value
+
+
+def test_dataset_lengths_out_of_range_are_refused(workers2, fresh_workers):
+    with pytest.raises(
+        torchfeed.TorchfeedError, match=f"worker {workers2[0]} reports a dataset length of {2**62}"
+    ):
+        torchfeed.RemoteDataset(workers2[:1], HugeLength)
+    address = fresh_workers(1).addresses[0]
+    for value, match in [
+        ((False, -3), "length of -3"),
+        ((False, 2.5), "length of a float"),
+        ((False, True), "length of True"),
+        ((False, 10**400), "length of an int of 1329 bits"),
+        (("yes", 4), "not \\(is iterable, length\\)"),
+        ((False, 4, 5), "not \\(is iterable, length\\)"),
+    ]:
+        torchfeed.rpc_async(address, _describe_as, args=(value,)).wait()
+        with pytest.raises(torchfeed.TorchfeedError, match=f"worker {address} .*{match}"):
+            torchfeed.RemoteDataset([address], ShadowingDataset)
