@@ -9,7 +9,11 @@ strings raw. Every test guards against a hang with an explicit timeout.
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
+import subprocess
+import sys
 import time
 
 import pytest
@@ -320,3 +324,46 @@ def test_dataset_lengths_out_of_range_are_refused(workers2, fresh_workers):
         torchfeed.rpc_async(address, _describe_as, args=(value,)).wait()
         with pytest.raises(torchfeed.TorchfeedError, match=f"worker {address} .*{match}"):
             torchfeed.RemoteDataset([address], ShadowingDataset)
+
+
+# -- torchfeed top prints none of a worker's strings raw ---------------------------------
+
+_PWNED = "\x1b]0;pwned\x07\x1b[2J\u202e"
+
+
+def _send_stats_with_escapes(text: str) -> None:
+    import json as json_
+    import os as os_
+
+    import torchfeed.worker.stats as stats
+
+    fields = {"address": text, "pid": os_.getpid(), "clients": text, "queued": text, "errors": text}
+    fields.update(
+        cpu_percent=text, rss_bytes=1e6, extra=text, requests_per_s=float("nan"), mb_per_s_sent=10**400
+    )
+    stats.reply = lambda server: json_.dumps(fields).encode()
+
+
+def test_top_prints_no_escape_sequence_a_worker_sent(fresh_workers):
+    address = fresh_workers(1).addresses[0]
+    torchfeed.rpc_async(address, _send_stats_with_escapes, args=(_PWNED,)).wait()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for args in ([], ["--json"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "torchfeed", "top", "--once", *args, address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+        assert out.returncode == 0, out.stderr
+        for bad in ("\x1b", "\x07", "\u202e", "pwned"):
+            assert bad not in out.stdout, (bad, out.stdout)
+    (row,) = json.loads(out.stdout)["workers"]
+    assert row["address"] == address and row["pid"] > 0 and row["rss_mb"] == 1.0
+    assert row["errors"] is None and row["cpu_percent"] is None and "extra" not in row
+    # a row's error text (which may quote what a worker sent) is shown escaped
+    from torchfeed.cli import top
+
+    table = top.format_rows([{"address": address, "error": "RemoteError: " + _PWNED}])
+    assert "\x1b" not in table and "\x07" not in table and "\\x1b]0;pwned\\x07" in table
