@@ -235,11 +235,29 @@ def instantiate(made: type[RemoteError], etype: type, ctor_args: tuple, state) -
         exc.args = tuple(ctor_args)
     if isinstance(state, dict):
         for key, value in state.items():
+            if not _settable(made, key):
+                continue
             try:
                 setattr(exc, key, value)
             except Exception:
                 pass
     return exc
+
+
+def _settable(made: type, key: Any) -> bool:
+    """Whether a remote exception's attribute ``key`` may be set on its rebuilt instance: never
+    one of RemoteError's fields or methods (the loader calls ``with_indices``), a special
+    name, what the class defines as a method or descriptor, or an attribute of torchfeed's
+    own classes (a plain class default of the user's, such as ``code = 0``, may be overridden)."""
+    if not isinstance(key, str) or key.startswith("__") or key in _OWN_FIELDS or hasattr(RemoteError, key):
+        return False
+    for klass in made.__mro__:
+        if key in vars(klass):
+            if klass.__module__ == __name__:  # torchfeed's (FrameTooLarge.frame): never a worker's
+                return False
+            default = vars(klass)[key]
+            return not (callable(default) or hasattr(default, "__get__") or hasattr(default, "__set__"))
+    return not hasattr(made, key)  # (a name only a metaclass answers)
 
 
 def _reduce_rebuilt(self):

@@ -9,6 +9,7 @@ hold every column of the table under the column's own name (and a few more).
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,22 @@ COLUMNS = [
     ("queued", "{}"),
     ("errors", "{}"),
 ]
+# every number a worker's statistics hold (see torchfeed.worker.stats); rss_mb is made here
+NUMBERS = (
+    "pid",
+    "cpu_percent",
+    "rss_bytes",
+    "requests_per_s",
+    "mb_per_s_sent",
+    "clients",
+    "queued",
+    "errors",
+    "requests",
+    "bytes_sent",
+    "parallel",
+    "uptime_s",
+)
+_BIG = 1 << 63
 _CLEAR = "\x1b[H\x1b[2J"
 
 
@@ -50,10 +67,7 @@ def collect(addresses: list[str], timeout: float) -> list[dict[str, Any]]:
 
     def one(address: str) -> dict[str, Any]:
         try:
-            row = query(address, timeout=timeout)
-            row["address"] = address
-            row["rss_mb"] = row["rss_bytes"] / 1e6  # the table's unit, under the table's name
-            return row
+            return checked(address, query(address, timeout=timeout))
         except Exception as exc:  # noqa: BLE001 - shown in the row
             return {"address": address, "error": f"{type(exc).__name__}: {exc}"}
 
@@ -63,15 +77,40 @@ def collect(addresses: list[str], timeout: float) -> list[dict[str, Any]]:
         return list(pool.map(one, addresses))
 
 
+def _number(value: Any) -> int | float | None:
+    if type(value) is int and -_BIG < value < _BIG:
+        return value
+    if type(value) is float and math.isfinite(value):
+        return value
+    return None
+
+
+def checked(address: str, stats: dict[str, Any]) -> dict[str, Any]:
+    """A row from a worker's statistics: the numbers top knows, each an int or a finite float
+    (else None); nothing else the worker sent (its strings never reach the terminal)."""
+    row: dict[str, Any] = {"address": address}
+    for key in NUMBERS:
+        row[key] = _number(stats.get(key))
+    rss = row["rss_bytes"]
+    row["rss_mb"] = None if rss is None else rss / 1e6  # the table's unit, under the table's name
+    return row
+
+
+def printable(text: str) -> str:
+    """``text`` with every non-printable character (escape sequences, BEL, newlines, Unicode
+    controls and direction overrides) written as a Python escape, so a terminal shows it."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def format_rows(rows: list[dict[str, Any]]) -> str:
     table = [[name for name, _ in COLUMNS]]
     for row in rows:
         if "error" in row:
-            table.append([row["address"], "-", "unreachable: " + row["error"][:60]])
+            table.append([printable(row["address"]), "-", "unreachable: " + printable(row["error"])[:60]])
             continue
-        cells = []
-        for key, fmt in COLUMNS:
-            value = row.get(key)
+        cells = [printable(row["address"])]
+        for key, fmt in COLUMNS[1:]:
+            value = _number(row.get(key))
             cells.append("-" if value is None else fmt.format(value))
         table.append(cells)
     widths = [max(len(r[i]) for r in table if i < len(r)) for i in range(len(COLUMNS))]

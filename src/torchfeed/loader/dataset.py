@@ -23,6 +23,7 @@ from .. import client, events
 from ..client import building, wait_all
 from ..errors import AuthenticationError, RemoteError, SerializationError, Timeout, WorkerLost
 from ..protocol.auth import SecretLike
+from . import reported
 from .membership import Listeners, LostWorkers, MembershipListener, WatchedFile, read_workers_file
 
 if TYPE_CHECKING:
@@ -241,9 +242,10 @@ class RemoteDataset(Dataset[T_co]):
             },
             self.timeout,
         )
-        for d in described.values():
+        for w, d in described.items():
             if isinstance(d, BaseException):
                 raise d
+            reported.check_description(w, d)
         lengths = {w: d[1] for w, d in described.items()}
         with self._lock:
             distinct = set(lengths.values())

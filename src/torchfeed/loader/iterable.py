@@ -34,6 +34,7 @@ from ..client import wait_all
 from ..client.refs import RemoteRef
 from ..errors import RemoteError, Timeout, WorkerLost
 from ..protocol.errordata import rebuild_remote_error
+from . import reported
 from .plan import loader_length, new_pass_id, quiet
 from .sampling import INT63
 from .streams import BATCH, END, ERROR, NEED, open_stream, shard_order, shard_plan
@@ -165,7 +166,7 @@ class IterablePass:
         if resume is not None:
             self._queue = deque(resume["queue"])
             return True
-        count, shuffle, seed = got
+        count, shuffle, seed = reported.shard_plan(first, got)
         epoch = self._plan.progress.record.epoch
         effective = (self._base_seed if seed is None else seed) & INT63
         self._queue = deque(shard_order(count, shuffle, effective, epoch))
@@ -252,8 +253,8 @@ class IterablePass:
             if ok:
                 slot.ref = value
                 self._top_up(slot)
-            elif isinstance(value, (WorkerLost, OSError)):
-                self._worker_lost(worker, value)
+            elif isinstance(value, (WorkerLost, OSError)) and not isinstance(value, RemoteError):
+                self._worker_lost(worker, value)  # (a remote OSError is the dataset's: raised)
             else:
                 self._fatal = self._fatal or value
             self._cond.notify_all()
@@ -330,26 +331,33 @@ class IterablePass:
         with self._cond:
             if self._closed or incarnation != slot.incarnation or slot.ended:
                 return
-            # the current incarnation has its worker (losing it starts the next incarnation)
-            assert slot.worker is not None
-            slot.inflight -= 1
-            if ok:
-                number, kind, payload, state, rng, taken = value
-                slot.latest_taken = max(slot.latest_taken, taken)
-                if kind == NEED:  # the next request carries a shard, or says there is none left
-                    self._top_up(slot)
-                else:
-                    if kind == ERROR:
-                        payload = rebuild_remote_error(slot.worker, payload, policy=self._policy)
-                    slot.results[number] = (kind, payload, state, rng, taken)
-                    if kind == BATCH and self._acc is not None:  # [stats hook]
-                        self._acc.delivered(slot.worker, self._samples, client.reply_bytes(), None)
-                    self._top_up(slot)
-            elif isinstance(value, (RemoteError, errors.SerializationError)):
-                self._fatal = self._fatal or value
-            else:
-                self._worker_lost(slot.worker, value)  # a lost connection
+            try:
+                self._record(slot, ok, value)
+            except Exception as exc:  # noqa: BLE001 - a malformed reply (or a bug) ends the pass, said
+                self._fatal = self._fatal or exc
             self._cond.notify_all()
+
+    def _record(self, slot: _Slot, ok: bool, value: Any) -> None:
+        """A reply of ``slot``'s current incarnation (lock held)."""
+        # the current incarnation has its worker (losing it starts the next incarnation)
+        assert slot.worker is not None
+        slot.inflight -= 1
+        if ok:
+            number, kind, payload, state, rng, taken = reported.stream_reply(slot.worker, value)
+            slot.latest_taken = max(slot.latest_taken, taken)
+            if kind == NEED:  # the next request carries a shard, or says there is none left
+                self._top_up(slot)
+            else:
+                if kind == ERROR:
+                    payload = rebuild_remote_error(slot.worker, payload, policy=self._policy)
+                slot.results[number] = (kind, payload, state, rng, taken)
+                if kind == BATCH and self._acc is not None:  # [stats hook]
+                    self._acc.delivered(slot.worker, self._samples, client.reply_bytes(), None)
+                self._top_up(slot)
+        elif isinstance(value, (RemoteError, errors.SerializationError)):
+            self._fatal = self._fatal or value
+        else:
+            self._worker_lost(slot.worker, value)  # a lost connection
 
     # -- consumer ------------------------------------------------------------------------
     def __next__(self):

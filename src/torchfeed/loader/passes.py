@@ -16,7 +16,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Literal
 
 from .. import events, notices
-from ..errors import RemoteError, WorkerLost
+from ..errors import RemoteError, TorchfeedError, WorkerLost
 from . import plan as passplan
 from .ledger import Ledger
 from .plan import PassPlan, live, new_pass_id
@@ -349,23 +349,53 @@ class MapPass:
         with self._lock:
             if self._closed:
                 return
-            if not ok and isinstance(value, WorkerLost):
-                self._lose_worker(address, value)
-                return
-            if ok:
-                accepted, others = self._sched.completed(address, seq)
-                if accepted and self._acc is not None:  # [stats hook] counters only
-                    passplan.delivered(self._acc, self._sched, address, len(self._ledger.keys(seq)))
-            else:
-                accepted = seq not in self._sched.done and seq >= self._sched.delivered
-                others = self._sched.failed(address, seq) if accepted else []
-                if accepted and isinstance(value, RemoteError):
-                    value = value.with_indices(self._ledger.keys(seq))
-            if accepted:
-                self._ledger.settle(seq, ok, value, others)
-                if seq == self._sched.delivered:
-                    self._ready.notify()
+            try:
+                self._record(address, seq, ok, value)
+            except Exception as exc:  # noqa: BLE001 - a bug here must not leave the batch unsettled
+                log.exception(
+                    "torchfeed: the result of batch %d from worker %s could not be recorded", seq, address
+                )
+                self._settle_broken(address, seq, ok, value, exc)
             self._wake()  # a credit is free
+
+    def _record(self, address: str, seq: int, ok: bool, value: Any) -> None:
+        """Record a result (lock held): the scheduler's and the ledger's books."""
+        if not ok and isinstance(value, WorkerLost):
+            self._lose_worker(address, value)
+            return
+        if ok:
+            accepted, others = self._sched.completed(address, seq)
+            if accepted and self._acc is not None:  # [stats hook] counters only
+                passplan.delivered(self._acc, self._sched, address, len(self._ledger.keys(seq)))
+        else:
+            accepted = seq not in self._sched.done and seq >= self._sched.delivered
+            others = self._sched.failed(address, seq) if accepted else []
+            if accepted and isinstance(value, RemoteError):
+                value = value.with_indices(self._ledger.keys(seq))
+        if accepted:
+            self._ledger.settle(seq, ok, value, others)
+            if seq == self._sched.delivered:
+                self._ready.notify()
+
+    def _settle_broken(self, address: str, seq: int, ok: bool, value: Any, exc: Exception) -> None:
+        """Recording batch ``seq``'s result failed (lock held): the batch fails in its turn with
+        the worker's error if it was one, else with ``exc``, rather than never arriving."""
+        if seq < self._sched.delivered or seq in self._ledger.results:
+            return  # delivered or settled already
+        if ok or not isinstance(value, BaseException):
+            error: BaseException = TorchfeedError(
+                f"torchfeed could not record the result of batch {seq} from worker {address}: {exc!r} "
+                "(a bug in torchfeed: please report it)"
+            )
+            error.__cause__ = exc
+        else:
+            error = value
+        try:
+            others = self._sched.failed(address, seq)
+        except Exception:  # noqa: BLE001 - the batch is settled even if the books are not
+            others = []
+        self._ledger.settle(seq, False, error, others)
+        self._ready.notify()
 
     # -- consumer ------------------------------------------------------------------
     def __next__(self):

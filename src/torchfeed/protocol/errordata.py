@@ -7,7 +7,10 @@ plain (strings, numbers, bytes and containers of them). The trainer loads that w
 global allowed (:func:`torchfeed.protocol.replies.load_data`) and raises
 :class:`~torchfeed.errors.RemoteError`, also an instance of the first class of the remote
 exception's bases that it allows (:func:`rebuild_remote_error`): Python's built-in
-exceptions, torchfeed's, and those allowed by ``add_safe_globals`` or ``safe_globals``.
+exceptions and those allowed by ``add_safe_globals`` or ``safe_globals``, never torchfeed's
+own errors (the trainer acts on those) but a worker's reports of a request over a limit
+(``FrameTooLarge``, ``LimitExceeded``). Attributes that would shadow a method, a
+descriptor or a RemoteError field are not set (:func:`torchfeed.errors.instantiate`).
 So ``except KeyError:`` catches a worker's ``KeyError``, and a ``MyError(ValueError)``
 is caught by ``except ValueError:``, or by ``except MyError:`` once ``MyError`` is allowed.
 """
@@ -22,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import errors, tracebacks
-from ..errors import RemoteError
+from ..errors import RemoteError, TorchfeedError
 from .replies import SAFE, Policy
 
 # arguments and attributes of an exception travel when plain and at most this large
@@ -91,10 +94,19 @@ def describe_exception(exc: BaseException) -> dict[str, Any]:
 _TOO_BROAD = ("builtins.Exception", "builtins.BaseException")
 
 
+# torchfeed errors that a worker's torchfeed reports about one request, raised to the user and
+# never acted on by the trainer: rebuilt as themselves (``except torchfeed.FrameTooLarge:``)
+_REPORTS = (errors.FrameTooLarge, errors.LimitExceeded)
+
+
 def exception_class(name: Any, policy: Policy = SAFE) -> type | None:
     """The class to rebuild a remote exception as, for one of its ``bases`` names: a
-    built-in exception, a torchfeed error, or an allowed one (trusted policy: any exception
-    class already imported here). None where not allowed."""
+    built-in exception or an allowed one (trusted policy: any exception class already
+    imported here). None where not allowed, and for torchfeed's own errors and their
+    subclasses: the trainer acts on those (a lost worker, a timeout, a refused reply...),
+    so a worker's are never rebuilt as such (see :func:`rebuild_remote_error`); only the
+    worker's own reports of a request over a limit (``FrameTooLarge``, ``LimitExceeded``)
+    are, exactly."""
     if not isinstance(name, str):
         return None
     module, _, qualname = name.rpartition(".")
@@ -107,9 +119,11 @@ def exception_class(name: Any, policy: Policy = SAFE) -> type | None:
         found = policy.allowed(name)
         if found is None and policy.trusted:
             found = _imported(name)
-    if isinstance(found, type) and issubclass(found, BaseException):
-        return found
-    return None
+    if not (isinstance(found, type) and issubclass(found, BaseException)):
+        return None
+    if issubclass(found, TorchfeedError) and found not in _REPORTS:
+        return None
+    return found
 
 
 def _imported(name: str) -> Any:
@@ -129,6 +143,14 @@ def rebuild_remote_error(
     address: str, info: Any, indices: Sequence[Any] | None = None, policy: Policy = SAFE
 ) -> RemoteError:
     """Trainer side: the exception to raise for a worker's :func:`describe_exception` dict.
+
+    A :class:`~torchfeed.errors.RemoteError`, also an instance of the nearest of the remote
+    exception's bases that :func:`exception_class` allows. A torchfeed error raised on the
+    worker (say a ``WorkerLost`` of a call the dataset made itself) is never rebuilt as
+    that error, which would steer the trainer (a worker lost here, retried elsewhere): a
+    remote ``Timeout`` is a RemoteError that is a ``TimeoutError``, a remote ``WorkerLost``
+    a plain RemoteError; ``remote_type`` names the remote type. (A worker's ``FrameTooLarge``
+    and ``LimitExceeded``, its reports of a request over a limit, are rebuilt as such.)
 
     Its ``remote_traceback`` shows frames of code this process sent by value with this
     process's source (see :func:`torchfeed.tracebacks.render`).
