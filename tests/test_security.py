@@ -725,23 +725,26 @@ def test_missing_secret_file(clean_env, monkeypatch, tmp_path):
 SHORT = "hunter2-is-not-a-secret"  # 23 bytes
 
 
+def _loading_from(source: str, text: str, monkeypatch, tmp_path):
+    """A call that loads ``text`` as the secret from ``source`` (the environment, a file, an argument)."""
+    if source == "env":
+        monkeypatch.setenv(auth.ENV_SECRET, text)
+        return auth.load_secret
+    if source == "file":
+        monkeypatch.setenv(auth.ENV_SECRET_FILE, str(write_secret(tmp_path / "given", text + "\n")))
+        return auth.load_secret
+    value = {
+        "argument-str": text,
+        "argument-bytes": text.encode(),
+        "Secret": auth.Secret(text.encode(), "test"),
+    }
+    return lambda: auth.load_secret(value[source])
+
+
 @pytest.mark.parametrize("source", ["env", "file", "argument-str", "argument-bytes", "Secret"])
 def test_short_secrets_are_refused_from_every_source(clean_env, monkeypatch, tmp_path, source):
-    if source == "env":
-        monkeypatch.setenv(auth.ENV_SECRET, SHORT)
-        call = auth.load_secret
-    elif source == "file":
-        monkeypatch.setenv(auth.ENV_SECRET_FILE, str(write_secret(tmp_path / "short", SHORT)))
-        call = auth.load_secret
-    else:
-        value = {
-            "argument-str": SHORT,
-            "argument-bytes": SHORT.encode(),
-            "Secret": auth.Secret(SHORT.encode(), "test"),
-        }[source]
-        call = lambda: auth.load_secret(value)  # noqa: E731
     with pytest.raises(torchfeed.AuthenticationError) as info:
-        call()
+        _loading_from(source, SHORT, monkeypatch, tmp_path)()
     message = str(info.value)
     assert "at least 32" in message and "secrets.token_hex(32)" in message
     assert SHORT not in message
@@ -769,21 +772,8 @@ WEAK = {  # the red team's examples (the first one was the docs' own) and two co
 @pytest.mark.parametrize("weak", list(WEAK.values()), ids=list(WEAK))
 def test_weak_secrets_are_refused_from_every_source(clean_env, monkeypatch, tmp_path, source, weak):
     """Long enough, but guessable: few characters, a repeated block, runs like 'abcd'."""
-    if source == "env":
-        monkeypatch.setenv(auth.ENV_SECRET, weak)
-        call = auth.load_secret
-    elif source == "file":
-        monkeypatch.setenv(auth.ENV_SECRET_FILE, str(write_secret(tmp_path / "weak", weak + "\n")))
-        call = auth.load_secret
-    else:
-        value = {
-            "argument-str": weak,
-            "argument-bytes": weak.encode(),
-            "Secret": auth.Secret(weak.encode(), "test"),
-        }[source]
-        call = lambda: auth.load_secret(value)  # noqa: E731
     with pytest.raises(torchfeed.AuthenticationError) as info:
-        call()
+        _loading_from(source, weak, monkeypatch, tmp_path)()
     message = str(info.value)
     assert "too easy to guess" in message and "secrets.token_hex(32)" in message, message
     assert weak not in message and weak[:8] not in message  # it says what is wrong, not the value
