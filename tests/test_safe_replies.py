@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import torchfeed
-from torchfeed.protocol import errordata, rebuild, replies, serialize
+from torchfeed.protocol import errordata, picklescan, rebuild, replies, serialize
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -401,6 +401,79 @@ def test_deep_nesting_is_refused_before_it_overflows_the_stack():
     for _ in range(200):
         nested = [nested, (1, 2)]
     assert _load({"x": nested, "pad": "p" * (64 << 10)})["x"] == nested
+
+
+def test_a_pickle_the_scan_cannot_read_is_refused():
+    # the C unpickler reads b"I0x1\n" (strtol), pickletools does not: the deep key behind it
+    # went unscanned and crashed the process
+    code = (
+        "import torchfeed\n"
+        "from torchfeed.protocol import replies\n"
+        "deep = b'\\x80\\x05I0x1\\n0}' + b')' + b'\\x85' * 300_000 + b'Ns.'\n"
+        "for load in (replies.SAFE.loads, replies.load_data):\n"
+        "    try:\n"
+        "        load(deep)\n"
+        "    except torchfeed.UnsafeReplyError as e:\n"
+        "        print('refused')\n"
+    )
+    done = _run(code)
+    assert done.returncode == 0 and done.stdout.split() == ["refused"] * 2, done
+    with pytest.raises(torchfeed.UnsafeReplyError, match="unknown pickle opcode 0xff"):
+        replies.SAFE.loads(b"\x80\x05\xff" + b"t" * (picklescan.FEW_WRAPPINGS + 1))  # an unknown opcode
+
+
+def _shared_tuples(levels: int, padding: int) -> bytes:
+    """A dict keyed by t_levels, where t_(k+1) = (t_k, t_k): it unfolds to 2**levels objects."""
+    body = b"\x80\x05}" + b")\x940"  # {} and t_0 = () memoized as 0 (and popped)
+    for k in range(levels):
+        body += b"h" + bytes([k]) + b"h" + bytes([k]) + b"\x86\x94"  # t_(k+1) = (t_k, t_k), memo k+1
+        body += b"0" if k < levels - 1 else b""
+    pad = b"X" + len("t" * padding).to_bytes(4, "little") + b"t" * padding + b"0"  # a string, dropped
+    return body[:3] + pad + body[3:] + b"Ns."
+
+
+def test_shared_structures_that_unfold_too_far_are_refused_when_walked():
+    # padded past the byte counts that skip the walk: 2**40 objects from 400 bytes of structure
+    with pytest.raises(torchfeed.UnsafeReplyError, match="unfold to more than"):
+        replies.SAFE.loads(_shared_tuples(40, picklescan.FEW_WRAPPINGS + 1))
+    small = _shared_tuples(8, picklescan.FEW_WRAPPINGS + 1)  # 256 objects: fine
+    assert len(replies.SAFE.loads(small)) == 1
+
+
+def test_a_tensor_cannot_be_given_other_memory_after_it_was_made():
+    # Tensor.__setstate__ with 4 items calls set_(): an empty tensor resized to 16M elements
+    grown = _CallsThenSets(
+        rebuild.rebuild_tensor, (b"", "float32", (0,), False), (torch.empty(0), 0, (1 << 24,), (1,))
+    )
+    with pytest.raises(torchfeed.UnsafeReplyError, match="other memory"):
+        _load(grown)
+
+
+def test_a_dtype_description_may_not_fan_out():
+    # one memoized description used 200 times at each of 8 levels: 200**8 parts
+    spec: object = "<f4"
+    for _ in range(8):
+        spec = {
+            "names": [f"f{i}" for i in range(200)],
+            "formats": [spec] * 200,
+            "offsets": [0] * 200,
+            "itemsize": 4,
+        }
+    with pytest.raises(torchfeed.UnsafeReplyError, match="fields and subarrays in all"):
+        _load(_Calls(rebuild.rebuild_dtype, spec))
+    with pytest.raises(torchfeed.UnsafeReplyError, match="character string"):
+        _load(_Calls(rebuild.rebuild_dtype, "u1," * 1000))
+
+
+def test_a_traceback_description_may_not_amplify_itself():
+    from torchfeed import tracebacks
+
+    frame = {"text": "x" * 20_000}
+    info = {"traceback": "short", "template": "\x01\x000\n" * 20_000, "frames": [frame], "marker": "\x01\x00"}
+    assert tracebacks.render(info) == "short"  # a short marker: the worker's text
+    info["marker"] = "\x00torchfeed-frame-0123456789ab:"
+    info["template"] = (info["marker"] + "0\n") * 20_000  # 400 MB if every line were filled
+    assert tracebacks.render(info) == "short"
 
 
 def test_lookups_of_refused_names_run_nothing_of_torch():

@@ -256,7 +256,8 @@ def test_a_worker_cannot_make_the_trainer_open_a_path_it_did_not_send_code_of(tm
         "name": "f",
         "text": '  File "x", line 1, in f\n',
     }
-    info = {"traceback": "worker text\n", "marker": "M:", "template": "T\nM:0\n", "frames": [frame]}
+    marker = "\0torchfeed-frame-0123456789ab:"
+    info = {"traceback": "worker text\n", "marker": marker, "template": f"T\n{marker}0\n", "frames": [frame]}
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.append(tracebacks.render(info)), daemon=True)
     reader.start()

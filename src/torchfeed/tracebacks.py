@@ -182,17 +182,30 @@ def _take_apart(tb_exc: traceback.TracebackException, exc: BaseException, sink: 
 # -- trainer: the traceback to show --------------------------------------------------------
 
 
-def fill(template: str, frames: list, marker: str, frame_text: Callable[[Any], str]) -> str:
+def fill(
+    template: str, frames: list, marker: str, frame_text: Callable[[Any], str], limit: int | None = None
+) -> str:
     """``template`` with each placeholder line replaced by ``frame_text(frame)``, indented
-    as the placeholder was (the margins of exception groups)."""
+    as the placeholder was (the margins of exception groups). With ``limit`` (a description
+    from elsewhere): ValueError once the text grows past ``limit`` characters or a frame is
+    placed twice (a worker's description may not amplify itself)."""
     out = []
+    size = 0
+    placed: set[int] = set()
     for line in template.splitlines(keepends=True):
         margin, found, rest = line.partition(marker)
         index = rest.rstrip("\n")
         if not found or not index.isdigit() or int(index) >= len(frames):
-            out.append(line)
-            continue
-        out.append(textwrap.indent(frame_text(frames[int(index)]), margin, lambda _line: True))
+            piece = line
+        else:
+            if limit is not None and int(index) in placed:
+                raise ValueError("a frame placed twice")
+            placed.add(int(index))
+            piece = textwrap.indent(frame_text(frames[int(index)]), margin, lambda _line: True)
+        size += len(piece)
+        if limit is not None and size > limit:
+            raise ValueError("the traceback grows past its limit")
+        out.append(piece)
     return "".join(out)
 
 
@@ -203,9 +216,12 @@ def render(info: dict[str, Any]) -> str:
     template, frames, marker = info.get("template"), info.get("frames"), info.get("marker")
     if not (isinstance(template, str) and isinstance(frames, list) and isinstance(marker, str) and marker):
         return text  # an older worker, a huge traceback, or a rebuilt RemoteError: as sent
+    if len(marker) < 8:  # the worker's markers are long and random: a short one matches anything
+        return text
+    limit = 2 * len(text) + (1 << 20)  # frames rendered from this process's source may be longer
     try:
-        return fill(template, frames, marker, _trainer_frame)
-    except Exception:  # a malformed description: the worker's text is still right
+        return fill(template, frames, marker, _trainer_frame, limit)
+    except Exception:  # a malformed (or amplifying) description: the worker's text is still right
         return text
 
 

@@ -1,16 +1,29 @@
-"""A look at a reply's pickle before it is loaded: how deep it nests, and extension codes.
+"""A look at a reply's pickle before it is loaded: how deep and how large it unfolds.
 
-Two things the restricted unpickler cannot refuse by the globals it allows:
+Three things the restricted unpickler cannot refuse by the globals it allows:
 
 * Nesting: hashing a tuple nested a hundred thousand deep (a dict key: one byte of pickle
   per level) recurses in C without a guard and overflows the stack, killing the trainer.
-  A pickle that cannot nest hashable objects more than :data:`SCAN_ABOVE` deep is not
-  scanned (the usual reply: its tensors travel apart); others are, and one whose objects
-  nest deeper than :data:`MAX_DEPTH` is refused.
+* Sharing: a pickle's memo lets one object appear many times, so ``t1 = (t0, t0)``,
+  ``t2 = (t1, t1)``... 64 levels in 500 bytes make a dict key whose hash takes 2**64
+  steps, in C, holding the GIL: the whole trainer hangs (and ``==`` and ``repr`` of such
+  a value would too).
 * Extension codes (EXT1/2/4): the C unpickler returns an object cached by
-  ``copyreg.add_extension`` without asking ``find_class``. torchfeed never sends them;
-  when something in this process registered extensions, every reply is scanned and any
-  extension code refused.
+  ``copyreg.add_extension`` without asking ``find_class``. torchfeed never sends them.
+
+:func:`check` walks the opcodes of a pickle keeping, for every object on the unpickler's
+stack and in its memo, how deep it nests and how many objects it unfolds to (shared parts
+counted each time they appear), and refuses a pickle beyond :data:`MAX_DEPTH` or
+:data:`MAX_UNFOLDED`, with extension codes, or one it cannot read. The walk costs about a
+microsecond an opcode (a list of 256 dicts of text: 2 ms, against 30 us to load it), so
+it runs only where bytes counted at C speed do not already bound the depth: more than
+:data:`FEW_WRAPPINGS` bytes that could wrap an object in a tuple or a call, or extension
+codes registered in this process. The usual reply (a few tensors, whose bytes travel
+apart) is never walked.
+
+So sharing is caught only in pickles that are walked: a small pickle of shared tuples
+still hangs the trainer (a known gap, see DESIGN.md; CPython versions that cache a tuple's
+hash make that hash linear).
 """
 
 from __future__ import annotations
@@ -20,91 +33,156 @@ import pickletools
 
 from ..errors import UnsafeReplyError
 
-SCAN_ABOVE = 16 << 10
 MAX_DEPTH = 1000
+MAX_UNFOLDED = 1 << 22  # objects, shared ones counted where they appear (besides the pickle's own size)
+FEW_WRAPPINGS = 4096  # a key 4096 tuples deep hashes within even a 512 KiB thread stack
 
-_EXT = frozenset({"EXT1", "EXT2", "EXT4"})
-_PUT = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
-_GET = frozenset({"GET", "BINGET", "LONG_BINGET"})
-_INTO = frozenset({"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"})  # fill stack_before[0]
-_SKIP = frozenset({"PROTO", "FRAME", "STOP"})
+_WRAPPING = (b"\x85", b"\x86", b"\x87", b"t", b"R", b"\x81", b"\x92", b"o", b"i")  # tuples and calls
+
+# opcode byte -> (argument length: >= 0 fixed, or a code below; uses a mark; items popped
+# below the mark or in all; objects pushed; kind)
+_NEWLINE, _LEN1, _LEN4, _LEN8, _TWO_LINES = -1, -2, -4, -8, -9
+_ARG_CODES = {
+    pickletools.UP_TO_NEWLINE: _NEWLINE,
+    pickletools.TAKEN_FROM_ARGUMENT1: _LEN1,
+    pickletools.TAKEN_FROM_ARGUMENT4: _LEN4,
+    pickletools.TAKEN_FROM_ARGUMENT4U: _LEN4,
+    pickletools.TAKEN_FROM_ARGUMENT8U: _LEN8,
+}
+_KIND = {
+    **dict.fromkeys(("PROTO", "FRAME", "STOP"), "skip"),
+    **dict.fromkeys(("EXT1", "EXT2", "EXT4"), "ext"),
+    **dict.fromkeys(("PUT", "BINPUT", "LONG_BINPUT"), "put"),
+    **dict.fromkeys(("GET", "BINGET", "LONG_BINGET"), "get"),
+    **dict.fromkeys(("APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"), "into"),
+    "MEMOIZE": "memoize",
+    "MARK": "mark",
+    "DUP": "dup",
+}
 
 
-# opcodes that can wrap an object in a hashable one (a tuple, or an allowed class made by a
-# call): a pickle cannot nest hashable objects deeper than it has these bytes
-_WRAPPING = (b"\x85", b"\x86", b"\x87", b"t", b"R", b"\x81", b"\x92")  # TUPLE1-3, TUPLE, REDUCE, NEWOBJ(_EX)
+def _table() -> list:
+    table: list = [None] * 256
+    for op in pickletools.opcodes:
+        before = op.stack_before
+        mark = pickletools.markobject in before
+        if op.arg is None:
+            arg = 0
+        elif op.name in ("GLOBAL", "INST"):
+            arg = _TWO_LINES
+        else:
+            arg = _ARG_CODES.get(op.arg.n, op.arg.n)
+        pops = before.index(pickletools.markobject) if mark else len(before)
+        pushes = 0 if op.name == "MARK" else len(op.stack_after)
+        table[ord(op.code)] = (arg, mark, pops, pushes, _KIND.get(op.name, "op"), op.name)
+    return table
+
+
+_TABLE = _table()
 
 
 def check(meta: bytes) -> None:
-    """Raise UnsafeReplyError if ``meta`` nests too deep or uses extension codes.
-
-    Counting the bytes that could be wrapping opcodes (at C speed) bounds the depth of
-    hashable nesting: a pickle is scanned opcode by opcode only when that bound exceeds
-    :data:`SCAN_ABOVE` (a large pickle of many small tuples or of text).
-    """
-    if not _extensions_registered():
-        if len(meta) <= SCAN_ABOVE or sum(meta.count(op) for op in _WRAPPING) <= SCAN_ABOVE:
-            return
+    """Raise UnsafeReplyError if ``meta`` nests or unfolds too far, uses extension codes or
+    cannot be read (see the module's docstring)."""
+    if sum(meta.count(op) for op in _WRAPPING) <= FEW_WRAPPINGS and not _extensions_registered():
+        return
     try:
-        _scan(meta)
+        _walk(meta)
     except UnsafeReplyError:
         raise
-    except Exception:  # a malformed pickle: the unpickler says what is wrong with it
-        return
+    except Exception as exc:  # the C unpickler reads forms this walk does not (e.g. b"I0x1\n")
+        raise UnsafeReplyError(f"the reply is not a pickle torchfeed reads ({exc!r:.120})") from None
 
 
 def _extensions_registered() -> bool:
     return bool(getattr(copyreg, "_extension_registry", None))
 
 
-def _scan(meta: bytes) -> None:
-    # every stack entry is a cell [depth] (containers filled later update their cell, which
-    # the memo shares); an object's depth is one more than its deepest part
+def _too_far(depth: int, size: int, limit: int) -> None:
+    if depth > MAX_DEPTH:
+        raise UnsafeReplyError(
+            f"the reply's objects nest more than {MAX_DEPTH} levels deep, which torchfeed does not load "
+            "(structures that deep can overflow the stack when hashed)"
+        )
+    if size > limit:
+        raise UnsafeReplyError(
+            f"the reply's objects unfold to more than {limit} objects through shared references, which "
+            "torchfeed does not load (hashing or comparing such a value would not end)"
+        )
+
+
+def _walk(meta: bytes) -> None:
+    # every object is a cell [depth, unfolded size]; containers filled later update their
+    # cell, which the memo shares, so a reference counts what it refers to when it is used
+    limit = MAX_UNFOLDED + len(meta)
     stack: list[list[int]] = []
     marks: list[int] = []
     memo: dict[int, list[int]] = {}
-    for op, arg, _ in pickletools.genops(meta):
-        name = op.name
-        if name in _SKIP:
+    i, end = 0, len(meta)
+    while i < end:
+        entry = _TABLE[meta[i]]
+        if entry is None:
+            raise UnsafeReplyError(f"the reply has an unknown pickle opcode {meta[i]:#04x}")
+        arg, mark, pops, pushes, kind, name = entry
+        start = i = i + 1
+        if arg >= 0:
+            i += arg
+        elif arg == _LEN1:
+            i += 1 + meta[i]
+        elif arg == _LEN4:
+            i += 4 + int.from_bytes(meta[i : i + 4], "little")
+        elif arg == _LEN8:
+            i += 8 + int.from_bytes(meta[i : i + 8], "little")
+        else:
+            i = meta.index(b"\n", i) + 1
+            if arg == _TWO_LINES:
+                i = meta.index(b"\n", i) + 1
+        if kind == "op":
+            pass
+        elif kind == "skip":
             continue
-        if name in _EXT:
+        elif kind == "ext":
             raise UnsafeReplyError(
-                "the reply uses a pickle extension code, which torchfeed never sends and does not load"
+                "the reply uses a pickle extension code, which torchfeed never sends or loads"
             )
-        if name == "MARK":
+        elif kind == "mark":
             marks.append(len(stack))
             continue
-        if name in _PUT or name == "MEMOIZE":
-            if stack:
-                memo[len(memo) if name == "MEMOIZE" else int(arg or 0)] = stack[-1]
+        elif kind in ("put", "memoize"):
+            key = len(memo) if kind == "memoize" else _index(meta, start, i, name)
+            memo[key] = stack[-1]
             continue
-        if name in _GET:
-            stack.append(memo.get(int(arg or 0), [0]))
+        elif kind == "get":
+            stack.append(memo[_index(meta, start, i, name)])
             continue
-        if name == "DUP":
-            stack.append(stack[-1] if stack else [0])
+        elif kind == "dup":
+            stack.append(stack[-1])
             continue
-        before = op.stack_before
         parts: list[list[int]] = []
-        if pickletools.markobject in before:
-            start = marks.pop() if marks else 0
-            parts, stack[start:] = stack[start:], []
-            count = before.index(pickletools.markobject)
-        else:
-            count = len(before)
-        taken = stack[len(stack) - count :] if count else []
-        if count:
-            del stack[-count:]
-        if not op.stack_after:
-            continue
-        if name in _INTO and taken:  # the container's own cell grows with what goes in
+        if mark:
+            at = marks.pop()
+            parts = stack[at:]
+            del stack[at:]
+        taken = stack[len(stack) - pops :] if pops else []
+        if pops:
+            del stack[-pops:]
+        if kind == "into":  # the container's own cell grows with what goes in
             cell = taken[0]
-            cell[0] = max(cell[0], 1 + max((c[0] for c in (*taken[1:], *parts)), default=-1))
+            more = (*taken[1:], *parts)
+            cell[0] = max(cell[0], 1 + max((c[0] for c in more), default=-1))
+            cell[1] += sum(c[1] for c in more)
+        elif pushes:
+            inputs = (*taken, *parts)
+            cell = [1 + max((c[0] for c in inputs), default=-1), 1 + sum(c[1] for c in inputs)]
         else:
-            cell = [1 + max((c[0] for c in (*taken, *parts)), default=-1)]
-        if cell[0] > MAX_DEPTH:
-            raise UnsafeReplyError(
-                f"the reply's objects nest more than {MAX_DEPTH} levels deep, which torchfeed does not load "
-                "(structures that deep can overflow the stack when hashed)"
-            )
-        stack.extend([cell] * len(op.stack_after))
+            continue
+        _too_far(cell[0], cell[1], limit)
+        stack.extend([cell] * pushes)
+
+
+def _index(meta: bytes, start: int, stop: int, name: str) -> int:
+    if name in ("BINPUT", "BINGET"):
+        return meta[start]
+    if name in ("LONG_BINPUT", "LONG_BINGET"):
+        return int.from_bytes(meta[start:stop], "little")
+    return int(meta[start:stop])

@@ -27,10 +27,16 @@ from ..errors import UnsafeReplyError
 # most this much; the worker sends larger broadcasts dense (serialize.py)
 BROADCAST_SLACK = 64 << 20
 
-# torch's dtypes by name (vars(): no lookup that runs torch's module-level __getattr__)
-TORCH_DTYPES = {str(d).split(".", 1)[1]: d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+# torch's dtypes by name (vars(): no lookup that runs torch's module-level __getattr__);
+# not the quantized ones, which travel as torch pickles them (and are not loaded)
+TORCH_DTYPES = {
+    str(d).split(".", 1)[1]: d
+    for d in vars(torch).values()
+    if isinstance(d, torch.dtype) and not str(d).startswith(("torch.qint", "torch.quint"))
+}
 
 _MAX_DTYPE_DEPTH = 8
+_MAX_DTYPE_PARTS = 4096
 
 
 def check_sizes(what: str, values) -> None:
@@ -62,20 +68,28 @@ def dtype_spec(d: np.dtype) -> Any:
     return d.str
 
 
-def dtype_from_spec(spec: Any, depth: int = 0) -> np.dtype:
+def dtype_from_spec(spec: Any, depth: int = 0, budget: list[int] | None = None) -> np.dtype:
     """A fresh numpy dtype from :func:`dtype_spec`'s description; no object dtypes."""
-    if depth > _MAX_DTYPE_DEPTH:
-        raise UnsafeReplyError("a dtype in the reply nests too deep")
+    if budget is None:
+        budget = [_MAX_DTYPE_PARTS]  # parts in all: a shared description may not fan out
+    budget[0] -= 1
+    if depth > _MAX_DTYPE_DEPTH or budget[0] < 0:
+        raise UnsafeReplyError(
+            f"a dtype in the reply nests more than {_MAX_DTYPE_DEPTH} deep or has more than "
+            f"{_MAX_DTYPE_PARTS} fields and subarrays in all"
+        )
     if isinstance(spec, str):
+        if len(spec) > 256:  # "u1,u1,..." parses into fields: a long string is not a plain dtype
+            raise UnsafeReplyError(f"a dtype in the reply is described by a {len(spec)}-character string")
         d = np.dtype(spec)
     elif isinstance(spec, list) and len(spec) == 3 and spec[0] == "sub" and isinstance(spec[2], list):
         shape = tuple(spec[2])
         check_sizes("subarray shape", shape)
-        d = np.dtype((dtype_from_spec(spec[1], depth + 1), shape))
+        d = np.dtype((dtype_from_spec(spec[1], depth + 1, budget), shape))
     elif isinstance(spec, dict) and _plain_fields(spec):
         described: dict[str, Any] = {
             "names": spec["names"],
-            "formats": [dtype_from_spec(f, depth + 1) for f in spec["formats"]],
+            "formats": [dtype_from_spec(f, depth + 1, budget) for f in spec["formats"]],
             "offsets": spec["offsets"],
             "itemsize": spec["itemsize"],
         }
@@ -171,19 +185,39 @@ def rebuild_np_scalar(spec: Any, data: bytes) -> Any:
 # -- what was made, checked after the load ------------------------------------------------------
 
 
+def _identity(t: torch.Tensor) -> tuple:
+    """What a pickle's BUILD (Tensor.__setstate__: set_, .data =) would change of a tensor."""
+    storage = t.untyped_storage()
+    return (
+        type(t),
+        t.dtype,
+        tuple(t.shape),
+        t.stride(),
+        t.storage_offset(),
+        storage.data_ptr(),
+        storage.nbytes(),
+        t.requires_grad,
+    )
+
+
 class Made:
     """The objects one load made with the functions above, to check once it is done."""
 
     def __init__(self) -> None:
-        self.tensors: list[tuple[torch.Tensor, bool]] = []
+        self.tensors: list[tuple[torch.Tensor, tuple]] = []
         self.arrays: list[tuple[np.ndarray, np.dtype, tuple]] = []
         self.dtypes: list[np.dtype] = []
         self.dicts: list[collections.OrderedDict] = []
 
     def tensor(self, *args) -> torch.Tensor:
         t = rebuild_tensor(*args)
-        self.tensors.append((t, t.requires_grad))
+        self.tensors.append((t, _identity(t)))
         return t
+
+    def object_array(self, *args) -> np.ndarray:
+        a = rebuild_object_array(*args)
+        self.arrays.append((a, a.dtype, a.shape))
+        return a
 
     def ndarray(self, *args) -> np.ndarray:
         a = rebuild_ndarray(*args)
@@ -202,13 +236,13 @@ class Made:
 
     def check(self) -> None:
         """Refuse the load if a pickle changed (BUILD) an object after it was made here."""
-        for t, grad in self.tensors:
-            if t.requires_grad != grad or t._backward_hooks:
+        for t, made in self.tensors:
+            if _identity(t) != made or t._backward_hooks:
                 raise UnsafeReplyError(
-                    "a tensor in the reply was given gradient hooks or state after it was made"
+                    "a tensor in the reply was given other memory, gradient hooks or state after it was made"
                 )
         for a, dtype, shape in self.arrays:
-            if a.dtype is not dtype or a.shape != shape or a.dtype.hasobject:
+            if a.dtype is not dtype or a.shape != shape:
                 raise UnsafeReplyError(
                     "an array in the reply was given another dtype or shape after it was made"
                 )

@@ -58,7 +58,6 @@ _ALWAYS: dict[str, Any] = {
     "builtins.complex": complex,
     "torch.Size": torch.Size,
     "torch.device": torch.device,
-    f"{_REBUILD}.rebuild_object_array": rebuild.rebuild_object_array,
     f"{_REBUILD}.rebuild_np_scalar": rebuild.rebuild_np_scalar,
 }
 
@@ -218,6 +217,7 @@ class _Restricted(_Trusting):
             f"{_REBUILD}.rebuild_tensor": made.tensor,
             f"{_REBUILD}.rebuild_ndarray": made.ndarray,
             f"{_REBUILD}.rebuild_dtype": made.dtype,
+            f"{_REBUILD}.rebuild_object_array": made.object_array,
             "collections.OrderedDict": made.ordered_dict,
         }
 
