@@ -84,7 +84,9 @@ _TABLE = _table()
 def check(meta: bytes) -> None:
     """Raise UnsafeReplyError if ``meta`` nests or unfolds too far, uses extension codes or
     cannot be read (see the module's docstring)."""
-    if sum(meta.count(op) for op in _WRAPPING) <= FEW_WRAPPINGS and not _extensions_registered():
+    if not _extensions_registered() and (
+        len(meta) <= FEW_WRAPPINGS or sum(map(meta.count, _WRAPPING)) <= FEW_WRAPPINGS
+    ):
         return
     try:
         _walk(meta)

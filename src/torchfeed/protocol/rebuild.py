@@ -144,7 +144,10 @@ def rebuild_tensor(
     if mv.nbytes == 0:
         if numel:
             raise UnsafeReplyError(f"a tensor of {numel} elements in the reply arrived without its bytes")
-        t = torch.empty(shape, dtype=dtype)
+        # on numpy's memory, as every other one: a storage that cannot be resized (a pickle's
+        # BUILD -> Tensor.__setstate__ -> set_() could make torch.empty's grow at will)
+        flat = torch.from_numpy(np.empty(dtype.itemsize, dtype=np.uint8)).view(dtype)[:0]
+        t = flat.view(shape) if stride is None else flat.as_strided(shape, stride)
     else:
         if numel * dtype.itemsize > 2 * mv.nbytes + BROADCAST_SLACK:
             raise UnsafeReplyError(
@@ -185,33 +188,18 @@ def rebuild_np_scalar(spec: Any, data: bytes) -> Any:
 # -- what was made, checked after the load ------------------------------------------------------
 
 
-def _identity(t: torch.Tensor) -> tuple:
-    """What a pickle's BUILD (Tensor.__setstate__: set_, .data =) would change of a tensor."""
-    storage = t.untyped_storage()
-    return (
-        type(t),
-        t.dtype,
-        tuple(t.shape),
-        t.stride(),
-        t.storage_offset(),
-        storage.data_ptr(),
-        storage.nbytes(),
-        t.requires_grad,
-    )
-
-
 class Made:
     """The objects one load made with the functions above, to check once it is done."""
 
     def __init__(self) -> None:
-        self.tensors: list[tuple[torch.Tensor, tuple]] = []
+        self.tensors: list[torch.Tensor] = []
         self.arrays: list[tuple[np.ndarray, np.dtype, tuple]] = []
         self.dtypes: list[np.dtype] = []
         self.dicts: list[collections.OrderedDict] = []
 
     def tensor(self, *args) -> torch.Tensor:
         t = rebuild_tensor(*args)
-        self.tensors.append((t, _identity(t)))
+        self.tensors.append(t)
         return t
 
     def object_array(self, *args) -> np.ndarray:
@@ -236,11 +224,9 @@ class Made:
 
     def check(self) -> None:
         """Refuse the load if a pickle changed (BUILD) an object after it was made here."""
-        for t, made in self.tensors:
-            if _identity(t) != made or t._backward_hooks:
-                raise UnsafeReplyError(
-                    "a tensor in the reply was given other memory, gradient hooks or state after it was made"
-                )
+        for t in self.tensors:  # (their storages cannot be resized: BUILD's set_() cannot grow them)
+            if t._backward_hooks:
+                raise UnsafeReplyError("a tensor in the reply was given gradient hooks after it was made")
         for a, dtype, shape in self.arrays:
             if a.dtype is not dtype or a.shape != shape:
                 raise UnsafeReplyError(

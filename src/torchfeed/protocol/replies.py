@@ -39,6 +39,7 @@ from . import picklescan, rebuild
 
 _HERE = __name__
 _REBUILD = rebuild.__name__
+_REBUILD_CLASS = f"{_HERE}.rebuild_class"
 
 
 def rebuild_class(name: str, payload: bytes):
@@ -206,26 +207,30 @@ class _Trusting(_Buffers, pickle.Unpickler):
         super().__init__(io.BytesIO(meta), buffers=self._buffers)
 
 
+# the rebuild functions, called through the load's rebuild.Made (checked after the load)
+_MADE_BY = {
+    f"{_REBUILD}.rebuild_tensor": "tensor",
+    f"{_REBUILD}.rebuild_ndarray": "ndarray",
+    f"{_REBUILD}.rebuild_dtype": "dtype",
+    f"{_REBUILD}.rebuild_object_array": "object_array",
+    "collections.OrderedDict": "ordered_dict",
+}
+
+
 class _Restricted(_Trusting):
     def __init__(self, meta: bytes, buffers: Sequence[memoryview], rules: Policy):
         super().__init__(meta, buffers)
         self._rules = rules
-        self._made = made = rebuild.Made()
-        # the rebuild functions through what they made (checked after the load: rebuild.py)
-        self._own: dict[str, Any] = {
-            f"{_HERE}.rebuild_class": rules.allowed_class,
-            f"{_REBUILD}.rebuild_tensor": made.tensor,
-            f"{_REBUILD}.rebuild_ndarray": made.ndarray,
-            f"{_REBUILD}.rebuild_dtype": made.dtype,
-            f"{_REBUILD}.rebuild_object_array": made.object_array,
-            "collections.OrderedDict": made.ordered_dict,
-        }
+        self._made = rebuild.Made()
 
     def find_class(self, module: str, name: str) -> Any:
         full = f"{module}.{name}"
-        found = self._own.get(full)
-        if found is None and module == "torch":
-            found = rebuild.TORCH_DTYPES.get(name)
+        made_by = _MADE_BY.get(full)
+        if made_by is not None:
+            return getattr(self._made, made_by)
+        if full == _REBUILD_CLASS:
+            return self._rules.allowed_class
+        found = rebuild.TORCH_DTYPES.get(name) if module == "torch" else None
         if found is None:
             found = self._rules.allowed(full)
         if found is None:
