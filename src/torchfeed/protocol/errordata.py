@@ -26,7 +26,7 @@ from typing import Any
 
 from .. import errors, tracebacks
 from ..errors import RemoteError, TorchfeedError
-from .replies import SAFE, Policy
+from .replies import SAFE, Policy, loaded
 
 # arguments and attributes of an exception travel when plain and at most this large
 _MAX_PLAIN = 1 << 20
@@ -129,13 +129,10 @@ def exception_class(name: Any, policy: Policy = SAFE) -> type | None:
 def _imported(name: str) -> Any:
     """The object named ``module.qualname`` in a module already imported (nothing is imported)."""
     parts = name.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        obj: Any = sys.modules.get(".".join(parts[:cut]))
-        if obj is None:
-            continue
-        for part in parts[cut:]:
-            obj = getattr(obj, part, None)
-        return obj
+    for cut in range(len(parts) - 1, 0, -1):  # the longest imported module prefix
+        module = ".".join(parts[:cut])
+        if module in sys.modules:
+            return loaded(module, ".".join(parts[cut:]))
     return None
 
 

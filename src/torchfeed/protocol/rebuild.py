@@ -122,6 +122,7 @@ def _plain_fields(spec: dict) -> bool:
 
 
 def rebuild_dtype(spec: Any) -> np.dtype:
+    # what replies name: the description only (a pickle may not pass dtype_from_spec's budget)
     return dtype_from_spec(spec)
 
 
@@ -147,14 +148,13 @@ def rebuild_tensor(
         # on numpy's memory, as every other one: a storage that cannot be resized (a pickle's
         # BUILD -> Tensor.__setstate__ -> set_() could make torch.empty's grow at will)
         flat = torch.from_numpy(np.empty(dtype.itemsize, dtype=np.uint8)).view(dtype)[:0]
-        t = flat.view(shape) if stride is None else flat.as_strided(shape, stride)
+    elif numel * dtype.itemsize > 2 * mv.nbytes + BROADCAST_SLACK:
+        raise UnsafeReplyError(
+            f"a tensor in the reply has {numel} elements of {dtype} over {mv.nbytes} bytes that arrived"
+        )
     else:
-        if numel * dtype.itemsize > 2 * mv.nbytes + BROADCAST_SLACK:
-            raise UnsafeReplyError(
-                f"a tensor in the reply has {numel} elements of {dtype} over {mv.nbytes} bytes that arrived"
-            )
         flat = torch.from_numpy(np.frombuffer(mv, dtype=np.uint8)).view(dtype)
-        t = flat.view(shape) if stride is None else flat.as_strided(shape, stride)
+    t = flat.view(shape) if stride is None else flat.as_strided(shape, stride)
     if requires_grad:
         t.requires_grad_(True)
     return t

@@ -14,8 +14,9 @@ names. So every reply is loaded by a restricted unpickler (as ``torch.load`` doe
 
 Anything else raises :class:`~torchfeed.errors.UnsafeReplyError` naming the global, before
 it is called. Before loading, picklescan.py refuses pickles that nest deep enough to
-overflow the stack and extension codes; after, rebuild.Made refuses a load whose pickle
-changed (BUILD) an object a rebuild function made. A call made with ``trust_worker=True``
+overflow the stack, unfold too far through shared references (where it walks them), use
+extension codes or cannot be read; after, rebuild.Made refuses a load whose pickle changed
+(BUILD) an object a rebuild function made. A call made with ``trust_worker=True``
 loads its reply with plain pickle.
 
 Errors and statistics do not need this: an error travels as plain data (type names,
@@ -51,7 +52,6 @@ def rebuild_class(name: str, payload: bytes):
     return cloudpickle.loads(payload)
 
 
-_HERE = __name__
 # what a reply may name, besides the Policy's own entries (see _Restricted.find_class): only
 # callables that build plain values. Containers have their own opcodes in pickle protocol 5;
 # builtins such as bytes(n) would allocate whatever a pickle asks for.
@@ -256,9 +256,15 @@ def load_data(meta: bytes) -> Any:
     return _DataOnly(io.BytesIO(meta)).load()
 
 
+def loaded(module: str, qualname: str) -> Any:
+    """The object ``qualname`` names in ``module`` if that module is imported (nothing is
+    imported), else None."""
+    obj: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
 def known_class(cls: type) -> bool:
     """Whether ``cls`` can be pickled by reference (found under its name where it lives)."""
-    obj: Any = sys.modules.get(cls.__module__)
-    for part in cls.__qualname__.split("."):
-        obj = getattr(obj, part, None)
-    return obj is cls
+    return loaded(cls.__module__, cls.__qualname__) is cls

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -80,14 +81,8 @@ def shaped_command(argv: list[str], rate: str | None) -> list[str]:
     setup = "ip link set lo up"
     if rate:
         setup += f" && tc qdisc add dev lo root tbf rate {rate} burst 1mb latency 200ms"
-    quoted = " ".join(_quote(a) for a in argv)
+    quoted = " ".join(shlex.quote(a) for a in argv)
     return ["unshare", "--net", "--", "sh", "-c", f"{setup} && exec {quoted}"]
-
-
-def _quote(arg: str) -> str:
-    import shlex
-
-    return shlex.quote(arg)
 
 
 def measure(kind: str, seconds: float, workers: int = 2) -> dict[str, Any]:
