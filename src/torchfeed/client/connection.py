@@ -31,7 +31,7 @@ from ..errors import (
     UnsafeReplyError,
     WorkerLost,
 )
-from ..protocol import auth, limits, wire
+from ..protocol import auth, codec, limits, wire
 from ..protocol.buffers import allocate
 from ..protocol.errordata import rebuild_remote_error
 from ..protocol.replies import SAFE, Policy, load_data
@@ -80,6 +80,11 @@ _delivering = threading.local()
 def reply_bytes() -> int:
     """Inside a result callback: the size of the reply being delivered (header excluded)."""
     return getattr(_delivering, "nbytes", 0)
+
+
+def reply_wire_bytes() -> int:
+    """Inside a result callback: the bytes the reply took on the wire (compressed and sealed)."""
+    return getattr(_delivering, "wire", 0)
 
 
 class _Pending:
@@ -159,6 +164,7 @@ class Connection:
         # left _pending with its header, yet it still waits (keeper) and can be cancelled
         self._receiving: list | None = None
         self._ids = itertools.count(1)
+        self.link = codec.LinkMeter()  # how fast replies arrive (told to the worker for compression="auto")
         self._releases: list = []
         self.last_tx = time.monotonic()
         self.closed = False
@@ -176,9 +182,11 @@ class Connection:
         return self._session()
 
     # -- sending ---------------------------------------------------------
-    def _send(self, kind: int, request_id: int = 0, meta: bytes = b"", buffers=(), flags: int = 0) -> None:
+    def _send(
+        self, kind: int, request_id: int = 0, meta: bytes = b"", buffers=(), flags: int = 0, aux: int = 0
+    ) -> None:
         with self._send_lock:
-            self.channel.send(kind, request_id, meta, buffers, flags)
+            self.channel.send(kind, request_id, meta, buffers, flags, aux=aux)
             self.last_tx = time.monotonic()
 
     def request(
@@ -192,12 +200,19 @@ class Connection:
         pin: bool = False,
         timeout: float | None = None,
         policy: Policy | str | None = None,
+        compression: int = codec.NONE,
     ) -> int:
         """Send a call; ``callback(ok, value)`` runs on the reader thread with the result.
 
         ``policy`` says how its reply is loaded (a :class:`~torchfeed.protocol.replies.Policy`;
-        default: the session's ``reply_policy``), or ``JSON_REPLY``.
+        default: the session's ``reply_policy``), or ``JSON_REPLY``. ``compression`` (a
+        :data:`torchfeed.protocol.codec.MODES` value) says how its buffers may travel.
         """
+        aux = 0
+        if compression:
+            flags |= compression << wire.FLAG_CODEC_SHIFT
+            if compression == codec.AUTO:
+                aux = self.link.hint()
         rid = next(self._ids)
         deadline = time.monotonic() + timeout if timeout else None
         owner = self._session()
@@ -209,7 +224,7 @@ class Connection:
             self._pending[rid] = _Pending(callback, pin, deadline, owner, policy)
         del owner
         try:
-            self._send(kind, rid, meta, buffers, flags)
+            self._send(kind, rid, meta, buffers, flags, aux)
         except BaseException as exc:
             with self._pending_lock:
                 entry = self._pending.pop(rid, None)
@@ -254,6 +269,7 @@ class Connection:
         channel = self.channel
         try:
             while True:
+                before = channel.bytes_received
                 try:
                     frame = channel.read_header(limits.reply_limits())
                 except FrameTooLarge as exc:  # authentic but too big: fail that request only
@@ -276,9 +292,12 @@ class Connection:
                     self._drop(frame)
                     continue
                 try:
+                    started, headed = time.perf_counter(), channel.bytes_received
                     channel.read_meta(frame)
                     buffers = allocate(frame.buffer_lengths, pending.pin) if frame.buffer_lengths else []
-                    channel.read_buffers(buffers)  # each record received counts as life
+                    channel.read_buffers(buffers, frame, self.address)  # each record received counts as life
+                    if frame.buffer_lengths:  # how fast this reply arrived (header to last byte)
+                        self.link.timed(channel.bytes_received - headed, time.perf_counter() - started)
                 except BaseException as exc:
                     with self._pending_lock:  # the request being received fails with the connection
                         self._receiving = None
@@ -294,7 +313,7 @@ class Connection:
                     if frame.kind == wire.REPLY and frame.flags & wire.FLAG_RREF:
                         self.release_later(_ref_id(frame.meta))
                 else:
-                    self._deliver(frame, buffers, pending)
+                    self._deliver(frame, buffers, pending, channel.bytes_received - before)
                 del frame, buffers, pending  # an idle connection must not keep the last reply alive
         except BaseException as exc:  # noqa: BLE001 - the thread must fail every waiter
             self._fail(exc)
@@ -318,7 +337,7 @@ class Connection:
             except Exception:
                 log.exception("a result callback failed")
 
-    def _deliver(self, frame: wire.Frame, buffers, pending: _Pending) -> None:
+    def _deliver(self, frame: wire.Frame, buffers, pending: _Pending, wire_bytes: int = 0) -> None:
         value: Any
         policy = pending.policy
         try:
@@ -346,6 +365,7 @@ class Connection:
             )
             value.__cause__ = exc
         _delivering.nbytes = frame.size  # [stats hook] read by the callback: reply_bytes()
+        _delivering.wire = wire_bytes  # and reply_wire_bytes()
         try:
             pending.callback(ok, value)
         except Exception:

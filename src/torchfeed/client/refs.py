@@ -8,7 +8,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from ..protocol import serialize, wire
+from ..protocol import codec, serialize, wire
 from ..protocol.replies import Policy
 
 if TYPE_CHECKING:
@@ -71,19 +71,40 @@ class RemoteRef:
         return not self._conn.closed
 
     def call(
-        self, args: tuple, *, callback: Callback, pin: bool = False, policy: Policy | None = None
+        self,
+        args: tuple,
+        *,
+        callback: Callback,
+        pin: bool = False,
+        policy: Policy | None = None,
+        compression: int | None = None,
     ) -> Call:
         """Call the referenced object with ``args`` (plain pickle); ``callback(ok, value)`` gets
         the outcome on the connection's reader thread. Returns the :class:`Call` (cancellable).
-        ``policy`` says how the result is loaded (default: the session's)."""
-        return Call(self._conn, self.request(args, callback=callback, pin=pin, policy=policy))
+        ``policy`` says how the result is loaded (default: the session's); ``compression``
+        (a :data:`torchfeed.protocol.codec.MODES` value; default: the session's) how its
+        buffers may travel."""
+        return Call(
+            self._conn, self.request(args, callback=callback, pin=pin, policy=policy, compression=compression)
+        )
 
     def request(
-        self, args: tuple, *, callback: Callback, pin: bool = False, policy: Policy | None = None
+        self,
+        args: tuple,
+        *,
+        callback: Callback,
+        pin: bool = False,
+        policy: Policy | None = None,
+        compression: int | None = None,
     ) -> int:
         """As :meth:`call`, returning the bare request id (to cancel many at once with :meth:`cancel`)."""
         meta = pickle.dumps((self.ref_id, args, None), protocol=5)
-        return self._conn.request(wire.CALL_REF, meta, callback=callback, pin=pin, policy=policy)
+        if compression is None:
+            owner = self._conn.session
+            compression = getattr(owner, "compression", codec.NONE) if owner is not None else codec.NONE
+        return self._conn.request(
+            wire.CALL_REF, meta, callback=callback, pin=pin, policy=policy, compression=compression
+        )
 
     def cancel(self, request_ids: Iterable[int]) -> None:
         """Forget these requests (ids from :meth:`request`), in one message to the worker."""

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..errors import ConnectionClosed, SerializationError
-from ..protocol import auth, replies, serialize, wire
+from ..protocol import auth, codec, replies, serialize, wire
 from ..protocol.buffers import check_pinnable
 from . import connection as client
 from .reach import retry_refused as retry_refused_until
@@ -79,6 +79,11 @@ class Session:
         Classes and functions that replies to this session's calls may contain, beyond what
         torchfeed loads by default and :func:`torchfeed.add_safe_globals` allows (see
         :mod:`torchfeed.protocol.replies`: a worker's reply runs no code here).
+    compression : {"auto", "lz4", "zstd", None}
+        How replies' tensor and array buffers may travel (default "auto": compressed per
+        buffer when the data shrinks and the link is slower than compressing it; see
+        :mod:`torchfeed.protocol.codec`). The default of the loaders over this session
+        and of its calls.
     """
 
     def __init__(
@@ -89,7 +94,9 @@ class Session:
         timeout: float = 120.0,
         secret: auth.SecretLike = None,
         safe_globals: Sequence[Any] | None = None,
+        compression: str | None = codec.DEFAULT,
     ):
+        self.compression = codec.check_mode(compression)  # a codec.MODES value
         interval = (
             _env_seconds("TORCHFEED_HEARTBEAT_INTERVAL", 2.0)
             if heartbeat_interval is None
@@ -330,6 +337,7 @@ class Session:
             pin=pin_memory,
             timeout=timeout,
             policy=policy,
+            compression=self.compression,
         )
         return Call(conn, rid)
 

@@ -20,7 +20,7 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 
 from .. import stats
 from ..client import building
-from ..protocol import buffers, limits
+from ..protocol import buffers, codec, limits
 from . import checks, prefetch, resume
 from .dataset import RemoteDataset
 from .fetch import Fetcher
@@ -111,6 +111,11 @@ class RemoteDataLoader(Generic[T_co]):
         what :func:`torchfeed.add_safe_globals` and the dataset's session allow: a worker's
         reply runs no code in the trainer (:class:`~torchfeed.errors.UnsafeReplyError`
         names what was refused). E.g. ``safe_globals=[MyRecord, PIL.Image.Image]``.
+    compression : {"session", "auto", "lz4", "zstd", None}
+        How batches' tensor and array buffers travel: ``"auto"`` compresses a buffer (lz4 or
+        zstd, per buffer, decided from a sample of its data and the measured link and
+        compression speeds) when that delivers it sooner; ``"lz4"``/``"zstd"`` always try that
+        codec; None never compresses. Default: the dataset's session's (``"auto"``).
     """
 
     def __init__(
@@ -142,6 +147,7 @@ class RemoteDataLoader(Generic[T_co]):
         args: Sequence = (),
         kwargs: dict | None = None,
         safe_globals: Sequence[Any] | None = None,
+        compression: str | None = "session",
     ):
         if callable(num_workers):
             raise TypeError(
@@ -200,6 +206,9 @@ class RemoteDataLoader(Generic[T_co]):
         self.straggler_factor = straggler_factor
         self.straggler_min_seconds = straggler_min_seconds
         self._reply_policy = source.session.reply_policy.with_globals(safe_globals)
+        self._compression = (
+            source.session.compression if compression == "session" else codec.check_mode(compression)
+        )
         if collate_fn is None:
             collate_fn = default_collate if self._auto_collation else default_convert
         self.collate_fn = collate_fn
@@ -400,6 +409,7 @@ class RemoteDataLoader(Generic[T_co]):
             straggler_min_seconds=self.straggler_min_seconds,
             length=length,
             reply_policy=self._reply_policy,
+            compression=self._compression,
         )
 
     def _keep_estimates(self, estimates: dict[str, float]) -> None:
@@ -441,6 +451,7 @@ class RemoteDataLoader(Generic[T_co]):
             auto=self._auto_collation,
             pin=self.pin_memory,
             policy=self._reply_policy,
+            compression=self._compression,
             epoch=epoch,
             base_seed=base_seed,
             sample_seed=base_seed if self.per_sample_seeding else None,

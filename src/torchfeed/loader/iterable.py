@@ -84,6 +84,7 @@ class IterablePass:
         self._credits = config.prefetch_factor
         self._pin = config.pin_memory
         self._policy = config.reply_policy
+        self._compression = config.compression
         self._cond = threading.Condition()
         self._notices = notices.Pending()
         self._closed = False
@@ -305,7 +306,11 @@ class IterablePass:
 
             try:
                 slot.ref.request(
-                    (grants, self._total(slot)), callback=on_result, pin=self._pin, policy=self._policy
+                    (grants, self._total(slot)),
+                    callback=on_result,
+                    pin=self._pin,
+                    policy=self._policy,
+                    compression=self._compression,
                 )
             except (WorkerLost, OSError) as exc:
                 if grants and self._queue is not None:  # not sent: back to the queue

@@ -262,6 +262,7 @@ class MapPass:
                 callback=on_result,
                 pin=self._pin,
                 policy=self._plan.config.reply_policy,
+                compression=self._plan.config.compression,
             )
         except (WorkerLost, OSError, KeyError) as exc:
             with self._lock:

@@ -115,6 +115,7 @@ class LoaderConfig:
     straggler_min_seconds: float
     length: int | None  # len(loader) when the pass starts; None when it has no length
     reply_policy: Any  # how batches are loaded (protocol.replies.Policy)
+    compression: int = 0  # how batches may travel (a protocol.codec.MODES value)
 
 
 @dataclass

@@ -146,6 +146,7 @@ class Head:
         auto: bool,
         pin: bool,
         policy: Any,
+        compression: int = 0,
         epoch: int,
         base_seed: int,
         sample_seed: int | None,
@@ -155,6 +156,7 @@ class Head:
     ):
         self.fetchers, self.source, self.auto, self.pin = fetchers, source, auto, pin
         self.policy = policy  # how its batches are loaded (protocol.replies.Policy)
+        self.compression = compression  # how they travel (protocol.codec.MODES)
         self.epoch, self.base_seed, self.sample_seed = epoch, base_seed, sample_seed
         self.indices = indices
         self.pass_id = pass_id
@@ -214,7 +216,11 @@ class Head:
             worker_id, num_workers = self.source.worker_id(address)
             context = (self.pass_id, worker_id, num_workers, self.base_seed)
             rid = fetcher.request(
-                (keys, self.sample_seed, context), callback=on_result, pin=self.pin, policy=self.policy
+                (keys, self.sample_seed, context),
+                callback=on_result,
+                pin=self.pin,
+                policy=self.policy,
+                compression=self.compression,
             )
         except Exception:  # noqa: BLE001 - a prefetch that cannot go out is simply not used
             with self._lock:

@@ -41,7 +41,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ..errors import FrameTooLarge, ProtocolError
-from . import wire
+from . import codec, wire
 
 TAG = 16
 CHUNK = 256 * 1024  # plaintext bytes per record: large enough to amortise, small enough for cache
@@ -80,6 +80,7 @@ class Channel:
         self._scratch_in = bytearray(CHUNK + TAG)
         self._scratch_skip: memoryview | None = None  # made on the first skip of a payload
         self._scratch_meta: memoryview | None = None  # made on the first meta of several records
+        self._scratch_codec: memoryview | None = None  # made on the first compressed chunk received
         # with SO_SNDTIMEO set on the socket: seconds without progress before a send fails
         self.send_stall_timeout: float | None = None
         # when a record last arrived, or a large write last went out: the peer is alive
@@ -98,20 +99,49 @@ class Channel:
         return [data, self._send_aead.encrypt(nonce, b"", data)]
 
     @staticmethod
-    def _plaintexts(kind: int, request_id: int, meta: bytes, views: list, flags: int):
-        """The plaintext of each record of a message, in order (the layout in the module doc)."""
-        lengths = [len(v) for v in views]
-        yield memoryview(wire.pack_fixed(kind, request_id, len(meta), len(lengths), flags))
-        table = [memoryview(struct.pack(f"<{len(lengths)}Q", *lengths))] if lengths else []
-        for payload in table + ([memoryview(meta)] if meta else []) + views:
-            for start in range(0, len(payload), CHUNK):
-                yield payload[start : start + CHUNK]
+    def _plaintexts(
+        kind: int, request_id: int, meta: bytes, views: list, flags: int, aux: int = 0, packed=None
+    ):
+        """The plaintext of each record of a message, in order (the layout in the module doc
+        and, for a packed message, in :mod:`torchfeed.protocol.codec`)."""
+        lengths = [len(v) for v in views] if packed is None else packed.lengths
+        if packed is not None:
+            flags |= wire.FLAG_PACKED
+        yield memoryview(wire.pack_fixed(kind, request_id, len(meta), len(lengths), flags, aux))
+        heads = [memoryview(struct.pack(f"<{len(lengths)}Q", *lengths))] if lengths else []
+        if packed is not None:
+            heads.append(memoryview(packed.codecs))
+        bodies = views if packed is None else packed.bodies
+        for payload in heads + ([memoryview(meta)] if meta else []) + bodies:
+            if isinstance(payload, list):  # a compressed buffer: its sizes table, then a record per chunk
+                table, *chunks = payload
+                yield from Channel._cut(memoryview(table))
+                yield from (memoryview(c) for c in chunks)
+            else:
+                yield from Channel._cut(payload)
+
+    @staticmethod
+    def _cut(payload: memoryview):
+        for start in range(0, len(payload), CHUNK):
+            yield payload[start : start + CHUNK]
 
     def send(
-        self, kind: int, request_id: int = 0, meta: bytes = b"", buffers: Sequence = (), flags: int = 0
+        self,
+        kind: int,
+        request_id: int = 0,
+        meta: bytes = b"",
+        buffers: Sequence = (),
+        flags: int = 0,
+        *,
+        aux: int = 0,
+        packed=None,
     ) -> None:
-        """Seal and send one message; large buffers are sealed chunk by chunk."""
-        records = self._plaintexts(kind, request_id, meta, [memoryview(b).cast("B") for b in buffers], flags)
+        """Seal and send one message; large buffers are sealed chunk by chunk.
+
+        ``packed`` (a :class:`torchfeed.protocol.codec.Packed`) sends compressed buffers
+        in place of ``buffers`` (then empty: the original memory need not stay alive)."""
+        views = [memoryview(b).cast("B") for b in buffers]
+        records = self._plaintexts(kind, request_id, meta, views, flags, aux, packed)
         parts: list = self._seal_small(next(records))  # the header
         pending = sum(memoryview(p).nbytes for p in parts)
         offset = 0  # used part of the outgoing scratch
@@ -220,7 +250,7 @@ class Channel:
         """
         head = bytearray(wire.HEADER.size)
         self._open_into(memoryview(head))
-        kind, flags, request_id, meta_len, nbuf = wire.parse_header(bytes(head))
+        kind, flags, request_id, meta_len, nbuf, aux = wire.parse_header(bytes(head))
         if nbuf > limits.max_buffers:
             raise ProtocolError(f"{nbuf} buffers exceed the limit of {limits.max_buffers}")
         lengths: list[int] = []
@@ -228,7 +258,13 @@ class Channel:
             raw = bytearray(8 * nbuf)
             self._open_payload(memoryview(raw))
             lengths = list(struct.unpack(f"<{nbuf}Q", raw))
-        frame = wire.Frame(kind, flags, request_id, b"", lengths, meta_len)
+        frame = wire.Frame(kind, flags, request_id, b"", lengths, meta_len, aux)
+        if flags & wire.FLAG_PACKED:
+            codecs = bytearray(nbuf)
+            self._open_payload(memoryview(codecs))
+            if any(c not in codec.CODEC_NAMES for c in codecs):
+                raise ProtocolError(f"unknown codec in {list(set(codecs) - set(codec.CODEC_NAMES))}")
+            frame.codecs = bytes(codecs)
         try:
             wire.check_limits(frame, limits)
         except FrameTooLarge as exc:
@@ -264,18 +300,54 @@ class Channel:
         self.read_meta(frame)
         return frame
 
-    def read_buffers(self, dests: Sequence[memoryview]) -> None:
-        for d in dests:
-            self._open_payload(d.cast("B") if d.format != "B" or d.ndim != 1 else d)
+    def read_buffers(
+        self, dests: Sequence[memoryview], frame: wire.Frame | None = None, peer: str = ""
+    ) -> None:
+        """Receive the buffers of ``frame`` into ``dests`` (decompressing those its codecs
+        say are compressed, record by record, into their place; ``peer`` names the sender
+        in errors)."""
+        codecs = frame.codecs if frame is not None else b""
+        for i, d in enumerate(dests):
+            d = d.cast("B") if d.format != "B" or d.ndim != 1 else d
+            kind = codecs[i] if codecs else codec.NONE
+            if kind == codec.NONE:
+                self._open_payload(d)
+                continue
+            scratch = self._scratch_codec
+            if scratch is None:
+                scratch = self._scratch_codec = memoryview(bytearray(CHUNK))
+            for start, size in zip(range(0, len(d), CHUNK), self._sizes(len(d), peer)):
+                piece = min(CHUNK, len(d) - start)
+                if size == piece:  # stored as it is
+                    self._open_into(d[start : start + piece])
+                else:
+                    self._open_into(scratch[:size])
+                    codec.decompress_into(kind, scratch[:size], d[start : start + piece], peer)
+
+    def _sizes(self, n: int, peer: str):
+        """The chunk sizes of a compressed buffer of ``n`` bytes, read (and checked) a
+        record at a time (the table of a buffer announced huge is never held whole)."""
+        per_record = CHUNK // 4
+        count = -(-n // CHUNK)
+        table = memoryview(bytearray(4 * min(per_record, count)))
+        for first in range(0, count, per_record):
+            part = [min(CHUNK, n - k * CHUNK) for k in range(first, min(count, first + per_record))]
+            self._open_into(table[: 4 * len(part)])
+            yield from codec.read_sizes(table[: 4 * len(part)], part, peer)
 
     def skip(self, frame: wire.Frame, meta: bool = True) -> None:
         """Authenticate and discard the unread rest of ``frame`` (its meta when
         ``meta`` is true, and its buffers)."""
-        for n in ([frame.meta_len] if meta else []) + list(frame.buffer_lengths):
-            if not n:
-                continue  # heartbeats have nothing to skip: no allocation
-            scratch = self._scratch_skip
-            if scratch is None:
-                scratch = self._scratch_skip = memoryview(bytearray(CHUNK))
-            for start in range(0, n, CHUNK):
-                self._open_into(scratch[: min(CHUNK, n - start)])
+        if not (frame.meta_len or frame.buffer_lengths):
+            return  # heartbeats have nothing to skip: no allocation
+        scratch = self._scratch_skip
+        if scratch is None:
+            scratch = self._scratch_skip = memoryview(bytearray(CHUNK))
+        if meta:
+            for start in range(0, frame.meta_len, CHUNK):
+                self._open_into(scratch[: min(CHUNK, frame.meta_len - start)])
+        for i, n in enumerate(frame.buffer_lengths):
+            packed = bool(frame.codecs) and frame.codecs[i] != codec.NONE
+            sizes = self._sizes(n, "") if packed else (min(CHUNK, n - s) for s in range(0, n, CHUNK))
+            for size in sizes:
+                self._open_into(scratch[:size])

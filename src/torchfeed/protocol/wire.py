@@ -3,7 +3,7 @@
 Layout (little endian)::
 
     magic "TFED" | version u8 | kind u8 | flags u16 | request id u64
-    | meta length u32 | buffer count u32 | reserved u32
+    | meta length u32 | buffer count u32 | aux u32
     | buffer count x u64 lengths | meta bytes | buffers...
 
 The meta part is a small pickle (or raw handshake bytes); the buffers are the
@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from ..errors import FrameTooLarge, ProtocolError
 
 MAGIC = b"TFED"
-VERSION = 4  # 2: sealed records after the handshake; 3: modules in subpackages (pickles name them);
-# 4: the AUTH message carries (and the proofs cover) the endpoint the client dialled
+VERSION = 5  # 2: sealed records after the handshake; 3: modules in subpackages (pickles name them);
+# 4: the AUTH message carries (and the proofs cover) the endpoint the client dialled;
+# 5: replies' buffers may travel compressed (FLAG_PACKED; calls ask with FLAG_CODEC and aux)
 HEADER = struct.Struct("<4sBBHQIII")
 
 # message kinds
@@ -69,6 +70,11 @@ KIND_NAMES = {
 
 # flags
 FLAG_RREF = 1  # CALL / CALL_REF: keep the result on the worker, reply with a reference id
+# CALL / CALL_REF: how the reply's buffers may be compressed (protocol.codec.MODES), two bits;
+# with auto, the header's aux field is the trainer's measured reply rate (KiB/s, 0: unknown)
+FLAG_CODEC_SHIFT = 1
+FLAG_CODEC = 3 << FLAG_CODEC_SHIFT
+FLAG_PACKED = 8  # REPLY: a codec byte per buffer follows the length table (protocol.codec)
 
 _STAGING = 4096  # small reads go through a staging buffer to save syscalls
 _DIRECT = _STAGING  # reads at least this long go straight into the destination
@@ -100,6 +106,8 @@ class Frame:
     meta: bytes
     buffer_lengths: list[int]
     meta_len: int = 0
+    aux: int = 0  # CALL: the trainer's measured reply rate in KiB/s (see FLAG_CODEC)
+    codecs: bytes = b""  # a packed REPLY: one codec per buffer (protocol.codec)
 
     @property
     def size(self) -> int:
@@ -107,14 +115,14 @@ class Frame:
         return self.meta_len + sum(self.buffer_lengths)
 
 
-def pack_fixed(kind: int, request_id: int, meta_len: int, nbuf: int, flags: int = 0) -> bytes:
+def pack_fixed(kind: int, request_id: int, meta_len: int, nbuf: int, flags: int = 0, aux: int = 0) -> bytes:
     """The fixed 28-byte header alone."""
-    return HEADER.pack(MAGIC, VERSION, kind, flags, request_id, meta_len, nbuf, 0)
+    return HEADER.pack(MAGIC, VERSION, kind, flags, request_id, meta_len, nbuf, aux)
 
 
 def parse_header(raw: bytes):
-    """Check a fixed header; return ``(kind, flags, request_id, meta_len, nbuf)``."""
-    magic, version, kind, flags, request_id, meta_len, nbuf, _ = HEADER.unpack(raw)
+    """Check a fixed header; return ``(kind, flags, request_id, meta_len, nbuf, aux)``."""
+    magic, version, kind, flags, request_id, meta_len, nbuf, aux = HEADER.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}: the peer is not a torchfeed endpoint")
     if version != VERSION:
@@ -124,7 +132,7 @@ def parse_header(raw: bytes):
         )
     if kind not in KIND_NAMES:
         raise ProtocolError(f"unknown message kind {kind}")
-    return kind, flags, request_id, meta_len, nbuf
+    return kind, flags, request_id, meta_len, nbuf, aux
 
 
 def check_limits(frame: Frame, limits: Limits) -> None:
@@ -270,7 +278,7 @@ class FrameReader:
 
         The caller must then call :meth:`read_buffers` (or :meth:`skip_buffers`).
         """
-        kind, flags, request_id, meta_len, nbuf = parse_header(self._take(HEADER.size))
+        kind, flags, request_id, meta_len, nbuf, _ = parse_header(self._take(HEADER.size))
         if nbuf > limits.max_buffers:
             raise FrameTooLarge(f"{nbuf} buffers exceed the limit of {limits.max_buffers}")
         lengths: list[int] = []

@@ -26,8 +26,9 @@ from typing import Protocol
 
 from .. import seeding
 from ..errors import FrameTooLarge, LimitExceeded, ProtocolError
-from ..protocol import errordata, serialize, wire
+from ..protocol import codec, errordata, serialize, wire
 from ..protocol.buffers import allocate
+from ..protocol.channel import CHUNK
 from ..protocol.limits import check_reply
 from . import stats as workerstats
 from .fair import FairQueue
@@ -87,6 +88,7 @@ class ServerConnection:
         self.waiting_ids: set = set()  # their request ids (what CANCEL may name)
         self.sending = False  # the writer is inside a send
         self.waiting_for_room = False  # the reader is paused by back pressure
+        self.codec = codec.Chooser(CHUNK)  # what this client's replies travel compressed as
 
     def start(self) -> None:
         """Start the writer, then the reader; if either cannot start (no threads left), close."""
@@ -116,20 +118,26 @@ class ServerConnection:
         self.server.forget(self)
 
     # -- writer thread -------------------------------------------------------
-    def send(self, kind: int, request_id: int = 0, meta: bytes = b"", buffers=(), flags: int = 0) -> None:
-        """Send a message, or queue it for the writer; never blocks.
+    def send(
+        self, kind: int, request_id: int = 0, meta: bytes = b"", buffers=(), flags: int = 0, packed=None
+    ) -> None:
+        """Send a message, or queue it for the writer; never blocks (``packed``: its
+        buffers compressed, :class:`~torchfeed.protocol.codec.Packed`, sent in their place).
 
         A small message with nothing queued before it is sealed and written here, without
         blocking (no hop to the writer thread: the usual case for small replies); what the
         socket does not take at once goes to the front of the outbox for the writer.
         """
-        size = len(meta) + sum(memoryview(b).nbytes for b in buffers)
+        if packed is not None:
+            buffers, size = (), len(meta) + packed.wire_bytes
+        else:
+            size = len(meta) + sum(memoryview(b).nbytes for b in buffers)
         with self._cond:
             if self.closed:
                 return
-            if self._outbox or self.sending or size > _DIRECT_BYTES:
+            if self._outbox or self.sending or size > _DIRECT_BYTES or packed is not None:
                 # an entry is charged its overhead too: empty replies (PONG) are bounded as well
-                self._outbox.append((kind, request_id, meta, buffers, flags, size + ENTRY_BYTES))
+                self._outbox.append((kind, request_id, meta, buffers, flags, size + ENTRY_BYTES, packed))
                 self.unsent_bytes += size + ENTRY_BYTES
                 self._cond.notify_all()
                 return
@@ -145,7 +153,7 @@ class ServerConnection:
             with self._cond:
                 self.sending = False
                 if rest is not None and len(rest) and not self.closed:
-                    self._outbox.appendleft((_SEALED, 0, rest, (), 0, len(rest) + ENTRY_BYTES))
+                    self._outbox.appendleft((_SEALED, 0, rest, (), 0, len(rest) + ENTRY_BYTES, None))
                     self.unsent_bytes += len(rest) + ENTRY_BYTES
                 if self._outbox:  # queued meanwhile: the writer waited for us
                     self._cond.notify_all()
@@ -158,13 +166,13 @@ class ServerConnection:
                         self._cond.wait()
                     if self.closed:
                         return
-                    kind, rid, meta, buffers, flags, size = self._outbox.popleft()
+                    kind, rid, meta, buffers, flags, size, packed = self._outbox.popleft()
                     self.sending = True
                 if kind == _SEALED:  # the rest of a message send() began to write
                     self.channel.write(meta)
                 else:
-                    self.channel.send(kind, rid, meta, buffers, flags)
-                del meta, buffers
+                    self.channel.send(kind, rid, meta, buffers, flags, packed=packed)
+                del meta, buffers, packed
                 with self._cond:
                     self.sending = False
                     self.unsent_bytes -= size
@@ -221,7 +229,7 @@ class ServerConnection:
                 try:  # memory is committed as records arrive (see the module docstring)
                     channel.read_meta(frame)
                     buffers = allocate(frame.buffer_lengths) if frame.buffer_lengths else []
-                    channel.read_buffers(buffers)
+                    channel.read_buffers(buffers, frame, self.peer)
                 except BaseException:
                     self.server.budget.give(frame.size)
                     raise
@@ -300,22 +308,27 @@ class ServerConnection:
             result = func(*(args or ()), **(kwargs or {}))
             flags = frame.flags & wire.FLAG_RREF
             out: list[memoryview]
+            packed = None
             if flags:
                 ref = self.server.registry.put(result, self.id, self.limits.max_refs)
                 meta, out = pickle.dumps(ref), []
             else:
                 meta, out = serialize.dumps_reply(result)
                 check_reply(meta, out, getattr(func, "reply_limits", None))
+                mode = (frame.flags & wire.FLAG_CODEC) >> wire.FLAG_CODEC_SHIFT
+                if mode and out:  # compress, then seal (the writer seals what this made)
+                    packed = self.codec.pack(out, mode, codec.rate_of_hint(frame.aux))
             del result
         except BaseException as exc:  # user code may raise anything, SystemExit and Ctrl-C included
             self._reply(wire.ERROR, rid, _describe_exception(exc), [])
             return
-        self._reply(wire.REPLY, rid, meta, out, flags)
+        self._reply(wire.REPLY, rid, meta, out, flags, packed)
 
-    def _reply(self, kind: int, rid: int, meta: bytes, buffers, flags: int = 0) -> None:
+    def _reply(self, kind: int, rid: int, meta: bytes, buffers, flags: int = 0, packed=None) -> None:
         self.cancelled.discard(rid)
-        self.server.counters.replied(kind, meta, buffers)  # [stats hook]
-        self.send(kind, rid, meta, buffers, flags)
+        wire_bytes = packed.wire_bytes if packed is not None else None
+        self.server.counters.replied(kind, meta, buffers, wire_bytes)  # [stats hook]
+        self.send(kind, rid, meta, buffers, flags, packed)
 
     def _answered(self, frame: wire.Frame) -> None:
         with self._cond:

@@ -123,7 +123,7 @@ def judge(received: bytes, hello: bytes, secret: auth.Secret) -> tuple[str, byte
     """
     try:
         if len(received) >= wire.HEADER.size:
-            kind, _flags, _rid, meta_len, nbuf = wire.parse_header(received[: wire.HEADER.size])
+            kind, _flags, _rid, meta_len, nbuf, _aux = wire.parse_header(received[: wire.HEADER.size])
             if kind != wire.AUTH or meta_len != auth.AUTH_BYTES or nbuf:
                 raise ProtocolError(
                     f"expected an AUTH message, got {wire.KIND_NAMES[kind]} with {meta_len} bytes"

@@ -44,15 +44,18 @@ class Counters:
         self.started = time.monotonic()
         self.requests = 0
         self.bytes_sent = 0
+        self.wire_bytes_sent = 0  # the same after compression (protocol.codec)
         self.errors = 0
-        sample = (self.started, _cpu_seconds(), 0, 0)
-        self._older = self._newer = sample  # (time, cpu seconds, requests, bytes) for the rates
+        sample = (self.started, _cpu_seconds(), 0, 0, 0)
+        self._older = self._newer = sample  # (time, cpu seconds, requests, bytes, wire bytes) for the rates
 
-    def replied(self, kind: int, meta: bytes, buffers) -> None:
+    def replied(self, kind: int, meta: bytes, buffers, wire_bytes: int | None = None) -> None:
+        """Count a reply: its bytes, and ``wire_bytes`` when its buffers travel compressed."""
         size = len(meta) + sum(memoryview(b).nbytes for b in buffers)
         with self._lock:
             self.requests += 1
             self.bytes_sent += size
+            self.wire_bytes_sent += size if wire_bytes is None else len(meta) + wire_bytes
             if kind == wire.ERROR:
                 self.errors += 1
 
@@ -66,14 +69,15 @@ class Counters:
         now, cpu = time.monotonic(), _cpu_seconds()
         with self._lock:
             if now - self._newer[0] >= _RATE_SECONDS:
-                self._older, self._newer = self._newer, (now, cpu, self.requests, self.bytes_sent)
+                sample = (now, cpu, self.requests, self.bytes_sent, self.wire_bytes_sent)
+                self._older, self._newer = self._newer, sample
 
     def snapshot(self, server) -> dict[str, Any]:
         """Plain data: the process's CPU%, memory, rates (over the last 1-2 s) and load."""
         now, cpu = time.monotonic(), _cpu_seconds()
         with self._lock:
-            requests, sent, errors = self.requests, self.bytes_sent, self.errors
-            t0, cpu0, req0, sent0 = self._older
+            requests, sent, wired, errors = self.requests, self.bytes_sent, self.wire_bytes_sent, self.errors
+            t0, cpu0, req0, sent0, wired0 = self._older
         span = max(now - t0, 1e-6)
         conns = server.connections()
         return {
@@ -83,11 +87,13 @@ class Counters:
             "rss_bytes": rss_bytes(),
             "requests_per_s": (requests - req0) / span,
             "mb_per_s_sent": (sent - sent0) / span / 1e6,
+            "wire_mb_per_s_sent": (wired - wired0) / span / 1e6,  # after compression
             "clients": len(conns),
             "queued": sum(c.queued for c in conns),
             "errors": errors,
             "requests": requests,
             "bytes_sent": sent,
+            "wire_bytes_sent": wired,
             "parallel": server.parallel,
             "uptime_s": now - self.started,
         }
