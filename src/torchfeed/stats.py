@@ -60,6 +60,9 @@ class LoaderStats:
     wait_seconds: float  # waited in __next__ since the loader was made (all passes)
     workers: dict[str, WorkerStats] = field(default_factory=dict)
     advice: str = ""
+    wire_bytes_received: int = 0  # the same as they crossed the network (compressed, sealed)
+    link_busy: float = 0.0  # share of the last 30 s the workers' replies spent arriving (mean per worker)
+    float_images: bool = False  # batches hold float32 images (N, C, H, W): uint8 would cross in a quarter
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serializable data (for any logger)."""
@@ -72,6 +75,7 @@ class LoaderStats:
             f"{prefix}wait_fraction_30s": self.wait_fraction_30s,
             f"{prefix}samples_per_s": self.samples_per_s,
             f"{prefix}bytes_received": float(self.bytes_received),
+            f"{prefix}wire_bytes_received": float(self.wire_bytes_received),
         }
         for address, w in self.workers.items():
             out[f"{prefix}workers/{address}/samples_per_s"] = w.samples_per_s
@@ -104,7 +108,19 @@ class LoaderStats:
 
 
 class _Worker:
-    __slots__ = ("batches", "samples", "sec", "slots", "recent", "spb", "requeued", "hedged", "draining")
+    __slots__ = (
+        "batches",
+        "samples",
+        "sec",
+        "slots",
+        "recent",
+        "arriving",
+        "arriving_recent",
+        "spb",
+        "requeued",
+        "hedged",
+        "draining",
+    )
 
     def __init__(self):
         self.batches = 0
@@ -112,6 +128,8 @@ class _Worker:
         self.sec = -1  # the newest second with a slot in use
         self.slots = [0] * _SLOTS  # samples delivered per second, for the last _SLOTS seconds
         self.recent = 0  # their sum
+        self.arriving = [0.0] * _SLOTS  # seconds its replies spent arriving (header to last byte), per second
+        self.arriving_recent = 0.0  # their sum
         self.spb: float | None = None
         self.requeued = 0
         self.hedged = 0
@@ -125,12 +143,16 @@ class _Worker:
         if sec - last >= _SLOTS:
             self.slots = [0] * _SLOTS
             self.recent = 0
+            self.arriving = [0.0] * _SLOTS
+            self.arriving_recent = 0.0
         else:
-            slots = self.slots
+            slots, arriving = self.slots, self.arriving
             for s in range(last + 1, sec + 1):
                 i = s % _SLOTS
                 self.recent -= slots[i]
                 slots[i] = 0
+                self.arriving_recent -= arriving[i]
+                arriving[i] = 0.0
         self.sec = sec
 
 
@@ -188,6 +210,9 @@ class Accounting:
         self._pass_batches = 0
         self._pass_samples = 0
         self._bytes = 0
+        self._wire = 0  # the same on the wire
+        self._float_images = False
+        self._looked = -1  # the pass whose first batch inspect() looked at
         self._sized = 0  # batches whose reply size is known (the mean of those is mean_batch_bytes)
         self._window = _Buckets()
         self._last_exit: float | None = None  # when the consumer last left __next__
@@ -232,6 +257,26 @@ class Accounting:
                 return
             self._running = False
             self._pass_end = now
+
+    def inspect(self, batch: Any) -> None:
+        """The consumer's first batch of a pass: does it hold float32 images (for the advice)?"""
+        if self._looked == self._pass:
+            return
+        self._looked = self._pass
+        values = (
+            batch.values()
+            if isinstance(batch, dict)
+            else batch
+            if isinstance(batch, (list, tuple))
+            else [batch]
+        )
+        self._float_images = any(
+            getattr(v, "dtype", None) is not None
+            and str(v.dtype) == "torch.float32"
+            and getattr(v, "ndim", 0) == 4
+            and v.shape[1] in (1, 3, 4)
+            for v in list(values)[:16]
+        )
 
     def enter(self) -> float:
         """The consumer enters ``__next__`` (returns the time, for :meth:`consumed`)."""
@@ -280,9 +325,17 @@ class Accounting:
         return max(int(now), self._window.sec - _SLOTS + 1)
 
     def delivered(
-        self, address: str, samples: int, nbytes: int | None, seconds_per_batch: float | None
+        self,
+        address: str,
+        samples: int,
+        nbytes: int | None,
+        seconds_per_batch: float | None,
+        wire: int | None = None,
+        arriving: float = 0.0,
     ) -> None:
-        """A worker's batch was accepted (reader thread); ``nbytes`` None: its size is unknown."""
+        """A worker's batch was accepted (reader thread); ``nbytes`` None: its size is unknown;
+        ``wire``: its bytes on the wire (default ``nbytes``); ``arriving``: seconds from its
+        header to its last byte."""
         now = self._clock()
         with self._lock:
             w = self._workers.get(address)
@@ -298,7 +351,11 @@ class Accounting:
                 w.spb = seconds_per_batch
             if nbytes is not None:
                 self._bytes += nbytes
+                self._wire += nbytes if wire is None else wire
                 self._sized += 1
+            if arriving:
+                w.arriving[sec % _SLOTS] += arriving
+                w.arriving_recent += arriving
 
     def mean_batch_bytes(self) -> float | None:
         """Mean reply bytes per batch of known size delivered so far (None before the first)."""
@@ -385,10 +442,15 @@ class Accounting:
                 batches=self._pass_batches,
                 samples=self._pass_samples,
                 bytes_received=self._bytes,
+                wire_bytes_received=self._wire,
+                float_images=self._float_images,
                 pass_seconds=pass_seconds,
                 wait_seconds=self._total_wait + pending,
                 workers=ws,
             )
+            arriving = [table[a].arriving_recent for a in ws if a in table]
+            if arriving:
+                out.link_busy = min(sum(arriving) / len(arriving) / span, 1.0)
         out.advice = advise(out, batches_30, busy_30)
         return out
 
@@ -415,6 +477,7 @@ _EMPTY = _Worker()  # what a worker that delivered nothing shows (its counts sta
 
 
 INPUT_BOUND = 0.3  # wait fractions above this are called input-bound
+LINK_BOUND = 0.6  # an input-bound loader whose replies spend this share of the time arriving is link-bound
 
 
 def _row(address: str, w, state: str, span: float, inflight: int) -> WorkerStats:
@@ -439,6 +502,8 @@ def advise(s: LoaderStats, batches: int, busy: float) -> str:
     own = max(busy / batches, 1e-4)  # below 0.1 ms per batch the trainer does nothing measurable
     per_batch = s.samples / s.batches if s.batches else 1.0
     demand = per_batch / own  # samples/s the trainer would take if it never waited
+    if s.link_busy >= LINK_BOUND:
+        return _link_advice(s, wait)
     rates = [w.samples_per_s for w in serving if w.samples_per_s > 0]
     if not rates:
         return f"input-bound: the trainer waits {wait:.0%} of the time and no worker delivered lately"
@@ -449,6 +514,25 @@ def advise(s: LoaderStats, batches: int, busy: float) -> str:
         f"input-bound: the trainer waits {wait:.0%} of the time; {shown} workers (now {now_count}) "
         "would keep up"
     )
+
+
+def _link_advice(s: LoaderStats, wait: float) -> str:
+    shrink = s.wire_bytes_received / s.bytes_received if s.bytes_received else 1.0
+    text = (
+        f"link-bound: the trainer waits {wait:.0%} of the time while the workers' replies spend {s.link_busy:.0%} "
+        f"of it arriving (on the wire: {shrink:.2f} of their bytes); more workers will not help: "
+    )
+    if s.float_images:
+        return text + (
+            "send images as uint8 (a quarter of float32's bytes) and normalise them on the trainer's device, "
+            "e.g. batch.to(device).float().div_(255), or give the link more bandwidth"
+        )
+    if shrink > 0.95:
+        return (
+            text
+            + "send smaller dtypes or crops, leave compression='auto' on, or give the link more bandwidth"
+        )
+    return text + "send smaller dtypes or crops, or give the link more bandwidth"
 
 
 __all__ = ["Accounting", "LoaderStats", "WorkerStats", "advise", "WINDOW"]

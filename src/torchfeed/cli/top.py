@@ -23,6 +23,7 @@ COLUMNS = [
     ("rss_mb", "{:.0f}"),
     ("requests_per_s", "{:.1f}"),
     ("mb_per_s_sent", "{:.2f}"),
+    ("wire_mb_per_s_sent", "{:.2f}"),  # after compression
     ("clients", "{}"),
     ("queued", "{}"),
     ("errors", "{}"),
@@ -34,11 +35,13 @@ NUMBERS = (
     "rss_bytes",
     "requests_per_s",
     "mb_per_s_sent",
+    "wire_mb_per_s_sent",
     "clients",
     "queued",
     "errors",
     "requests",
     "bytes_sent",
+    "wire_bytes_sent",
     "parallel",
     "uptime_s",
 )

@@ -22,7 +22,16 @@ import torch
 from ..errors import Timeout
 from ..protocol import auth, wire
 from . import session as sessions
-from .connection import JSON_REPLY, Address, Callback, Connection, format_address, parse_address, reply_bytes
+from .connection import (
+    JSON_REPLY,
+    Address,
+    Callback,
+    Connection,
+    format_address,
+    parse_address,
+    reply_bytes,
+    reply_wire,
+)
 from .refs import Call, RemoteRef
 from .session import Session
 
@@ -43,6 +52,7 @@ __all__ = [
     "format_address",
     "parse_address",
     "reply_bytes",
+    "reply_wire",
     "rpc_async",
     "set_heartbeat",
     "wait_all",

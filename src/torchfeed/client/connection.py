@@ -82,9 +82,10 @@ def reply_bytes() -> int:
     return getattr(_delivering, "nbytes", 0)
 
 
-def reply_wire_bytes() -> int:
-    """Inside a result callback: the bytes the reply took on the wire (compressed and sealed)."""
-    return getattr(_delivering, "wire", 0)
+def reply_wire() -> tuple[int, float]:
+    """Inside a result callback: the bytes the reply took on the wire (compressed and
+    sealed) and the seconds from its header to its last byte."""
+    return getattr(_delivering, "wire", (0, 0.0))
 
 
 class _Pending:
@@ -296,8 +297,9 @@ class Connection:
                     channel.read_meta(frame)
                     buffers = allocate(frame.buffer_lengths, pending.pin) if frame.buffer_lengths else []
                     channel.read_buffers(buffers, frame, self.address)  # each record received counts as life
+                    arriving = time.perf_counter() - started
                     if frame.buffer_lengths:  # how fast this reply arrived (header to last byte)
-                        self.link.timed(channel.bytes_received - headed, time.perf_counter() - started)
+                        self.link.timed(channel.bytes_received - headed, arriving)
                 except BaseException as exc:
                     with self._pending_lock:  # the request being received fails with the connection
                         self._receiving = None
@@ -313,7 +315,7 @@ class Connection:
                     if frame.kind == wire.REPLY and frame.flags & wire.FLAG_RREF:
                         self.release_later(_ref_id(frame.meta))
                 else:
-                    self._deliver(frame, buffers, pending, channel.bytes_received - before)
+                    self._deliver(frame, buffers, pending, (channel.bytes_received - before, arriving))
                 del frame, buffers, pending  # an idle connection must not keep the last reply alive
         except BaseException as exc:  # noqa: BLE001 - the thread must fail every waiter
             self._fail(exc)
@@ -337,7 +339,7 @@ class Connection:
             except Exception:
                 log.exception("a result callback failed")
 
-    def _deliver(self, frame: wire.Frame, buffers, pending: _Pending, wire_bytes: int = 0) -> None:
+    def _deliver(self, frame: wire.Frame, buffers, pending: _Pending, wire_bytes=(0, 0.0)) -> None:
         value: Any
         policy = pending.policy
         try:
@@ -365,7 +367,7 @@ class Connection:
             )
             value.__cause__ = exc
         _delivering.nbytes = frame.size  # [stats hook] read by the callback: reply_bytes()
-        _delivering.wire = wire_bytes  # and reply_wire_bytes()
+        _delivering.wire = wire_bytes  # and reply_wire()
         try:
             pending.callback(ok, value)
         except Exception:

@@ -357,7 +357,9 @@ class IterablePass:
                     payload = rebuild_remote_error(slot.worker, payload, policy=self._policy)
                 slot.results[number] = (kind, payload, state, rng, taken)
                 if kind == BATCH and self._acc is not None:  # [stats hook]
-                    self._acc.delivered(slot.worker, self._samples, client.reply_bytes(), None)
+                    self._acc.delivered(
+                        slot.worker, self._samples, client.reply_bytes(), None, *client.reply_wire()
+                    )
                 self._top_up(slot)
         elif isinstance(value, (RemoteError, errors.SerializationError)):
             self._fatal = self._fatal or value
@@ -382,6 +384,7 @@ class IterablePass:
                 acc.left()  # the wait counts as waited (a caught Timeout, the end)
         if acc is not None:
             acc.consumed(entered, self._samples)
+            acc.inspect(batch)
         return batch
 
     def _ready(self, slot: _Slot) -> bool:

@@ -415,6 +415,8 @@ class MapPass:
                 acc.left()
         if acc is not None:
             acc.consumed(entered, self._last_samples)
+            if ok:
+                acc.inspect(value)
         if not ok:
             raise value
         return value

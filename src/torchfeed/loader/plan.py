@@ -177,8 +177,14 @@ def delivered(acc, sched: Scheduler, address: str, samples: int) -> None:
     """[stats hook] A reply of ``samples`` samples from ``address`` was accepted (on its reader
     thread, inside the result callback, where the reply's size is known)."""
     state = sched.workers.get(address)
+    wire, arriving = client.reply_wire()
     acc.delivered(
-        address, samples, client.reply_bytes(), state.seconds_per_batch if state is not None else None
+        address,
+        samples,
+        client.reply_bytes(),
+        state.seconds_per_batch if state is not None else None,
+        wire,
+        arriving,
     )
 
 

@@ -51,6 +51,8 @@ ZSTD_LEVEL = 1
 # speeds assumed before a connection measured its own (bytes of input per second)
 _START_SPEED = {LZ4: 600e6, ZSTD: 350e6}
 _SIZE = struct.Struct("<I")
+_SLACK = 3.0  # codecs up to this many times slower than the link are still sampled
+_DEBUG = bool(__import__("os").environ.get("TORCHFEED_CODEC_DEBUG"))
 
 
 def check_mode(compression) -> int:
@@ -199,8 +201,10 @@ class Chooser:
             if left > 0:
                 self._decisions[position] = (codec, left - 1)
                 return codec
-            candidates = [c for c in (LZ4, ZSTD) if self._speed[c] > link_rate / MIN_GAIN]
-        if not candidates:  # every codec is slower than the link: it cannot pay
+            # a codec much slower than the link cannot pay: not even sampled (loopback); the
+            # margin lets a speed measured low once (a busy moment) be measured again
+            candidates = [c for c in (LZ4, ZSTD) if self._speed[c] * _SLACK > link_rate]
+        if not candidates:
             choice = NONE
         else:
             raw = b.cast("B") if b.format != "B" or b.ndim != 1 else b
@@ -220,6 +224,11 @@ class Chooser:
             choice = best
         with self._lock:
             self._decisions[position] = (choice, RESAMPLE - 1)
+        if _DEBUG:
+            print(
+                f"codec pos={position} link={link_rate / 1e6:.0f}MB/s speeds={self.speeds()} -> {choice}",
+                flush=True,
+            )
         return choice
 
     def speeds(self) -> dict[str, float]:

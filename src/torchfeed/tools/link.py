@@ -85,14 +85,18 @@ def shaped_command(argv: list[str], rate: str | None) -> list[str]:
     return ["unshare", "--net", "--", "sh", "-c", f"{setup} && exec {quoted}"]
 
 
-def measure(kind: str, seconds: float, workers: int = 2) -> dict[str, Any]:
-    """In this process's network: logical MB/s a RemoteDataLoader delivers for ``kind``."""
+def measure(kind: str, seconds: float, workers: int = 2, compression: str | None = "auto") -> dict[str, Any]:
+    """In this process's network: logical MB/s a RemoteDataLoader delivers for ``kind``
+    with ``compression`` (``"none"``: None)."""
     import torchfeed
 
     with torchfeed.LocalWorkers(workers) as w:
         ds: torchfeed.RemoteDataset = torchfeed.RemoteDataset(w.addresses, LinkDataset, kind)
         loader: torchfeed.RemoteDataLoader = torchfeed.RemoteDataLoader(
-            ds, batch_size=BATCH, prefetch_factor=4
+            ds,
+            batch_size=BATCH,
+            prefetch_factor=4,
+            compression=None if compression == "none" else compression,
         )
         it = iter(loader)
         for _ in range(4):  # warm up: connections, first batches
@@ -102,11 +106,20 @@ def measure(kind: str, seconds: float, workers: int = 2) -> dict[str, Any]:
             done += next(it).nbytes
         elapsed = time.perf_counter() - start
         stats = loader.stats()
-    return {"kind": kind, "mb_per_s": done / elapsed / 1e6, "wait": stats.wait_fraction}
+    return {
+        "kind": kind,
+        "compression": compression,
+        "mb_per_s": done / elapsed / 1e6,
+        "wire_share": stats.wire_bytes_received / max(stats.bytes_received, 1),
+        "wait": stats.wait_fraction,
+        "advice": stats.advice,
+    }
 
 
 def _inside(args) -> int:
-    out = [measure(kind, args.seconds) for kind in args.kinds]
+    out = [
+        measure(kind, args.seconds, compression=c) for kind in args.kinds for c in args.compression.split(",")
+    ]
     print(json.dumps(out))
     return 0
 
@@ -119,14 +132,22 @@ def rate_bits(rate: str) -> float:
     raise ValueError(f"a rate in tc's units (400mbit, 1gbit), not {rate!r}")
 
 
-def run(rates: list[str | None], kinds: list[str], seconds: float) -> list[dict[str, Any]]:
-    """Each kind at each rate (None: unshaped), each rate in a namespace of its own."""
+def run(
+    rates: list[str | None], kinds: list[str], seconds: float, compression: str = "auto"
+) -> list[dict[str, Any]]:
+    """Each kind at each rate (None: unshaped) with each of ``compression`` (comma
+    separated: auto, none, lz4, zstd), each rate in a namespace of its own."""
     rows = []
     for rate in rates:
-        argv = [sys.executable, "-m", "torchfeed.tools.link", "--inside", "--seconds", str(seconds), *kinds]
+        argv = [sys.executable, "-m", "torchfeed.tools.link", "--inside", "--seconds", str(seconds)]
+        argv += ["--compression", compression, *kinds]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
         done = subprocess.run(
-            shaped_command(argv, rate), capture_output=True, text=True, env=env, timeout=120 + 30 * len(kinds)
+            shaped_command(argv, rate),
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120 + (30 + 2 * seconds) * len(kinds) * len(compression.split(",")),
         )
         if done.returncode != 0:
             raise RuntimeError(f"the measurement at {rate or 'loopback'} failed:\n{done.stderr[-3000:]}")
@@ -139,12 +160,15 @@ def run(rates: list[str | None], kinds: list[str], seconds: float) -> list[dict[
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| link | batches | delivered MB/s | share of the link | trainer waiting |",
-        "|---|---|---:|---:|---:|",
+        "| link | batches | compression | delivered MB/s | x the link's bytes | wire/logical | trainer waiting |",
+        "|---|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         share = "-" if r["link_share"] is None else f"{r['link_share']:.2f}"
-        lines.append(f"| {r['rate']} | {r['kind']} | {r['mb_per_s']:,.0f} | {share} | {r['wait']:.0%} |")
+        lines.append(
+            f"| {r['rate']} | {r['kind']} | {r['compression']} | {r['mb_per_s']:,.0f} | {share} | "
+            f"{r['wire_share']:.2f} | {r['wait']:.0%} |"
+        )
     return "\n".join(lines)
 
 
@@ -153,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("kinds", nargs="*", default=list(KINDS), help=f"batch kinds (default: {' '.join(KINDS)})")
     p.add_argument("--rates", default="1gbit,4gbit", help="tc rates, comma separated (default 1gbit,4gbit)")
     p.add_argument("--seconds", type=float, default=5.0, help="seconds measured per kind and rate")
+    p.add_argument(
+        "--compression", default="auto,none", help="compression settings, comma separated (default auto,none)"
+    )
     p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.inside:
@@ -162,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"benchmarks/link.py: {why}", file=sys.stderr)
         return 2
     rates: list[str | None] = [None, *[r for r in args.rates.split(",") if r]]
-    print(table(run(rates, args.kinds, args.seconds)))
+    print(table(run(rates, args.kinds, args.seconds, args.compression)))
     return 0
 
 

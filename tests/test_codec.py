@@ -1,0 +1,231 @@
+"""Compressed replies (torchfeed.protocol.codec): every codec choice gives torch's batches,
+mixed compressible and incompressible buffers, chunks stored raw, corrupt compressed data
+from a worker (its connection dropped, its batches loaded elsewhere, nothing lost), packed
+replies skipped whole, and the statistics that show wire bytes beside logical bytes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import torchfeed
+from torchfeed import RemoteDataLoader, RemoteDataset
+from torchfeed.errors import FrameTooLarge, ProtocolError
+from torchfeed.protocol import codec, wire
+from torchfeed.protocol.channel import CHUNK, Channel
+from torchfeed.stats import LoaderStats, advise
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Mixed(Dataset):
+    """Each sample: compressible token ids, an incompressible image, a half-and-half array
+    (zeros then noise) and a scalar: one batch mixes every kind of buffer."""
+
+    def __len__(self) -> int:
+        return 96
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(i)
+        half = np.zeros(40_000, dtype=np.uint8)
+        half[20_000:] = np.random.default_rng(i).integers(0, 256, 20_000, dtype=np.uint8)
+        return {
+            "ids": torch.randint(0, 32_000, (2048,), generator=g),
+            "image": torch.randint(0, 256, (3, 64, 64), dtype=torch.uint8, generator=g),
+            "half": half,
+            "i": i,
+        }
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+
+
+@pytest.mark.parametrize("compression", [None, "lz4", "zstd", "auto"])
+def test_every_choice_gives_torchs_batches(workers2, compression):
+    ds = RemoteDataset(workers2, Mixed)
+    loader = RemoteDataLoader(ds, batch_size=16, compression=compression)
+    got = list(loader)
+    expected = list(DataLoader(Mixed(), batch_size=16))
+    assert len(got) == len(expected)
+    assert all(_equal(a, b) for a, b in zip(got, expected))
+    stats = loader.stats()
+    if compression in ("lz4", "zstd"):  # token ids and zeros shrink; the image does not
+        assert stats.wire_bytes_received < 0.8 * stats.bytes_received, stats
+    elif compression is None:
+        assert stats.wire_bytes_received >= stats.bytes_received
+    ds.close()
+
+
+def test_a_bad_choice_says_what_to_use(workers2):
+    ds = RemoteDataset(workers2, Mixed)
+    with pytest.raises(ValueError, match="'auto'.*'lz4', 'zstd', or None"):
+        RemoteDataLoader(ds, compression="gzip")
+    with pytest.raises(ValueError, match="compression='snappy'"):
+        torchfeed.Session(compression="snappy")
+    ds.close()
+
+
+# -- the record layer ---------------------------------------------------------------------
+
+
+def _pair():
+    a, b = socket.socketpair()
+    k1, k2 = os.urandom(32), os.urandom(32)
+    return a, b, Channel(a, k1, k2), Channel(b, k2, k1)
+
+
+def _send_in_thread(target, *args, **kwargs):
+    t = threading.Thread(target=target, args=args, kwargs=kwargs, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+@pytest.mark.parametrize("kind", [codec.LZ4, codec.ZSTD])
+def test_packed_buffers_land_whole_and_raw_chunks_travel_as_they_are(kind, encrypt):
+    a, b, tx, rx = _pair()
+    tx.encrypt = rx.encrypt = encrypt
+    rng = np.random.default_rng(0)
+    zeros_then_noise = np.concatenate(
+        [np.zeros(3 * CHUNK, np.uint8), rng.integers(0, 256, 2 * CHUNK + 77, np.uint8)]
+    )
+    buffers = [
+        memoryview(zeros_then_noise),
+        memoryview(rng.integers(0, 256, 100_000, np.uint8)),  # incompressible: stored raw
+        memoryview(np.arange(70_000, dtype=np.int64).view(np.uint8)),
+        memoryview(b"tiny"),  # below MIN_BYTES: never compressed
+    ]
+    packed = codec.Chooser(CHUNK).pack(buffers, kind, 0.0)
+    assert packed is not None and packed.codecs[3] == codec.NONE
+    assert packed.wire_bytes < sum(x.nbytes for x in buffers)
+    t = _send_in_thread(tx.send, wire.REPLY, 7, b"meta", (), packed=packed)
+    frame = rx.read_frame(wire.Limits())
+    assert frame.flags & wire.FLAG_PACKED and frame.meta == b"meta"
+    assert frame.buffer_lengths == [x.nbytes for x in buffers]
+    dests = [memoryview(bytearray(n)) for n in frame.buffer_lengths]
+    rx.read_buffers(dests, frame, "w")
+    t.join(10)
+    assert [bytes(d) for d in dests] == [bytes(x) for x in buffers]
+    # the stream stays in step: a plain message after it reads as it should
+    _send_in_thread(tx.send, wire.PONG, 8)
+    assert rx.read_frame(wire.Limits()).request_id == 8
+    a.close(), b.close()
+
+
+def test_a_packed_reply_too_large_is_skipped_and_the_stream_goes_on():
+    a, b, tx, rx = _pair()
+    data = memoryview(np.zeros(5 * CHUNK, np.uint8))
+    packed = codec.Chooser(CHUNK).pack([data], codec.ZSTD, 0.0)
+    _send_in_thread(lambda: (tx.send(wire.REPLY, 1, b"m", (), packed=packed), tx.send(wire.PONG, 2)))
+    with pytest.raises(FrameTooLarge) as info:
+        rx.read_header(wire.Limits(max_buffer_bytes=CHUNK))
+    rx.skip(info.value.frame)
+    assert rx.read_frame(wire.Limits()).kind == wire.PONG
+    a.close(), b.close()
+
+
+def _raw_packed(kind: int, chunks: list[bytes], length: int) -> codec.Packed:
+    import struct
+
+    table = struct.pack(f"<{len(chunks)}I", *map(len, chunks))
+    return codec.Packed([length], bytes([kind]), [[table, *chunks]], len(table) + sum(map(len, chunks)))
+
+
+@pytest.mark.parametrize(
+    "chunks, message",
+    [
+        ([b"\x00" * 100], "does not decompress"),  # not an lz4 block of the announced size
+        ([codec.compress(codec.LZ4, bytes(CHUNK // 2))], "does not decompress|instead of"),  # too short
+    ],
+)
+def test_corrupt_compressed_data_is_a_protocol_error(chunks, message):
+    a, b, tx, rx = _pair()
+    _send_in_thread(tx.send, wire.REPLY, 1, b"m", (), packed=_raw_packed(codec.LZ4, chunks, CHUNK))
+    frame = rx.read_frame(wire.Limits())
+    with pytest.raises(ProtocolError, match=message):
+        rx.read_buffers([memoryview(bytearray(CHUNK))], frame, "10.0.0.9:1")
+    a.close(), b.close()
+
+
+def test_a_chunk_announced_larger_than_its_data_is_refused():
+    a, b, tx, rx = _pair()
+    _send_in_thread(tx.send, wire.REPLY, 1, b"m", (), packed=_raw_packed(codec.LZ4, [b"x" * 200], 100))
+    frame = rx.read_frame(wire.Limits())
+    with pytest.raises(ProtocolError, match="compressed chunk of 200 bytes for 100 bytes"):
+        rx.read_buffers([memoryview(bytearray(100))], frame, "w")
+    a.close(), b.close()
+
+
+# -- a worker that sends corrupt compressed data --------------------------------------------
+
+
+class Sabotaged(Mixed):
+    """On the first worker that builds it, every compressed chunk is replaced by garbage."""
+
+    def __init__(self, claim: str):
+        try:
+            os.close(os.open(claim, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return
+        from torchfeed.protocol import codec as worker_codec
+
+        real = worker_codec.compress
+        worker_codec.compress = lambda kind, data: b"\xff" * max(1, len(real(kind, data)))
+
+
+def test_a_worker_sending_corrupt_data_is_dropped_and_nothing_is_lost(fresh_workers, tmp_path):
+    w = fresh_workers(2)
+    ds = RemoteDataset(w.addresses, Sabotaged, str(tmp_path / "claim"))
+    loader = RemoteDataLoader(ds, batch_size=8, compression="lz4")
+    got = list(loader)
+    expected = list(DataLoader(Mixed(), batch_size=8))
+    assert len(got) == len(expected)
+    assert all(_equal(a, b) for a, b in zip(got, expected))  # each sample once, none corrupted
+    lost = " ".join(ds.lost_workers().values())
+    assert "does not decompress" in lost, ds.lost_workers()
+    ds.close()
+
+
+# -- statistics and advice -------------------------------------------------------------------
+
+
+def test_workers_count_wire_bytes(workers2):
+    ds = RemoteDataset(workers2, Mixed)
+    before = [torchfeed.client.worker_stats(a) for a in workers2]
+    list(RemoteDataLoader(ds, batch_size=32, compression="zstd"))
+    after = [torchfeed.client.worker_stats(a) for a in workers2]
+    sent = sum(x["bytes_sent"] - y["bytes_sent"] for x, y in zip(after, before))
+    wired = sum(x["wire_bytes_sent"] - y["wire_bytes_sent"] for x, y in zip(after, before))
+    assert 0 < wired < 0.8 * sent
+    ds.close()
+
+
+def _stats(**kw) -> LoaderStats:
+    base = dict(
+        wait_fraction=0.9,
+        wait_fraction_30s=0.9,
+        samples_per_s=100.0,
+        batches=50,
+        samples=1600,
+        bytes_received=10**9,
+        pass_seconds=10.0,
+        wait_seconds=9.0,
+    )
+    return LoaderStats(**{**base, **kw})
+
+
+def test_the_advice_names_a_link_bound_loader_and_float_images():
+    text = advise(_stats(link_busy=0.95, wire_bytes_received=10**9, float_images=True), 50, 1.0)
+    assert text.startswith("link-bound") and "uint8" in text and "normalise" in text
+    text = advise(_stats(link_busy=0.95, wire_bytes_received=10**9), 50, 1.0)
+    assert "compression='auto'" in text
+    assert advise(_stats(link_busy=0.1), 50, 1.0).startswith("input-bound")  # workers, not the link
