@@ -5,6 +5,7 @@ replies skipped whole, and the statistics that show wire bytes beside logical by
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -182,7 +183,8 @@ class Sabotaged(Mixed):
         worker_codec.compress = lambda kind, data: b"\xff" * max(1, len(real(kind, data)))
 
 
-def test_a_worker_sending_corrupt_data_is_dropped_and_nothing_is_lost(fresh_workers, tmp_path):
+def test_a_worker_sending_corrupt_data_is_dropped_and_nothing_is_lost(fresh_workers, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="torchfeed.workers")
     w = fresh_workers(2)
     ds = RemoteDataset(w.addresses, Sabotaged, str(tmp_path / "claim"))
     loader = RemoteDataLoader(ds, batch_size=8, compression="lz4")
@@ -190,8 +192,8 @@ def test_a_worker_sending_corrupt_data_is_dropped_and_nothing_is_lost(fresh_work
     expected = list(DataLoader(Mixed(), batch_size=8))
     assert len(got) == len(expected)
     assert all(_equal(a, b) for a, b in zip(got, expected))  # each sample once, none corrupted
-    lost = " ".join(ds.lost_workers().values())
-    assert "does not decompress" in lost, ds.lost_workers()
+    # the worker is blamed (it may be back by now: a reconnected worker leaves lost_workers())
+    assert any("lz4 data that does not decompress" in r.getMessage() for r in caplog.records), caplog.text
     ds.close()
 
 

@@ -26,3 +26,11 @@ def test_rates_are_read_in_tcs_units():
     assert link.rate_bits("1gbit") == 1e9 and link.rate_bits("400mbit") == 4e8
     with pytest.raises(ValueError, match="tc's units"):
         link.rate_bits("fast")
+
+
+def test_auto_compression_carries_more_than_the_link_for_token_ids():
+    rows = link.run(["200mbit"], ["tokens"], seconds=3.0, compression="auto,none")
+    auto, plain = (next(r for r in rows if r["compression"] == c) for c in ("auto", "none"))
+    assert plain["link_share"] < 1.1 and plain["wire_share"] >= 1.0, plain  # bounded by the link
+    # token ids below 32,000 in int64 shrink to a third or less: more than the link's bytes arrive
+    assert auto["wire_share"] < 0.6 and auto["link_share"] > 1.4, auto

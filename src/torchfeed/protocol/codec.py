@@ -25,6 +25,7 @@ per chunk of that size (the chunk's own length: stored raw).
 
 from __future__ import annotations
 
+import logging
 import struct
 import threading
 import time
@@ -35,6 +36,8 @@ import lz4.block
 import zstandard
 
 from ..errors import ProtocolError
+
+log = logging.getLogger("torchfeed.codec")
 
 NONE, LZ4, ZSTD = 0, 1, 2
 CODEC_NAMES = {NONE: "none", LZ4: "lz4", ZSTD: "zstd"}
@@ -50,9 +53,7 @@ RESAMPLE = 8  # a buffer position's decision is re-estimated every this many rep
 ZSTD_LEVEL = 1
 # speeds assumed before a connection measured its own (bytes of input per second)
 _START_SPEED = {LZ4: 600e6, ZSTD: 350e6}
-_SIZE = struct.Struct("<I")
 _SLACK = 3.0  # codecs up to this many times slower than the link are still sampled
-_DEBUG = bool(__import__("os").environ.get("TORCHFEED_CODEC_DEBUG"))
 
 
 def check_mode(compression) -> int:
@@ -106,7 +107,7 @@ def decompress_into(codec: int, src, dest: memoryview, worker: str = "") -> None
             raise ValueError(f"unknown codec {codec}")
     except Exception as exc:  # lz4.block.LZ4BlockError, zstandard.ZstdError, ...
         raise ProtocolError(
-            f"worker {worker} sent a {CODEC_NAMES.get(codec, codec)} buffer that does not decompress ({exc}): its "
+            f"worker {worker} sent {CODEC_NAMES.get(codec, codec)} data that does not decompress ({exc}): its "
             "torchfeed, lz4 or zstandard installation is broken or the worker is hostile; the connection is "
             "dropped and its batches go to other workers"
         ) from None
@@ -224,10 +225,9 @@ class Chooser:
             choice = best
         with self._lock:
             self._decisions[position] = (choice, RESAMPLE - 1)
-        if _DEBUG:
-            print(
-                f"codec pos={position} link={link_rate / 1e6:.0f}MB/s speeds={self.speeds()} -> {choice}",
-                flush=True,
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "buffer %d: link %.0f MB/s, speeds %s: %s", position, link_rate / 1e6, self.speeds(), choice
             )
         return choice
 
