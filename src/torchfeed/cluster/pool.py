@@ -192,7 +192,9 @@ class SlurmPool:
             tasks = [t.id for t in self._tasks.values() if t.address in wanted]
             unknown = wanted - {self._tasks[i].address for i in tasks}
             if unknown:
-                log.debug("SlurmPool: no running job for %s (ended already): nothing to cancel", sorted(unknown))
+                log.debug(
+                    "SlurmPool: no running job for %s (ended already): nothing to cancel", sorted(unknown)
+                )
             if tasks:
                 log.info("SlurmPool: cancelling worker job(s) %s", " ".join(tasks))
                 self._cancel(tasks)
@@ -240,14 +242,21 @@ class SlurmPool:
         env = {k: v for k, v in os.environ.items() if k not in (auth.ENV_SECRET, "TORCHFEED_WORKERS")}
         try:
             return subprocess.run(
-                [self._commands[name], *args], capture_output=True, text=True, timeout=COMMAND_TIMEOUT, env=env
+                [self._commands[name], *args],
+                capture_output=True,
+                text=True,
+                timeout=COMMAND_TIMEOUT,
+                env=env,
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
             log.error("SlurmPool: %s %s failed: %s", name, " ".join(args), exc)
             return None
 
     def _submit(self, k: int) -> None:
-        done = self._run("sbatch", ["--parsable", f"--array=0-{k - 1}", str(self.script_path)])
+        output = self.directory / "logs" / "%A_%a.out"  # here, not in the script: the path may hold spaces
+        done = self._run(
+            "sbatch", ["--parsable", f"--array=0-{k - 1}", f"--output={output}", str(self.script_path)]
+        )
         if done is None or done.returncode != 0:
             why = (done.stderr.strip() or done.stdout.strip()) if done is not None else "see above"
             log.error(
@@ -298,7 +307,9 @@ class SlurmPool:
         done = self._run("squeue", args)
         if done is None or done.returncode != 0:
             if done is not None:
-                log.warning("SlurmPool: squeue failed (%s); keeping the last known states", done.stderr.strip())
+                log.warning(
+                    "SlurmPool: squeue failed (%s); keeping the last known states", done.stderr.strip()
+                )
             return
         self._polled = now
         seen = {}
@@ -318,7 +329,9 @@ class SlurmPool:
                 continue
             _, state, reason = seen[task.id]
             if task.reported and task.state == "PENDING" and state != "PENDING":
-                log.info("SlurmPool: queued worker job %s started after %.0f s", task.id, now - task.submitted)
+                log.info(
+                    "SlurmPool: queued worker job %s started after %.0f s", task.id, now - task.submitted
+                )
             task.state, task.reason = state, reason
         self._report_queued(now)
 
@@ -381,12 +394,15 @@ def pool_script(
         if not _NAME.fullmatch(key) or key == auth.ENV_SECRET:
             raise ValueError(
                 f"env={{{key!r}: ...}}: not a variable the script can export"
-                + (" (the secret goes in secret_file=, never into the script)" if key == auth.ENV_SECRET else "")
+                + (
+                    " (the secret goes in secret_file=, never into the script)"
+                    if key == auth.ENV_SECRET
+                    else ""
+                )
             )
     directory = Path(directory)
     directives = [
         f"--job-name={job_name}",
-        f"--output={directory / 'logs' / '%A_%a.out'}",
         "--no-requeue",  # a worker that lost its node is gone: the pool submits another
         "--nodes=1",
         "--ntasks=1",
