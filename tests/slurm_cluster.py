@@ -257,6 +257,10 @@ PartitionName=cpu Nodes=c[1-2] MaxTime=INFINITE State=UP
         """Signal the batch script only, as ``#SBATCH --signal=B:SIG@T`` does before the time limit."""
         self._run(["scancel", "--batch", f"--signal={sig}", job_id])
 
+    def cancel(self, job_id: str) -> None:
+        """``scancel`` the job, as a user (or a failing node) ends it."""
+        self._run(["scancel", job_id])
+
     # -- stop -------------------------------------------------------------------
     def stop(self, timeout: float = 20.0) -> None:
         """Cancel every job, then stop slurmd, slurmctld and munged (SIGTERM, then SIGKILL)."""

@@ -161,6 +161,16 @@ def test_queued_jobs_are_said_once_and_training_goes_on(slurm, tmp_path, caplog)
         pool.scale(3)  # queues again; a smaller request cancels the queued job, never a worker
         pool.scale(2)
         assert pool.requested() == 2 and sorted(pool.addresses()) == sorted(later)
+
+        job_of = {
+            (pool.directory / "workers" / j).read_text().strip(): j
+            for j in os.listdir(pool.directory / "workers")
+        }
+        slurm._run(
+            ["scancel", job_of[later[0]]]
+        )  # a worker job ends on its own (a node fails, a user cancels)
+        _wait_until("the pool to notice the ended job", lambda: pool.requested() == 1)
+        assert pool.addresses() == [later[1]] and "ended before it was retired" in caplog.text
     finally:
         pool.close()
 

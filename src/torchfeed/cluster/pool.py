@@ -50,6 +50,7 @@ class _Task:
     reason: str = ""
     address: str | None = None
     reported: bool = False  # its long wait in the queue was logged
+    refused: bool = False  # its address file was unsafe (logged once)
 
 
 class SlurmPool:
@@ -159,7 +160,7 @@ class SlurmPool:
         """The ``host:port`` of every worker whose job runs and that announced itself."""
         with self._lock:
             self._refresh()
-            return [t.address for t in self._tasks.values() if self._announced(t)]
+            return [a for a in map(self._address, list(self._tasks.values())) if a is not None]
 
     def requested(self) -> int:
         """Worker jobs submitted and neither retired nor ended: running or waiting in the queue."""
@@ -360,18 +361,20 @@ class SlurmPool:
             arrays,
         )
 
-    def _announced(self, task: _Task) -> bool:
-        if task.state != "RUNNING":
-            return False
+    def _address(self, task: _Task) -> str | None:
+        """The address a running task announced (None: not running, or not announced yet)."""
+        if task.state != "RUNNING" or task.refused:
+            return None
         if task.address is None:
             path = self.directory / "workers" / task.id
             try:
                 lines = read_address_file(str(path))
             except UnsafeAddressFile as exc:
                 log.error("SlurmPool: ignoring worker job %s: %s", task.id, exc)
-                return False
+                task.refused = True
+                return None
             task.address = lines[-1] if lines else None
-        return task.address is not None
+        return task.address
 
 
 def pool_script(
