@@ -51,6 +51,12 @@ def _wait_until(what: str, check, timeout: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+def _jobs_by_address(pool: SlurmPool) -> dict[str, str]:
+    """Each announced address and its task's id (the name of its address file)."""
+    files = pool.directory / "workers"
+    return {(files / task).read_text().strip(): task for task in os.listdir(files)}
+
+
 def _ds(pool: SlurmPool, addresses):
     session = torchfeed.Session(secret=pool.secret)
     return torchfeed.RemoteDataset(addresses, SleepDataset, SAMPLES, 0.03, session=session)
@@ -72,10 +78,7 @@ def test_scale_up_retire_mid_epoch_and_close(slurm, tmp_path):
     pool.scale(3)
     assert pool.requested() == 3
     addresses = pool.wait(3, timeout=120)
-    job_of = {
-        (pool.directory / "workers" / j).read_text().strip(): j
-        for j in os.listdir(pool.directory / "workers")
-    }
+    job_of = _jobs_by_address(pool)
     jobs = sorted(job_of.values())
     assert len(jobs) == 3 and sorted(job_of) == sorted(addresses)
     for path in (
@@ -162,13 +165,8 @@ def test_queued_jobs_are_said_once_and_training_goes_on(slurm, tmp_path, caplog)
         pool.scale(2)
         assert pool.requested() == 2 and sorted(pool.addresses()) == sorted(later)
 
-        job_of = {
-            (pool.directory / "workers" / j).read_text().strip(): j
-            for j in os.listdir(pool.directory / "workers")
-        }
-        slurm._run(
-            ["scancel", job_of[later[0]]]
-        )  # a worker job ends on its own (a node fails, a user cancels)
+        # a worker job ends on its own (its node fails, a user cancels it)
+        slurm.cancel(_jobs_by_address(pool)[later[0]])
         _wait_until("the pool to notice the ended job", lambda: pool.requested() == 1)
         assert pool.addresses() == [later[1]] and "ended before it was retired" in caplog.text
     finally:
