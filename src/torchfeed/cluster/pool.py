@@ -110,7 +110,7 @@ class SlurmPool:
         self.partition, self.time, self.job_name = partition, time, job_name
         self.cpus_per_worker, self.parallel = int(cpus_per_worker), int(parallel)
         self.sbatch, self.worker_args = [s.strip() for s in sbatch], list(worker_args)
-        self.python, self.env = python, dict(env or {})
+        self.python, self.env = python, _checked_env(env)
         self.pending_warning, self.poll_interval = float(pending_warning), float(poll_interval)
         self._commands = {name: _find(name) for name in ("sbatch", "squeue", "scancel")}
         if directory is None:
@@ -137,6 +137,7 @@ class SlurmPool:
         self._tasks: dict[str, _Task] = {}
         self._arrays: list[str] = []
         self._polled = float("-inf")
+        self._squeue_failing = False  # said once, until squeue answers again
         self._closed = False
 
     def script(self) -> str:
@@ -307,12 +308,13 @@ class SlurmPool:
         args = ["-h", "-r", "-u", str(os.getuid()), "-n", self.job_name, "-o", "%i|%T|%r"]
         done = self._run("squeue", args)
         if done is None or done.returncode != 0:
-            if done is not None:
+            if done is not None and not self._squeue_failing:
                 log.warning(
                     "SlurmPool: squeue failed (%s); keeping the last known states", done.stderr.strip()
                 )
+            self._squeue_failing = True
             return
-        self._polled = now
+        self._polled, self._squeue_failing = now, False
         seen = {}
         for line in done.stdout.splitlines():
             parts = line.strip().split("|")
@@ -392,17 +394,7 @@ def pool_script(
     job_name: str = "torchfeed-pool",
 ) -> str:
     """Text of :class:`SlurmPool`'s worker script for a pool in ``directory`` (options: its own)."""
-    env = dict(env or {})
-    for key in env:
-        if not _NAME.fullmatch(key) or key == auth.ENV_SECRET:
-            raise ValueError(
-                f"env={{{key!r}: ...}}: not a variable the script can export"
-                + (
-                    " (the secret goes in secret_file=, never into the script)"
-                    if key == auth.ENV_SECRET
-                    else ""
-                )
-            )
+    env = _checked_env(env)
     directory = Path(directory)
     directives = [
         f"--job-name={job_name}",
@@ -428,6 +420,21 @@ def pool_script(
             "worker_args": "".join(" " + _quote(a) for a in worker_args),
         },
     )
+
+
+def _checked_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    env = dict(env or {})
+    for key in env:
+        if not _NAME.fullmatch(key) or key == auth.ENV_SECRET:
+            raise ValueError(
+                f"env={{{key!r}: ...}}: not a variable the script can export"
+                + (
+                    " (the secret goes in secret_file=, never into the script)"
+                    if key == auth.ENV_SECRET
+                    else ""
+                )
+            )
+    return env
 
 
 def _quote(word) -> str:
