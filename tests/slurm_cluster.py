@@ -12,6 +12,7 @@ Usable from a shell for manual trials::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import secrets
@@ -20,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -255,6 +257,10 @@ PartitionName=cpu Nodes=c[1-2] MaxTime=INFINITE State=UP
         """Signal the batch script only, as ``#SBATCH --signal=B:SIG@T`` does before the time limit."""
         self._run(["scancel", "--batch", f"--signal={sig}", job_id])
 
+    def cancel(self, job_id: str) -> None:
+        """``scancel`` the job, as a user (or a failing node) ends it."""
+        self._run(["scancel", job_id])
+
     # -- stop -------------------------------------------------------------------
     def stop(self, timeout: float = 20.0) -> None:
         """Cancel every job, then stop slurmd, slurmctld and munged (SIGTERM, then SIGKILL)."""
@@ -283,6 +289,31 @@ PartitionName=cpu Nodes=c[1-2] MaxTime=INFINITE State=UP
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def started_for_tests():
+    """A started cluster for a test module, with ``SLURM_CONF`` set meanwhile; skips the test
+    when the programs are missing or this is not root."""
+    import pytest
+
+    from torchfeed.util import saved_env
+
+    missing = missing_binaries()
+    if missing:
+        pytest.skip(f"Slurm/munge programs missing: {', '.join(missing)} (apt-get install slurm-wlm munge)")
+    if os.geteuid() != 0:
+        pytest.skip("starting munged (as user munge) and slurmd needs root")
+    root = tempfile.mkdtemp(prefix="torchfeed-slurm-")  # not under pytest's 0700 tree: munged must reach it
+    os.chmod(root, 0o755)
+    cluster = LocalSlurm(root)
+    try:
+        with saved_env(["SLURM_CONF"]):
+            os.environ["SLURM_CONF"] = str(cluster.conf)
+            with cluster:
+                yield cluster
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

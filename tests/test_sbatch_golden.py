@@ -1,6 +1,6 @@
-"""`torchfeed slurm`'s batch script, compared byte for byte with reviewed copies in tests/golden/.
+"""`torchfeed slurm`'s batch script (and SlurmPool's worker script), compared byte for byte with reviewed copies in tests/golden/.
 
-After an intended change to the script (cluster/sbatch.tmpl or SlurmJob), regenerate the
+After an intended change to the script (cluster/sbatch.tmpl, pool.tmpl, SlurmJob or pool_script), regenerate the
 copies and review the diff before committing it:
 
     TORCHFEED_REGENERATE_GOLDEN=1 python -m pytest tests/test_sbatch_golden.py
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from torchfeed.cluster import SlurmJob
+from torchfeed.cluster import SlurmJob, pool_script
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -57,7 +57,27 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_script_matches_golden_file(name):
-    text = SlurmJob(python="/usr/bin/python3", **CONFIGS[name]).script()
+    _compare(name, SlurmJob(python="/usr/bin/python3", **CONFIGS[name]).script())
+
+
+def test_pool_worker_script_matches_golden_file():
+    """SlurmPool's worker jobs: the secret file's path (never the secret), options, env, worker arguments."""
+    text = pool_script(
+        "/scratch/pools/run 1",
+        "/home/me/.torchfeed/secret",
+        partition="cpu",
+        time="02:00:00",
+        cpus_per_worker=4,
+        parallel=4,
+        sbatch=["--account=proj42", " --mem=16G "],
+        python="/usr/bin/python3",
+        worker_args=["--log-level", "INFO"],
+        env={"PYTHONPATH": "/home/me/src", "DATA": "/data/it's here"},
+    )
+    _compare("pool_worker", text)
+
+
+def _compare(name: str, text: str) -> None:
     path = GOLDEN / f"{name}.sbatch"
     if os.environ.get("TORCHFEED_REGENERATE_GOLDEN") == "1":
         path.write_text(text)

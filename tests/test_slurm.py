@@ -9,22 +9,19 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from slurm_cluster import LocalSlurm, missing_binaries
+from slurm_cluster import started_for_tests
 from torchfeed import cli
 from torchfeed.cluster import SlurmJob, sbatch_script
 from torchfeed.cluster.slurm import parse_signal
-from torchfeed.util import saved_env
 
 pytestmark = pytest.mark.slurm
 
@@ -205,22 +202,9 @@ def test_write_and_submit_without_slurm(capsys, tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    missing = missing_binaries()
-    if missing:
-        pytest.skip(f"Slurm/munge programs missing: {', '.join(missing)} (apt-get install slurm-wlm munge)")
-    if os.geteuid() != 0:
-        pytest.skip("starting munged (as user munge) and slurmd needs root")
-    root = tempfile.mkdtemp(prefix="torchfeed-slurm-")  # not under pytest's 0700 tree: munged must reach it
-    os.chmod(root, 0o755)
-    cluster = LocalSlurm(root)
-    try:
-        with saved_env(["SLURM_CONF"]):
-            os.environ["SLURM_CONF"] = str(cluster.conf)
-            with cluster:
-                yield cluster
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+def slurm():
+    with started_for_tests() as cluster:
+        yield cluster
 
 
 def _job(tmp: Path, command, **kw) -> SlurmJob:

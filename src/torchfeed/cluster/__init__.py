@@ -4,7 +4,8 @@
 torchrun, Slurm, Dask, MPI or nothing; ``init_distributed()`` starts torch.distributed
 from it; ``workers()`` finds this trainer's data-loading workers; ``device_group()`` gives
 a model-parallel replica its devices; ``SlurmJob`` writes and submits the heterogeneous
-batch script behind ``torchfeed slurm``.
+batch script behind ``torchfeed slurm``; ``SlurmPool`` runs workers as Slurm jobs that
+``torchfeed.autoscale`` grows and shrinks.
 
 Names are imported on first use (the command line reads ``slurm`` without torch).
 """
@@ -18,10 +19,12 @@ from ..util import lazy_exports
 _EXPORTS = {
     "Environment": "env",
     "SlurmJob": "slurm",
+    "SlurmPool": "pool",
     "choose_port": "env",
     "device_group": "env",
     "environment": "env",
     "init_distributed": "env",
+    "pool_script": "pool",
     "sbatch_script": "slurm",
     "split_workers": "discovery",
     "workers": "discovery",
@@ -30,10 +33,12 @@ _EXPORTS = {
 __all__ = [
     "Environment",
     "SlurmJob",
+    "SlurmPool",
     "choose_port",
     "device_group",
     "environment",
     "init_distributed",
+    "pool_script",
     "sbatch_script",
     "split_workers",
     "workers",
@@ -50,4 +55,5 @@ def __dir__():
 if TYPE_CHECKING:
     from .discovery import split_workers, workers
     from .env import Environment, choose_port, device_group, environment, init_distributed
+    from .pool import SlurmPool, pool_script
     from .slurm import SlurmJob, sbatch_script
