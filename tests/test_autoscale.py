@@ -6,7 +6,12 @@ import logging
 import time
 
 import pytest
+from distributed import Client, LocalCluster
+from torch.utils.data import Dataset
 
+import torchfeed
+import torchfeed.dask as tfd
+from helpers import wait_for
 from torchfeed.scaling import Policy, Reading
 
 # ---------------------------------------------------------------- the decisions, pure
@@ -139,4 +144,140 @@ def test_policy_arguments_are_checked():
         Policy(headroom=0.5)
 
 
-_ = (logging, time)
+# ---------------------------------------------------------------- the controller on a real Dask cluster
+
+
+class SleepDataset(Dataset):
+    """Sample i is i, after ``seconds`` of sleep (as much I/O as a worker may overlap)."""
+
+    def __init__(self, n: int, seconds: float):
+        self.n, self.seconds = n, seconds
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        time.sleep(self.seconds)
+        return i
+
+
+@pytest.fixture
+def cluster():
+    with LocalCluster(
+        n_workers=1,
+        threads_per_worker=1,
+        processes=True,
+        host="127.0.0.1",
+        dashboard_address=None,
+        silence_logs=logging.ERROR,
+    ) as c:
+        yield c
+
+
+def epoch(loader, per_sample: float, watch=None) -> list[int]:
+    """One pass as a trainer that takes ``per_sample`` seconds a sample; the indices seen."""
+    seen: list[int] = []
+    for batch in loader:
+        seen += batch.tolist()
+        time.sleep(per_sample * len(batch))
+        if watch is not None:
+            watch()
+    return seen
+
+
+# short epochs wait for their first batch about 5% of the time: a 20% target keeps that out
+FAST = dict(target_wait=0.2, interval=0.25, window=1.5, up_cooldown=1.5, down_after=2.0, down_cooldown=1.0, drain_timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.dask
+def test_scales_up_then_drains_down_on_dask_and_every_epoch_sees_each_sample_once(cluster, caplog):
+    caplog.set_level(logging.INFO, logger="torchfeed.autoscale")
+    with tfd.Pool(cluster, poll=0.25) as pool:
+        ds = torchfeed.RemoteDataset(pool.wait(1, 60), SleepDataset, 60, 0.02)
+        loader = torchfeed.RemoteDataLoader(ds, batch_size=4, shuffle=True)
+        most = [1]
+
+        def watch():
+            most[0] = max(most[0], len(ds.workers), pool.requested())
+
+        with torchfeed.autoscale(loader, pool, max_workers=3, **FAST) as scaler:
+            deadline = time.monotonic() + 90
+            while len(ds.workers) < 3 and time.monotonic() < deadline:  # 5 ms a sample: needs 5
+                assert sorted(epoch(loader, 0.005, watch)) == list(range(60))
+            assert len(ds.workers) == 3, scaler.stats()
+            while len(ds.workers) > 1 and time.monotonic() < deadline:  # 30 ms a sample: 1 is plenty
+                assert sorted(epoch(loader, 0.03, watch)) == list(range(60))
+            assert len(ds.workers) == 1, scaler.stats()
+            assert wait_for(lambda: len(cluster.scheduler_info["workers"]) == 1, 30)  # retired in Dask too
+            assert wait_for(lambda: pool.requested() == 1 and len(pool.addresses()) == 1, 10)
+            assert sorted(epoch(loader, 0.0)) == list(range(60))  # the one left serves on
+            s = scaler.stats()
+        assert most[0] == 3  # never above max_workers
+        actions = [d.action for d in s.decisions]
+        assert actions[0] == "up" and "down" in actions, s.decisions
+        assert s.draining == [] and s.workers == ds.workers
+        lines = [r.getMessage() for r in caplog.records if r.name == "torchfeed.autoscale"]
+        assert any(line.startswith("scaling up from 1 to ") for line in lines), lines
+        assert any(line.startswith("scaling down from ") for line in lines), lines
+
+
+@pytest.mark.slow
+@pytest.mark.dask
+def test_a_worker_removed_mid_pass_finishes_its_batches_before_it_is_retired(cluster):
+    # two workers, then max_workers=1: one goes while it holds batches of a running pass
+    with tfd.Pool(cluster, 2, poll=0.25) as pool:
+        addresses = pool.wait(2, 60)
+        ds = torchfeed.RemoteDataset(addresses, SleepDataset, 40, 0.1)
+        loader = torchfeed.RemoteDataLoader(ds, batch_size=2, prefetch_factor=2)
+        held: dict[str, int] = {}
+        scaler = None
+        seen: list[int] = []
+        try:
+            for i, batch in enumerate(loader):
+                seen += batch.tolist()
+                if i == 2:  # both workers hold batches now
+                    scaler = torchfeed.autoscale(loader, pool, max_workers=1, interval=0.1, window=0.5)
+                for a, w in loader.stats().workers.items():
+                    if w.state == "draining":
+                        held[a] = max(held.get(a, 0), w.inflight)
+            assert scaler is not None
+            assert wait_for(lambda: scaler.stats().draining == [] and len(pool.addresses()) == 1, 30)
+            retired = set(addresses) - set(pool.addresses())
+        finally:
+            if scaler is not None:
+                scaler.close()
+    assert sorted(seen) == list(range(40))  # nothing lost, nothing twice
+    assert len(retired) == 1 and held.get(retired.pop(), 0) > 0  # it did hold batches when removed
+    assert scaler.stats().decisions[0].reason == "above max_workers=1"
+
+
+@pytest.mark.slow
+@pytest.mark.dask
+def test_a_pool_that_cannot_grow_is_logged_and_training_goes_on(cluster, caplog):
+    caplog.set_level(logging.INFO, logger="torchfeed")
+    # a client connected by address has no cluster object: nothing can ask Dask for workers
+    with Client(cluster.scheduler_address, set_as_default=False) as client, tfd.Pool(client, poll=0.25) as pool:
+        ds = torchfeed.RemoteDataset(pool.wait(1, 60), SleepDataset, 60, 0.02)
+        loader = torchfeed.RemoteDataLoader(ds, batch_size=4)
+        with torchfeed.autoscale(loader, pool, max_workers=4, start_timeout=1.0, **FAST) as scaler:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not any(
+                "did not grow" in r.getMessage() for r in caplog.records
+            ):
+                assert sorted(epoch(loader, 0.0)) == list(range(60))
+            assert sorted(epoch(loader, 0.0)) == list(range(60))  # and it goes on
+            assert scaler.stats().decisions[0].action == "up"
+        assert len(ds.workers) == 1 and len(pool.addresses()) == 1
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("cannot grow" in m and "no cluster object to scale" in m for m in messages), messages
+    assert any("the pool did not grow" in m and "training goes on with 1" in m for m in messages), messages
+
+
+def test_autoscale_arguments_are_checked(workers2):
+    ds = torchfeed.RemoteDataset(workers2, SleepDataset, 4, 0.0)
+    loader = torchfeed.RemoteDataLoader(ds)
+    with pytest.raises(TypeError, match="addresses"):
+        torchfeed.autoscale(loader, object())
+    with pytest.raises(ValueError, match="min_workers"):
+        torchfeed.autoscale(loader, object(), min_workers=0)

@@ -153,6 +153,7 @@ class Autoscaler:
         with self._lock:
             self._last = reading
             self._need = self.policy.need(reading)
+        log.debug("autoscale: %s; need %s", reading, self._need)
         decision = self.policy.decide(reading)
         if decision is not None:
             self._apply(decision, s, now)
