@@ -18,7 +18,9 @@ from torchfeed.scaling import Policy, Reading
 
 
 def policy(**kw) -> Policy:
-    base = dict(min_workers=1, max_workers=10, target_wait=0.1, up_cooldown=10, down_after=30, down_cooldown=20)
+    base = dict(
+        min_workers=1, max_workers=10, target_wait=0.1, up_cooldown=10, down_after=30, down_cooldown=20
+    )
     return Policy(**{**base, **kw})
 
 
@@ -186,7 +188,15 @@ def epoch(loader, per_sample: float, watch=None) -> list[int]:
 
 
 # short epochs wait for their first batch about 5% of the time: a 20% target keeps that out
-FAST = dict(target_wait=0.2, interval=0.25, window=1.5, up_cooldown=1.5, down_after=2.0, down_cooldown=1.0, drain_timeout=30)
+FAST = dict(
+    target_wait=0.2,
+    interval=0.25,
+    window=1.5,
+    up_cooldown=1.5,
+    down_after=2.0,
+    down_cooldown=1.0,
+    drain_timeout=30,
+)
 
 
 @pytest.mark.slow
@@ -257,7 +267,10 @@ def test_a_worker_removed_mid_pass_finishes_its_batches_before_it_is_retired(clu
 def test_a_pool_that_cannot_grow_is_logged_and_training_goes_on(cluster, caplog):
     caplog.set_level(logging.INFO, logger="torchfeed")
     # a client connected by address has no cluster object: nothing can ask Dask for workers
-    with Client(cluster.scheduler_address, set_as_default=False) as client, tfd.Pool(client, poll=0.25) as pool:
+    with (
+        Client(cluster.scheduler_address, set_as_default=False) as client,
+        tfd.Pool(client, poll=0.25) as pool,
+    ):
         ds = torchfeed.RemoteDataset(pool.wait(1, 60), SleepDataset, 60, 0.02)
         loader = torchfeed.RemoteDataLoader(ds, batch_size=4)
         with torchfeed.autoscale(loader, pool, max_workers=4, start_timeout=1.0, **FAST) as scaler:

@@ -210,7 +210,23 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("worker", ("worker",)),
     ("loader", ("loader",)),
     ("datasets", ("datasets",)),
-    ("glue", ("local", "pools", "scaling", "autoscaler", "checkpoint", "plots", "cluster", "dask", "cli", "launch", "tools", "__main__")),
+    (
+        "glue",
+        (
+            "local",
+            "pools",
+            "scaling",
+            "autoscaler",
+            "checkpoint",
+            "plots",
+            "cluster",
+            "dask",
+            "cli",
+            "launch",
+            "tools",
+            "__main__",
+        ),
+    ),
 ]
 SIDES = {"client": "worker", "worker": "client"}  # same height, no edges between them
 RANK = {"base": 0, "protocol": 1, "client": 2, "worker": 2, "loader": 3, "datasets": 4, "glue": 5}

@@ -103,12 +103,16 @@ class Autoscaler:
     # -- public --------------------------------------------------------------------------
     def stats(self) -> AutoscaleStats:
         """Serving and draining workers, the request, the last reading and the decisions."""
+        try:
+            asked = self.pool.requested()
+        except Exception:  # noqa: BLE001 - a pool's engine having a bad moment
+            asked = None
         with self._lock:
-            last = self._last
+            last, members, draining = self._last, self._members(), list(self._draining)
             return AutoscaleStats(
-                workers=self._members(),
-                requested=last.requested if last else len(self._members()),
-                draining=list(self._draining),
+                workers=members,
+                requested=len(members) if asked is None else max(asked - len(draining), len(members)),
+                draining=draining,
                 wait=last.wait if last else None,
                 need=self._need,
                 decisions=list(self.history),
@@ -304,7 +308,11 @@ class Autoscaler:
         starting = r.requested - r.workers
         if starting <= 0:
             self._stuck_warned = False
-        elif not self._stuck_warned and self._asked_at is not None and now - self._asked_at > self.start_timeout:
+        elif (
+            not self._stuck_warned
+            and self._asked_at is not None
+            and now - self._asked_at > self.start_timeout
+        ):
             self._stuck_warned = True
             log.warning(
                 "autoscale: the pool did not grow: %d worker(s) asked for %.0f s ago are not ready "

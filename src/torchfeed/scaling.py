@@ -71,14 +71,14 @@ class Policy:
         if min_workers < 0:
             raise ValueError(f"min_workers must be >= 0, got {min_workers}")
         if max_workers is not None and max_workers < max(min_workers, 1):
-            raise ValueError(
-                f"max_workers ({max_workers}) must be >= min_workers ({min_workers}) and >= 1"
-            )
+            raise ValueError(f"max_workers ({max_workers}) must be >= min_workers ({min_workers}) and >= 1")
         if not 0.0 < target_wait < 1.0:
             raise ValueError(f"target_wait is a share of the trainer's time, in (0, 1): got {target_wait}")
         low = target_wait / 2 if low_wait is None else low_wait
         if not 0.0 <= low < target_wait:
-            raise ValueError(f"low_wait must be in [0, target_wait): got {low} with target_wait={target_wait}")
+            raise ValueError(
+                f"low_wait must be in [0, target_wait): got {low} with target_wait={target_wait}"
+            )
         if headroom < 1.0:
             raise ValueError(f"headroom must be >= 1 (1.1 keeps 10% spare capacity), got {headroom}")
         self.min_workers = min_workers

@@ -60,7 +60,9 @@ class PoolProcesses(WorkerProcesses):
     def setup(self, worker) -> None:
         bind = self.host or get_address_host(worker.address)
         self.state = "starting"
-        self.starter = threading.Thread(target=self._start, args=(bind,), name="torchfeed-pool-start", daemon=True)
+        self.starter = threading.Thread(
+            target=self._start, args=(bind,), name="torchfeed-pool-start", daemon=True
+        )
         self.starter.start()
 
     def _start(self, bind: str) -> None:
@@ -198,7 +200,9 @@ class Pool:
             self._target = max(self._target - len(workers), 0)
             unknown = gone - {a for w in workers for a in self._ready[w]}
         if unknown:
-            log.warning("torchfeed.dask.Pool: no Dask worker hosts %s; nothing to retire there", ", ".join(unknown))
+            log.warning(
+                "torchfeed.dask.Pool: no Dask worker hosts %s; nothing to retire there", ", ".join(unknown)
+            )
         if workers:
             self._ops.put(("retire", workers))
 
@@ -310,9 +314,14 @@ class Pool:
         with self._lock:
             names = [self._names.get(w, w) for w in workers]
             n = self._target
-        scale_down = getattr(self.cluster, "scale_down", None)
-        if getattr(self.cluster, "worker_spec", None) is not None and scale_down is not None:
-            self.cluster.sync(scale_down, names)  # a SpecCluster retires them and forgets their spec
+        cluster = self.cluster
+        scale_down = getattr(cluster, "scale_down", None)
+        if (
+            cluster is not None
+            and getattr(cluster, "worker_spec", None) is not None
+            and scale_down is not None
+        ):
+            cluster.sync(scale_down, names)  # a SpecCluster retires them and forgets their spec
             return
         self.client.retire_workers(workers=workers, close_workers=True, remove=True)
         if self.cluster is not None:
