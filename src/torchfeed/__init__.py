@@ -43,6 +43,7 @@ _EXPORTS = {
     "WorkerStats": "stats",
     "UnsafeReplyError": "errors",
     "add_safe_globals": "protocol.replies",
+    "autoscale": "autoscaler",
     "clear_safe_globals": "protocol.replies",
     "get_safe_globals": "protocol.replies",
     "rpc_async": "client",
@@ -80,6 +81,7 @@ __all__ = [
     "WorkerServer",
     "WorkerStats",
     "add_safe_globals",
+    "autoscale",
     "clear_safe_globals",
     "get_safe_globals",
     "rpc_async",
@@ -164,6 +166,7 @@ def __dir__():
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from .addrfile import UnsafeAddressFile
+    from .autoscaler import autoscale
     from .client import RemoteRef, rpc_async, set_heartbeat
     from .client.session import Session
     from .errors import (

@@ -1,0 +1,331 @@
+"""A torchfeed worker on every Dask worker, as the cluster grows and shrinks (:class:`Pool`).
+
+The pool implements :class:`torchfeed.pools.Pool` for :func:`torchfeed.autoscale` on any
+Dask cluster that scales (``LocalCluster``, dask-jobqueue's ``SLURMCluster``,
+dask-kubernetes): ``scale(n)`` calls ``cluster.scale(n)``; a Dask worker plugin starts one
+``torchfeed worker`` process next to each Dask worker, including the ones that join later,
+and stops it when its Dask worker closes; ``retire`` stops the (drained) torchfeed worker
+first, then retires its Dask worker. A background thread polls the plugin on every Dask
+worker for the addresses that are ready, so :meth:`Pool.addresses` returns at once.
+
+The secret travels in the plugin, which the scheduler hands to every Dask worker, also to
+the ones that join later over their connection to the scheduler: it is refused unless the
+scheduler and the current workers are reached over TLS or loopback (``allow_insecure``
+overrides; ``secret_file`` sends only a path), as for :func:`start_workers`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import distributed
+from distributed.comm.addressing import get_address_host
+
+from ..protocol import auth
+from .workers import WorkerProcesses, export, prepare_secret, unexport
+
+log = logging.getLogger("torchfeed.dask")
+
+POOL_PLUGIN = "torchfeed-pool"
+
+
+class PoolProcesses(WorkerProcesses):
+    """Lives in each Dask worker: starts its torchfeed worker at setup (in a thread, so that the
+    Dask worker comes up at once), stops it at teardown."""
+
+    def __init__(self, sent: auth.Secret | str, host: str | None, args: list[str], timeout: float):
+        super().__init__()
+        self.sent = sent
+        self.host = host
+        self.args = args
+        self.timeout = timeout
+        self.state = "new"  # starting | ready | failed | stopped
+        self.error = ""
+        self.starter: threading.Thread | None = None
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "starter"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.starter = None
+
+    def setup(self, worker) -> None:
+        bind = self.host or get_address_host(worker.address)
+        self.state = "starting"
+        self.starter = threading.Thread(
+            target=self._start, args=(bind,), name="torchfeed-pool-start", daemon=True
+        )
+        self.starter.start()
+
+    def _start(self, bind: str) -> None:
+        try:
+            self.start(1, self.sent, bind, self.args, self.timeout)
+        except BaseException as exc:  # noqa: BLE001 - reported to the driver by report()
+            self.state, self.error = "failed", f"{type(exc).__name__}: {str(exc).rstrip()}"
+        else:
+            self.state = "ready" if self.state == "starting" else self.state
+
+    def stop_all(self, timeout: float = 10.0) -> None:
+        self.state = "stopped"
+        if self.starter is not None:
+            self.starter.join(self.timeout + 1.0)
+        self.stop(timeout)
+
+    async def teardown(self, worker) -> None:
+        await asyncio.to_thread(self.stop_all)
+
+    def report(self) -> dict[str, Any]:
+        ready = self.state == "ready"
+        return {"state": self.state, "addresses": list(self.addresses) if ready else [], "error": self.error}
+
+
+def _report(dask_worker=None) -> dict[str, Any] | None:
+    plugin = dask_worker.plugins.get(POOL_PLUGIN)
+    return plugin.report() if plugin is not None else None
+
+
+async def _stop_here(dask_worker=None) -> None:
+    plugin = dask_worker.plugins.get(POOL_PLUGIN)
+    if plugin is not None:
+        await asyncio.to_thread(plugin.stop_all)
+
+
+class Pool:
+    """torchfeed workers on a Dask cluster that scales: a :class:`torchfeed.pools.Pool`.
+
+    One ``torchfeed worker`` process runs next to each Dask worker (give it more
+    executor threads with ``parallel``); Dask workers that join later get theirs too.
+
+    Parameters
+    ----------
+    cluster_or_client : distributed.deploy.Cluster or distributed.Client
+        A cluster (the pool makes its own client, closed with it), or a client; a client
+        connected to a scheduler by address has no cluster to scale: the pool then uses
+        the Dask workers there are and says so when asked to grow.
+    n : int, optional
+        Workers to ask for at once (default: as many as the cluster has).
+    secret, secret_file, allow_insecure, export_secret, host, parallel, threads, worker_args
+        As for :func:`torchfeed.dask.start_workers`.
+    start_timeout : float
+        Seconds a torchfeed worker has to report ready on its Dask worker.
+    poll : float
+        Seconds between two looks at the Dask workers (a quarter of it while some start).
+    """
+
+    def __init__(
+        self,
+        cluster_or_client: Any,
+        n: int | None = None,
+        *,
+        secret: auth.SecretLike = None,
+        secret_file: str | os.PathLike[str] | None = None,
+        allow_insecure: bool = False,
+        export_secret: bool = True,
+        host: str | None = None,
+        parallel: int = 1,
+        threads: int = 1,
+        worker_args: Sequence[str] = (),
+        start_timeout: float = 60.0,
+        poll: float = 1.0,
+    ):
+        if isinstance(cluster_or_client, distributed.Client):
+            self.client, self._own_client = cluster_or_client, False
+            self.cluster = getattr(cluster_or_client, "cluster", None)
+        else:
+            self.cluster = cluster_or_client
+            self.client = distributed.Client(cluster_or_client, set_as_default=False)
+            self._own_client = True
+        try:
+            sent, self.secret, _ = prepare_secret(
+                self.client, secret, secret_file, allow_insecure, export_secret, "torchfeed.dask.Pool"
+            )
+        except BaseException:
+            self._close_client()
+            raise
+        self.poll = poll
+        self._lock = threading.Lock()
+        self._ready: dict[str, list[str]] = {}  # Dask worker -> its torchfeed worker's addresses
+        self._names: dict[str, Any] = {}  # Dask worker -> its name (the cluster's key for it)
+        self._failed: set[str] = set()  # Dask workers whose torchfeed worker did not start (logged)
+        self._retiring: set[str] = set()  # Dask workers being retired
+        self._ops: queue.Queue = queue.Queue()  # ("scale", n) | ("retire", [dask workers]) | None
+        self._closed = False
+        self._refusal: str | None = None  # the last reason the cluster did not grow (logged once)
+        args = ["--parallel", str(parallel), "--threads", str(threads), *worker_args]
+        self.client.register_plugin(PoolProcesses(sent, host, args, start_timeout), name=POOL_PLUGIN)
+        if export_secret:
+            export(self.secret)
+        self._exported = export_secret
+        present = len(self.client.scheduler_info(n_workers=-1).get("workers", {}))
+        self._target = max(present, len(getattr(self.cluster, "worker_spec", None) or ()))
+        if n is not None and n > self._target:
+            self.scale(n)
+        self._refresh()
+        self._thread = threading.Thread(target=self._run, name="torchfeed-dask-pool", daemon=True)
+        self._thread.start()
+
+    # -- the Pool protocol ---------------------------------------------------------------
+    def addresses(self) -> list[str]:
+        """The ``host:port`` of every torchfeed worker ready now (as of the last poll)."""
+        with self._lock:
+            return [a for w in sorted(self._ready) if w not in self._retiring for a in self._ready[w]]
+
+    def requested(self) -> int:
+        """Workers asked for: ready plus starting (Dask workers being retired not counted)."""
+        with self._lock:
+            return self._target
+
+    def scale(self, n: int) -> None:
+        """Ask the cluster for ``n`` Dask workers in all (grow only); returns at once."""
+        with self._lock:
+            if n <= self._target or self._closed:
+                return
+            self._target = n
+        self._ops.put(("scale", n))
+
+    def retire(self, addresses: Sequence[str]) -> None:
+        """Stop these (drained) torchfeed workers, then retire their Dask workers; returns at once."""
+        gone = set(addresses)
+        with self._lock:
+            workers = [w for w, own in self._ready.items() if gone & set(own) and w not in self._retiring]
+            self._retiring.update(workers)
+            self._target = max(self._target - len(workers), 0)
+            unknown = gone - {a for w in workers for a in self._ready[w]}
+        if unknown:
+            log.warning(
+                "torchfeed.dask.Pool: no Dask worker hosts %s; nothing to retire there", ", ".join(unknown)
+            )
+        if workers:
+            self._ops.put(("retire", workers))
+
+    def close(self) -> None:
+        """Stop every torchfeed worker of this pool (the Dask workers stay) and its thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._ops.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(60.0)
+        try:
+            self.client.unregister_worker_plugin(POOL_PLUGIN)
+        except Exception as exc:  # noqa: BLE001 - Dask workers leaving meanwhile stop theirs on their own
+            log.debug("torchfeed.dask.Pool: unregistering the plugin: %s: %s", type(exc).__name__, exc)
+        if self._exported:
+            unexport()
+        self._close_client()
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait(self, n: int = 1, timeout: float = 120.0) -> list[str]:
+        """Wait until ``n`` torchfeed workers are ready; return their addresses (TimeoutError after ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while len(ready := self.addresses()) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"torchfeed.dask.Pool: {len(ready)} of {n} torchfeed workers ready after {timeout:g} s "
+                    f"(asked the cluster for {self.requested()}); see the Dask workers' logs"
+                )
+            time.sleep(0.05)
+        return ready
+
+    # -- the thread -------------------------------------------------------------------------
+    def _close_client(self) -> None:
+        if self._own_client:
+            self.client.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                starting = self._target > sum(1 for w in self._ready if w not in self._retiring)
+            try:
+                op = self._ops.get(timeout=self.poll / 4 if starting else self.poll)
+            except queue.Empty:
+                op = ()
+            if op is None:
+                return
+            try:
+                if op and op[0] == "scale":
+                    self._scale(op[1])
+                elif op:
+                    self._retire(op[1])
+                self._refresh()
+            except Exception as exc:  # noqa: BLE001 - keep serving; the next poll tries again
+                if not self._closed:
+                    log.warning("torchfeed.dask.Pool: %s: %s", type(exc).__name__, exc)
+
+    def _refresh(self) -> None:
+        """Read which Dask workers there are and the state of their torchfeed worker."""
+        info = self.client.scheduler_info(n_workers=-1).get("workers", {})
+        reports = self.client.run(_report, on_error="return") if info else {}
+        with self._lock:
+            for w in [w for w in self._ready if w not in info]:
+                del self._ready[w]
+            self._retiring &= set(info)
+            for w, d in info.items():
+                self._names[w] = d.get("name", w)
+                r = reports.get(w)
+                if not isinstance(r, dict):
+                    continue
+                if r["state"] == "ready":
+                    self._ready[w] = r["addresses"]
+                    continue
+                self._ready.pop(w, None)
+                if r["state"] == "failed" and w not in self._failed:
+                    self._failed.add(w)
+                    log.warning(
+                        "torchfeed.dask.Pool: the torchfeed worker on Dask worker %s did not start: %s",
+                        w,
+                        r["error"],
+                    )
+
+    def _scale(self, n: int) -> None:
+        if self.cluster is None:
+            why = (
+                "this Dask client has no cluster object to scale (it was connected to a scheduler "
+                "by address): start Dask workers yourself (`dask worker SCHEDULER`; each gets a torchfeed "
+                "worker), or give the pool the cluster"
+            )
+        else:
+            try:
+                self.cluster.scale(n)
+                self._refusal = None
+                return
+            except Exception as exc:  # noqa: BLE001 - the cluster's own limits; keep what there is
+                why = f"{type(self.cluster).__name__}.scale({n}) failed: {type(exc).__name__}: {exc}"
+        if why != self._refusal:
+            self._refusal = why
+            log.warning("torchfeed.dask.Pool: cannot grow to %d workers: %s", n, why)
+
+    def _retire(self, workers: list[str]) -> None:
+        # the torchfeed worker first (the caller drained it), then its Dask worker
+        self.client.run(_stop_here, workers=workers, on_error="return")
+        with self._lock:
+            names = [self._names.get(w, w) for w in workers]
+            n = self._target
+        cluster = self.cluster
+        scale_down = getattr(cluster, "scale_down", None)
+        if (
+            cluster is not None
+            and getattr(cluster, "worker_spec", None) is not None
+            and scale_down is not None
+        ):
+            cluster.sync(scale_down, names)  # a SpecCluster retires them and forgets their spec
+            return
+        self.client.retire_workers(workers=workers, close_workers=True, remove=True)
+        if self.cluster is not None:
+            self.cluster.scale(n)
+
+
+__all__ = ["Pool", "PoolProcesses", "POOL_PLUGIN"]
