@@ -183,3 +183,47 @@ def test_refused_submission_is_logged_not_raised(slurm, tmp_path, caplog):
         assert len(refused) == 1 and "nosuch" in refused[0].getMessage()
     finally:
         pool.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_autoscale_grows_and_drains_a_slurm_pool_and_every_epoch_is_exact(slurm, tmp_path, caplog):
+    """The autoscale scenario on Slurm: a fast trainer grows the pool (array tasks), a slow one
+    drains it back (scancel after the drain), and every epoch sees each sample exactly once."""
+    caplog.set_level(logging.INFO, logger="torchfeed.autoscale")
+    n = 60
+    with _pool(tmp_path, cpus_per_worker=1) as pool:
+        pool.scale(1)
+        session = torchfeed.Session(secret=pool.secret)
+        ds = torchfeed.RemoteDataset(pool.wait(1, 60), SleepDataset, n, 0.02, session=session)
+        loader = torchfeed.RemoteDataLoader(ds, batch_size=4, shuffle=True)
+        most = [1]
+
+        def epoch(per_sample: float) -> list[int]:
+            seen: list[int] = []
+            for _x, y in loader:
+                seen += y.tolist()
+                time.sleep(per_sample * len(y))
+                most[0] = max(most[0], len(ds.workers), pool.requested())
+            return seen
+
+        fast = dict(target_wait=0.2, interval=0.25, window=1.5, up_cooldown=1.5, down_after=2.0)
+        with torchfeed.autoscale(
+            loader, pool, max_workers=3, down_cooldown=1.0, drain_timeout=30, **fast
+        ) as scaler:
+            deadline = time.monotonic() + 150
+            while len(ds.workers) < 3 and time.monotonic() < deadline:  # 5 ms a sample: needs 5
+                assert sorted(epoch(0.005)) == list(range(n))
+            assert len(ds.workers) == 3, scaler.stats()
+            while len(ds.workers) > 1 and time.monotonic() < deadline:  # 30 ms a sample: 1 is plenty
+                assert sorted(epoch(0.03)) == list(range(n))
+            assert len(ds.workers) == 1, scaler.stats()
+            _wait_until(
+                "the drained tasks ended", lambda: pool.requested() == 1 and len(pool.addresses()) == 1, 30
+            )
+            assert sorted(epoch(0.0)) == list(range(n))  # the one left serves on
+        assert most[0] <= 3  # never above max_workers
+        lines = [r.getMessage() for r in caplog.records if r.name == "torchfeed.autoscale"]
+        assert any(line.startswith("scaling up from 1 to ") for line in lines), lines
+        assert any(line.startswith("scaling down from ") for line in lines), lines
+        ds.close()
