@@ -43,6 +43,7 @@ _EXPORTS = {
     "WorkerStats": "stats",
     "UnsafeReplyError": "errors",
     "add_safe_globals": "protocol.replies",
+    "cached": "loader.cache",
     "clear_safe_globals": "protocol.replies",
     "get_safe_globals": "protocol.replies",
     "rpc_async": "client",
@@ -80,6 +81,7 @@ __all__ = [
     "WorkerServer",
     "WorkerStats",
     "add_safe_globals",
+    "cached",
     "clear_safe_globals",
     "get_safe_globals",
     "rpc_async",
@@ -180,6 +182,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         UnsafeReplyError,
         WorkerLost,
     )
+    from .loader.cache import cached
     from .loader.dataloader import RemoteDataLoader
     from .loader.dataset import RemoteDataset
     from .loader.sampling import DistributedSampler, set_random_seeds

@@ -110,6 +110,14 @@ def _add_worker_parser(sub) -> None:
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker process (default 1)")
     p.add_argument(
+        "--cache-size",
+        type=_cache_size,
+        default=None,
+        metavar="SIZE",
+        help="memory for decoded samples of torchfeed.cached datasets, per process (e.g. 512MiB, 8GiB; "
+        "0: no cache; default 1GiB); past it the cache keeps what it has",
+    )
+    p.add_argument(
         "--handshake-timeout",
         type=float,
         default=10.0,
@@ -240,6 +248,15 @@ def _address_file_error(path: str, why: str) -> None:
     print(f"torchfeed worker: error: --address-file {path}: {why}", file=sys.stderr, flush=True)
 
 
+def _cache_size(text: str) -> int:
+    from ..worker.cache import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _run_workers(args) -> int:
     import logging
 
@@ -284,6 +301,7 @@ def _run_workers(args) -> int:
             max_handshakes=args.max_handshakes,
             integrity_only=True if args.trusted_network_no_encryption else None,
             reachable_at=args.reachable_at,
+            cache_size=args.cache_size,
         )
     except ValueError as exc:  # a --reachable-at host that does not resolve
         print(f"torchfeed worker: error: {exc}", file=sys.stderr, flush=True)
@@ -352,6 +370,7 @@ def _child_command(args, i: int) -> list[str]:
         "--watch-stdin",
         "--secret-on-stdin",
         *_limit_args(args),
+        *([] if args.cache_size is None else ["--cache-size", str(args.cache_size)]),
     ]
 
 
