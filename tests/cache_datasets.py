@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import Dataset
 
 _lock = threading.Lock()
-_decoded: dict[int, int] = {}  # sample -> times decoded in this worker process
+_decoded: dict[tuple, int] = {}  # (dataset size, sample) -> times decoded in this worker process
 
 
 class Decoded(Dataset):
@@ -24,7 +24,7 @@ class Decoded(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         with _lock:
-            _decoded[i] = _decoded.get(i, 0) + 1
+            _decoded[(self.n, i)] = _decoded.get((self.n, i), 0) + 1
         g = torch.Generator().manual_seed(1000 + i)
         return torch.rand(3, self.side, self.side, generator=g)
 
@@ -53,24 +53,28 @@ class Uncached(Dataset):
         return augment(torch.rand(3, self.side, self.side, generator=g))
 
 
-def decodes() -> dict[int, int]:
-    """Runs on a worker: how often each sample was decoded there."""
+def decodes(n: int) -> dict[int, int]:
+    """Runs on a worker: how often each sample of Decoded(n) (or shard line, n = -1) was decoded there."""
     with _lock:
-        return dict(_decoded)
+        return {i: c for (m, i), c in _decoded.items() if m == n}
 
 
 def pid() -> int:
     return os.getpid()
 
 
-def shard_lines(url: str):
-    """open_shard for text shards: each line as a deterministic tensor."""
+def _lines(url: str):
     with open(url) as f:
         for line in f:
-            k = int(line)
-            with _lock:
-                _decoded[k] = _decoded.get(k, 0) + 1
-            yield torch.full((4,), float(k))
+            yield int(line), torch.full((4,), float(int(line)))
+
+
+def shard_lines(url: str):
+    """open_shard for text shards: each line as a deterministic tensor (decodes counted)."""
+    for k, x in _lines(url):
+        with _lock:
+            _decoded[(-1, k)] = _decoded.get((-1, k), 0) + 1
+        yield x
 
 
 def jitter(x: torch.Tensor) -> torch.Tensor:
@@ -78,5 +82,6 @@ def jitter(x: torch.Tensor) -> torch.Tensor:
 
 
 def jittered_lines(url: str):
-    for x in shard_lines(url):
+    """The uncached equivalent of cached(Shards, then=jitter) over shard_lines."""
+    for _, x in _lines(url):
         yield jitter(x)

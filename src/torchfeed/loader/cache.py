@@ -247,6 +247,7 @@ class CachedDataset(Dataset):
             if owner is not None and store.peek(key, k) is MISSING:
                 wanted.setdefault(owner, []).append(k)
         for lane, ks in wanted.items():
+            borrowed.update(dict.fromkeys(ks, MISSING))  # asked: not asked again one by one
             borrowed.update(self.peers.fetch(lane, key, ks))
 
     def __getitem__(self, index):
@@ -257,12 +258,15 @@ class CachedDataset(Dataset):
         """The cached (inner) sample of ``index``: kept here, kept by its owner, or decoded."""
         store, key = store_module.store, self.shared.key
         x = store.peek(key, index)
+        asked = False
         if x is MISSING:
-            x = getattr(self._borrowed, "samples", {}).pop(index, MISSING)
+            borrowed = getattr(self._borrowed, "samples", {})
+            asked = index in borrowed
+            x = borrowed.pop(index, MISSING)
         owner = None
         if x is MISSING:
             owner = self.peers.owner(index)
-            if owner is not None:  # not prefetched (a batch of one sample): ask its owner now
+            if owner is not None and not asked:  # not prefetched (no auto-collation): ask its owner now
                 x = self.peers.fetch(owner, key, [index]).get(index, MISSING)
         if x is not MISSING:
             self.counts.add(True)
