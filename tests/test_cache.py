@@ -58,7 +58,9 @@ def test_cached_shards_equal_uncached(workers2, tmp_path):
         path = tmp_path / f"shard{s}.txt"
         path.write_text("".join(f"{s * 10 + k}\n" for k in range(5)))
         urls.append(str(path))
-    cached = RemoteDataset(workers2, torchfeed.cached(Shards, then=cd.jitter), urls, cd.shard_lines, shuffle=True)
+    cached = RemoteDataset(
+        workers2, torchfeed.cached(Shards, then=cd.jitter), urls, cd.shard_lines, shuffle=True
+    )
     plain = RemoteDataset(workers2, Shards, urls, cd.jittered_lines, shuffle=True)
     for epoch in range(2):
         kw = dict(batch_size=3, num_workers=1, seed=7 + epoch)  # one stream: a reproducible order
@@ -84,7 +86,10 @@ print("ok")
 
 
 def test_two_trainer_processes_share_one_decode(workers2):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _TRAINER, ",".join(workers2), str(seed)],
@@ -194,3 +199,18 @@ def test_cached_refuses_what_it_cannot_cache():
         torchfeed.cached(cd.Decoded, then=3)
     with pytest.raises(TypeError, match="already cached"):
         torchfeed.cached(torchfeed.cached(cd.Decoded))
+
+
+def test_launchers_pass_the_cache_size_on():
+    from torchfeed.cluster.slurm import SlurmJob
+
+    script = SlurmJob(["train.py"], cache_size="8GiB").script()
+    assert "torchfeed worker" in script and f"--cache-size {8 << 30}" in script
+    assert "--cache-size" not in SlurmJob(["train.py"]).script()
+    with pytest.raises(ValueError, match="not understood"):
+        SlurmJob(["train.py"], cache_size="8 gigs").script()
+
+
+def test_local_workers_take_a_cache_size(fresh_workers):
+    w = fresh_workers(1, cache_size="3MiB")
+    assert client.worker_stats(w.addresses[0], timeout=10)["cache_budget"] == 3 << 20

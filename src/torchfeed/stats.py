@@ -107,7 +107,9 @@ class LoaderStats:
         )
         if self.cache_hit_rate is not None:
             held = sum(w.cache_bytes or 0 for w in self.workers.values())
-            lines.append(f"cache: {self.cache_hit_rate:.0%} of this pass's samples found, {held / 1e6:.1f} MB held")
+            lines.append(
+                f"cache: {self.cache_hit_rate:.0%} of this pass's samples found, {held / 1e6:.1f} MB held"
+            )
         lines.append(self.advice)
         return "\n".join(lines)
 

@@ -286,7 +286,9 @@ class CachedDataset(Dataset):
 class _ShardOpener:
     """``open_shard`` of a cached Shards: a shard's decoded samples read once, ``then`` per sample."""
 
-    def __init__(self, shared: Shared, open_shard: Callable, then: Callable | None, counts: Counts, peers: Peers):
+    def __init__(
+        self, shared: Shared, open_shard: Callable, then: Callable | None, counts: Counts, peers: Peers
+    ):
         self.shared = shared
         self.open_shard = open_shard
         self.then = then
@@ -397,8 +399,9 @@ def lane_put(dataset: bytes, items: dict) -> None:
 
 # These run beside seeded loading (on the lanes, or polled during a pass) and draw no random
 # numbers: the worker must not hand the global generators back to "outside" code for them.
-for _fn in (lane_address, set_peers, counts, lane_get, lane_put):
-    _fn.manages_rng = True  # type: ignore[attr-defined]
+_RNG_FREE: tuple[Any, ...] = (lane_address, set_peers, counts, lane_get, lane_put)
+for _fn in _RNG_FREE:
+    _fn.manages_rng = True
 
 
 # -- trainer side -----------------------------------------------------------------------------
@@ -409,13 +412,22 @@ def is_cached(factory: Any) -> bool:
 def link_peers(session, refs: dict, timeout: float, secret) -> None:
     """Tell every worker holding the dataset the lanes of all of them (after a build)."""
     lanes = client.wait_all(
-        {w: session.rpc_async(w, lane_address, args=(ref,), timeout=timeout, secret=secret) for w, ref in refs.items()},
+        {
+            w: session.rpc_async(w, lane_address, args=(ref,), timeout=timeout, secret=secret)
+            for w, ref in refs.items()
+        },
         timeout,
     )
     known = sorted(v for v in lanes.values() if isinstance(v, str))
     client.wait_all(
         {
-            w: session.rpc_async(w, set_peers, args=(ref, known, lanes[w] if isinstance(lanes[w], str) else None), timeout=timeout, secret=secret)
+            w: session.rpc_async(
+                w,
+                set_peers,
+                args=(ref, known, lanes[w] if isinstance(lanes[w], str) else None),
+                timeout=timeout,
+                secret=secret,
+            )
             for w, ref in refs.items()
         },
         timeout,
@@ -451,7 +463,9 @@ class Probe:
         futs = {}
         for w in ds.alive_workers():
             try:
-                futs[w] = ds.session.rpc_async(w, counts, args=(ds.ref(w),), timeout=ds.timeout, secret=ds.secret)
+                futs[w] = ds.session.rpc_async(
+                    w, counts, args=(ds.ref(w),), timeout=ds.timeout, secret=ds.secret
+                )
             except Exception:  # noqa: BLE001 - a worker gone meanwhile: no figures from it
                 continue
         if not futs:

@@ -177,7 +177,13 @@ class Store:
     def figures(self) -> Figures:
         with self._lock:
             return Figures(
-                self.budget, self._bytes, len(self._entries), self.hits, self.misses, self.refused, self.evicted
+                self.budget,
+                self._bytes,
+                len(self._entries),
+                self.hits,
+                self.misses,
+                self.refused,
+                self.evicted,
             )
 
 
