@@ -214,3 +214,20 @@ def test_launchers_pass_the_cache_size_on():
 def test_local_workers_take_a_cache_size(fresh_workers):
     w = fresh_workers(1, cache_size="3MiB")
     assert client.worker_stats(w.addresses[0], timeout=10)["cache_budget"] == 3 << 20
+
+
+def test_advice_names_the_cache_when_it_is_the_bottleneck():
+    from torchfeed.stats import LoaderStats, WorkerStats, advise
+
+    def stats(rate, full):
+        w = WorkerStats("w:1", "serving", 50.0, 10, 320, 1, 0.5, 0, 0, cache_bytes=16 << 20, cache_hits=5)
+        return LoaderStats(
+            0.8, 0.8, 100.0, 10, 320, 0, 3.0, 2.4, {"w:1": w}, cache_hit_rate=rate, cache_full=full
+        )
+
+    full = advise(stats(0.3, True), 10, 0.5)
+    assert full.startswith("input-bound") and "30% of samples" in full and "--cache-size" in full
+    assert "--cache-size" not in advise(stats(0.3, False), 10, 0.5)
+    assert "cache" not in advise(stats(0.95, True), 10, 0.5) and "cache" not in advise(
+        stats(None, False), 10, 0.5
+    )

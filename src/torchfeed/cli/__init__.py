@@ -29,6 +29,7 @@ BENCH_CASES = {
     "epochs": "4 sleep-bound workers, one 4x slower, 5 passes of 64 batches with the gaps between them",
     "tiny": "tiny samples, batch_size=1: items/s and the trainer's CPU per batch",
     "shared": "48 sleep-bound workers shared by 4 trainer processes: % of ideal",
+    "cache": "600 JPEGs decoded + resized once (torchfeed.cached), random crop + flip each time: epoch 2 vs epoch 1",
 }
 START_TIMEOUT = 300.0  # seconds the processes of --procs N have to get ready
 

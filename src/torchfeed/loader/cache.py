@@ -47,6 +47,9 @@ _PEER_TIMEOUT = 10.0  # seconds a peer lane has to answer
 def cached(factory: Callable, *, then: Callable | None = None) -> Cached:
     """A factory for :class:`~torchfeed.RemoteDataset` whose samples are computed once per pool.
 
+    For example ``RemoteDataset(workers, torchfeed.cached(ImageFolder, then=augment), root,
+    transform=decode)``; see the guide, *Decode once*.
+
     Parameters
     ----------
     factory : callable
@@ -56,9 +59,6 @@ def cached(factory: Callable, *, then: Callable | None = None) -> Cached:
         Run on every access of a sample, after the cache: the random part (crops, flips,
         noise), under the loader's per-sample seed. It must not modify its argument in
         place (that is the cached sample): return a new object.
-
-    Example: ``RemoteDataset(workers, torchfeed.cached(ImageFolder, then=augment), root,
-    transform=decode)``.
     """
     if isinstance(factory, Cached):
         raise TypeError("cached(cached(...)): the factory is already cached; pass the inner factory")
@@ -209,15 +209,16 @@ class Peers:
                 wait_for_worker=False,
             )
         except Exception:  # noqa: BLE001 - cannot send: the owner decodes it when asked
-            self.down(lane)
             return
-        fut.add_done_callback(lambda f: self._settled(lane, f))
+        # a refusal (a call over the owner's --max-call-bytes, say) only means it keeps nothing
+        fut.add_done_callback(_ignore_outcome)
 
-    def _settled(self, lane: str, fut) -> None:
-        try:
-            fut.value()
-        except Exception:  # noqa: BLE001 - the owner is lost or refused: leave it out for a while
-            self.down(lane)
+
+def _ignore_outcome(fut) -> None:
+    try:
+        fut.value()
+    except Exception:  # noqa: BLE001 - see Peers.give
+        pass
 
 
 class CachedDataset(Dataset):
