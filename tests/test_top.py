@@ -106,5 +106,7 @@ def test_table_and_json_use_the_same_names(workers2):
         assert name in rows[0], f"the table's column {name!r} is not a key of the JSON rows"
         value = rows[0][name]
         assert cell == (value if isinstance(value, str) else cell) and (
-            isinstance(value, str) or float(cell) == pytest.approx(value, abs=0.5)
+            isinstance(value, str)
+            or (cell == "-" and value is None)  # no figure yet (a cache nobody looked in)
+            or float(cell) == pytest.approx(value, abs=0.5)
         ), (name, cell, value)

@@ -44,6 +44,7 @@ _EXPORTS = {
     "UnsafeReplyError": "errors",
     "add_safe_globals": "protocol.replies",
     "autoscale": "autoscaler",
+    "cached": "loader.cache",
     "clear_safe_globals": "protocol.replies",
     "get_safe_globals": "protocol.replies",
     "rpc_async": "client",
@@ -82,6 +83,7 @@ __all__ = [
     "WorkerStats",
     "add_safe_globals",
     "autoscale",
+    "cached",
     "clear_safe_globals",
     "get_safe_globals",
     "rpc_async",
@@ -183,6 +185,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         UnsafeReplyError,
         WorkerLost,
     )
+    from .loader.cache import cached
     from .loader.dataloader import RemoteDataLoader
     from .loader.dataset import RemoteDataset
     from .loader.sampling import DistributedSampler, set_random_seeds

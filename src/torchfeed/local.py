@@ -62,6 +62,9 @@ class LocalWorkers:
         Seconds to wait for every worker to print its address.
     extra_args : sequence of str
         More ``torchfeed worker`` options.
+    cache_size : int or str, optional
+        ``--cache-size`` of each worker (bytes, or ``"512MiB"``): memory for the decoded
+        samples of :func:`torchfeed.cached` datasets (the worker's default 1 GiB if None).
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class LocalWorkers:
         env: dict[str, str] | None = None,
         start_timeout: float = 60.0,
         extra_args: Sequence[str] = (),
+        cache_size: int | str | None = None,
     ):
         if n < 1:
             raise ValueError(f"need at least one worker, got n={n}")
@@ -82,6 +86,10 @@ class LocalWorkers:
         self._env = {**os.environ, ENV_SYS_PATH: _parent_sys_path(), **(env or {})}
         self._env.setdefault("PYTHONUNBUFFERED", "1")
         self._args = ["--parallel", str(parallel), "--watch-stdin", *extra_args]
+        if cache_size is not None:
+            from .worker.cache import parse_size
+
+            self._args += ["--cache-size", str(parse_size(cache_size))]
         secret = self._env.pop(ENV_SECRET, "").encode()  # not inherited by what dataset code starts
         if not secret and not {ENV_SECRET, ENV_SECRET_FILE} & set(env or {}):
             # a process that adopted its secret (a worker, a Dask worker after start_workers)

@@ -44,6 +44,8 @@ class WorkerStats:
     mean_batch_seconds: float | None  # the scheduler's estimate of its time per batch
     requeued: int  # batches it held when it was lost, sent elsewhere
     hedged: int  # overdue batches of it duplicated elsewhere
+    cache_bytes: int | None = None  # decoded samples its cache holds (torchfeed.cached datasets)
+    cache_hits: int | None = None  # this loader's dataset's samples found in the pool's cache
 
 
 @dataclass
@@ -63,6 +65,8 @@ class LoaderStats:
     wire_bytes_received: int = 0  # the same as they crossed the network (compressed, sealed)
     link_busy: float = 0.0  # share of the last 30 s the workers' replies spent arriving (mean per worker)
     float_images: bool = False  # batches hold float32 images (N, C, H, W): uint8 would cross in a quarter
+    cache_hit_rate: float | None = None  # torchfeed.cached datasets: share of samples found cached, this pass
+    cache_full: bool = False  # some worker's cache is at its --cache-size
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serializable data (for any logger)."""
@@ -79,6 +83,8 @@ class LoaderStats:
         }
         for address, w in self.workers.items():
             out[f"{prefix}workers/{address}/samples_per_s"] = w.samples_per_s
+        if self.cache_hit_rate is not None:
+            out[f"{prefix}cache_hit_rate"] = self.cache_hit_rate
         return out
 
     def table(self) -> str:
@@ -103,6 +109,11 @@ class LoaderStats:
             f"trainer: waits {self.wait_fraction:.0%} of the pass ({self.wait_fraction_30s:.0%} over 30 s), "
             f"{self.samples_per_s:.1f} samples/s, {self.batches} batches, {self.bytes_received / 1e6:.1f} MB"
         )
+        if self.cache_hit_rate is not None:
+            held = sum(w.cache_bytes or 0 for w in self.workers.values())
+            lines.append(
+                f"cache: {self.cache_hit_rate:.0%} of this pass's samples found, {held / 1e6:.1f} MB held"
+            )
         lines.append(self.advice)
         return "\n".join(lines)
 
@@ -389,9 +400,10 @@ class Accounting:
             w.draining = False
 
     # -- reading ---------------------------------------------------------------------------
-    def snapshot(self, workers=None) -> LoaderStats:
+    def snapshot(self, workers=None, cache=None) -> LoaderStats:
         """The statistics now; ``workers``: the loader's current workers (a removed worker
-        still shows, as draining, until nothing of it is in flight)."""
+        still shows, as draining, until nothing of it is in flight); ``cache``: (hit rate of
+        the pass, per-worker figures) of a cached dataset."""
         now = self._clock()
         inflight: dict = {}
         known = True  # whether inflight is complete
@@ -451,6 +463,8 @@ class Accounting:
             arriving = [table[a].arriving_recent for a in ws if a in table]
             if arriving:
                 out.link_busy = min(sum(arriving) / len(arriving) / span, 1.0)
+        if cache is not None:
+            _with_cache(out, *cache)
         out.advice = advise(out, batches_30, busy_30)
         return out
 
@@ -489,6 +503,29 @@ def _row(address: str, w, state: str, span: float, inflight: int) -> WorkerStats
     )
 
 
+def _with_cache(out: LoaderStats, rate: float | None, per_worker: dict) -> None:
+    out.cache_hit_rate = rate
+    for address, f in per_worker.items():
+        w = out.workers.get(address)
+        if w is not None:
+            w.cache_bytes, w.cache_hits = f.get("bytes"), f.get("hits")
+        if f.get("bytes", 0) >= 0.95 * f.get("budget", 1 << 62):
+            out.cache_full = True
+
+
+def _cache_advice(s: LoaderStats) -> str:
+    """What the cache adds to an input-bound verdict (empty when it is not the bottleneck)."""
+    rate = s.cache_hit_rate
+    if rate is None or rate >= 0.9:
+        return ""
+    if s.cache_full:
+        return (
+            f"; the sample cache finds only {rate:.0%} of samples and is full: raise the workers' "
+            "--cache-size (or cache a smaller form of each sample)"
+        )
+    return f"; the sample cache finds {rate:.0%} of samples so far (it fills during the first epoch)"
+
+
 def advise(s: LoaderStats, batches: int, busy: float) -> str:
     """One sentence from measured rates: input-bound or not, and how many workers would keep up."""
     wait = s.wait_fraction_30s if batches else s.wait_fraction
@@ -512,7 +549,7 @@ def advise(s: LoaderStats, batches: int, busy: float) -> str:
     shown = f"about {need}" if need <= 1000 else "more than 1000"
     return (
         f"input-bound: the trainer waits {wait:.0%} of the time; {shown} workers (now {now_count}) "
-        "would keep up"
+        "would keep up" + _cache_advice(s)
     )
 
 

@@ -27,6 +27,8 @@ COLUMNS = [
     ("clients", "{}"),
     ("queued", "{}"),
     ("errors", "{}"),
+    ("cache_mb", "{:.0f}"),
+    ("cache_hit_percent", "{:.0f}"),
 ]
 # every number a worker's statistics hold (see torchfeed.worker.stats); rss_mb is made here
 NUMBERS = (
@@ -44,6 +46,12 @@ NUMBERS = (
     "wire_bytes_sent",
     "parallel",
     "uptime_s",
+    "cache_budget",
+    "cache_bytes",
+    "cache_entries",
+    "cache_hits",
+    "cache_misses",
+    "cache_refused",
 )
 _BIG = 1 << 63
 _CLEAR = "\x1b[H\x1b[2J"
@@ -96,6 +104,10 @@ def checked(address: str, stats: dict[str, Any]) -> dict[str, Any]:
         row[key] = _number(stats.get(key))
     rss = row["rss_bytes"]
     row["rss_mb"] = None if rss is None else rss / 1e6  # the table's unit, under the table's name
+    cached, hits, misses = row["cache_bytes"], row["cache_hits"], row["cache_misses"]
+    row["cache_mb"] = None if cached is None else cached / 1e6
+    looked = (hits or 0) + (misses or 0)
+    row["cache_hit_percent"] = 100.0 * hits / looked if hits is not None and looked > 0 else None
     return row
 
 

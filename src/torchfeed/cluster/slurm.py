@@ -26,6 +26,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..errors import TorchfeedError
+from ..worker.cache import parse_size
 
 _PYTHON_NAME = re.compile(r"python[0-9.]*$")
 
@@ -113,6 +114,8 @@ class SlurmJob:
     job_name, python, worker_args, worker_timeout
         Job name; interpreter running torchfeed on the nodes; extra ``torchfeed worker``
         options; seconds to wait for all workers to register.
+    cache_size : int or str, optional
+        Each worker's ``--cache-size`` (``"8GiB"``): memory for :func:`torchfeed.cached` samples.
     """
 
     command: Sequence[str]
@@ -136,6 +139,7 @@ class SlurmJob:
     python: str = sys.executable
     worker_args: Sequence[str] = field(default_factory=tuple)
     worker_timeout: float = 300.0
+    cache_size: int | str | None = None  # each worker's --cache-size (torchfeed.cached); None: its default
 
     # -- derived values ---------------------------------------------------------
     def _check(self) -> None:
@@ -260,6 +264,8 @@ class SlurmJob:
         )
         if self.worker_args:
             worker += " " + " ".join(_q(a) for a in self.worker_args)
+        if self.cache_size is not None:
+            worker += f" --cache-size {parse_size(self.cache_size)}"
         values = {
             "nodes": str(self.nodes),
             "procs_per_node": str(self.procs_per_node),
@@ -387,6 +393,11 @@ def add_parser(sub) -> None:
         metavar="ARG",
         help="extra `torchfeed worker` argument (repeatable), e.g. --worker-arg=--parallel=4",
     )
+    p.add_argument(
+        "--cache-size",
+        metavar="SIZE",
+        help="each worker's --cache-size: memory for torchfeed.cached samples (e.g. 8GiB; default 1GiB)",
+    )
     p.add_argument("--time", help="time limit, e.g. 1-00:00:00")
     p.add_argument(
         "--signal",
@@ -448,6 +459,7 @@ def run(args) -> int:
             python=args.python,
             worker_args=args.worker_args,
             worker_timeout=args.worker_timeout,
+            cache_size=args.cache_size,
         )
         if args.dry_run:
             sys.stdout.write(job.script())

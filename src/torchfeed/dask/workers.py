@@ -20,6 +20,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from ..protocol import auth
 from ..util import restore_env
+from ..worker.cache import parse_size
 from .transport import refuse_clear_transport
 
 log = logging.getLogger(__name__)
@@ -247,6 +248,7 @@ def start_workers(
     threads: int = 1,
     worker_args: Sequence[str] = (),
     start_timeout: float = 60.0,
+    cache_size: int | str | None = None,
 ) -> WorkerAddresses:
     """Start torchfeed worker processes next to every Dask worker; return their addresses.
 
@@ -290,6 +292,9 @@ def start_workers(
         More ``torchfeed worker`` options, e.g. ``["--timeout", "300"]``.
     start_timeout : float
         Seconds for the workers to report ready.
+    cache_size : int or str, optional
+        ``--cache-size`` of each worker (bytes or ``"8GiB"``): memory for the decoded samples
+        of :func:`torchfeed.cached` datasets (the worker's default 1 GiB if None).
 
     Returns
     -------
@@ -302,6 +307,8 @@ def start_workers(
         client, secret, secret_file, allow_insecure, export_secret, "torchfeed.dask.start_workers"
     )
     args = ["--parallel", str(parallel), "--threads", str(threads), *worker_args]
+    if cache_size is not None:
+        args += ["--cache-size", str(parse_size(cache_size))]
     client.register_plugin(WorkerProcesses(), name=PLUGIN_NAME)
     results = (
         {}

@@ -21,7 +21,7 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 from .. import stats
 from ..client import building
 from ..protocol import buffers, codec, limits
-from . import checks, prefetch, resume
+from . import cache, checks, prefetch, resume
 from .dataset import RemoteDataset
 from .fetch import Fetcher
 from .iterable import IterablePass
@@ -171,6 +171,9 @@ class RemoteDataLoader(Generic[T_co]):
             )
         self._initialized = False
         self._source = source
+        # a cached dataset: its hits, polled from the workers without blocking stats()
+        cached = isinstance(dataset, RemoteDataset) and cache.is_cached(dataset.factory)
+        self._cache_probe = cache.Probe(dataset) if cached else None
         self.num_workers = len(source.workers) if num_workers is None else num_workers
         self._num_streams = num_workers  # iterable-style: the number of streams (None: one per worker)
         # (pass id, weakref, snapshot once closed) of the latest iterable-style pass
@@ -376,6 +379,8 @@ class RemoteDataLoader(Generic[T_co]):
             next_head=self._prefetch_next,
             stats=self._accounting,
         )
+        if self._cache_probe is not None:
+            self._cache_probe.pass_started()
         if self._source.iterable:
             streams = resume_from.get("streams") if resume_from is not None else None
             running = IterablePass(plan, streams, stream_count=self._stream_count())
@@ -421,7 +426,8 @@ class RemoteDataLoader(Generic[T_co]):
         """Is the trainer waiting for data? A :class:`torchfeed.LoaderStats` snapshot, cheap
         enough to call every step: the share of time ``__next__`` waited (this pass and the
         last 30 s), rates, per-worker statistics and one sentence of advice."""
-        return self._accounting.snapshot(self._source.workers)
+        figures = self._cache_probe.figures() if self._cache_probe is not None else None
+        return self._accounting.snapshot(self._source.workers, cache=figures)
 
     def log_stats(self, every: float | None = 30.0) -> None:
         """Log a one-line summary at INFO (logger ``torchfeed.stats``) every ``every`` seconds

@@ -23,7 +23,7 @@ from .. import client, events
 from ..client import building, wait_all
 from ..errors import AuthenticationError, RemoteError, SerializationError, Timeout, WorkerLost
 from ..protocol.auth import SecretLike
-from . import reported
+from . import cache, reported
 from .membership import Listeners, LostWorkers, MembershipListener, WatchedFile, read_workers_file
 
 if TYPE_CHECKING:
@@ -260,6 +260,9 @@ class RemoteDataset(Dataset[T_co]):
                 self._length = distinct.pop()
             self.iterable = self.iterable or any(d[0] for d in described.values())
             self._refs.update(built)
+            refs = dict(self._refs) if built and cache.is_cached(self.factory) else None
+        if refs:  # a cached dataset: every worker learns its peers' lanes (one cache across them)
+            cache.link_peers(self.session, refs, self.timeout, self.secret)
         return errors
 
     # -- membership ----------------------------------------------------------------

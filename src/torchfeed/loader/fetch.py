@@ -119,6 +119,9 @@ class Fetcher:
                 seeding.enter_seeded()  # the worker's own states come back before any other call runs
                 seed_all(mix_seed(seed, index_key(index)))
             return dataset[index]
+        prefetch = getattr(dataset, "torchfeed_prefetch", None)
+        if prefetch is not None:  # a cached dataset: samples its peers keep, fetched before seeding
+            prefetch(index)
         getitems = getattr(dataset, "__getitems__", None)
         if seed is None:
             return getitems(index) if getitems else [dataset[i] for i in index]

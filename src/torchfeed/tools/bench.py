@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from ..util import cpu_count
-from . import bench_epochs
+from . import bench_cache, bench_epochs
 from . import measure as measure_module
 from .measure import (
     BIG,
@@ -361,4 +361,9 @@ CASES.update(
             "48 sleep-bound workers shared by 4 trainer processes: % of ideal",
         ),
     }
+)
+# issue 21's case (torchfeed.cached: decode once) is in bench_cache.py
+CASES["cache"] = (
+    bench_cache.case_cache,
+    "600 JPEGs decoded + resized once (torchfeed.cached), random crop + flip each time: epoch 2 vs epoch 1",
 )

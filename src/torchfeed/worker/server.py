@@ -54,6 +54,7 @@ from collections.abc import Sequence
 
 from ..addrfile import announce, read_address_file  # noqa: F401  (read_address_file: old import path)
 from ..protocol import auth, wire
+from . import cache as workercache
 from . import stats as workerstats
 from .connection import ServerConnection
 from .doorman import Doorman
@@ -242,6 +243,7 @@ def run_worker(
     max_handshakes: int = 128,
     integrity_only: bool | None = None,
     reachable_at: Sequence[str] = (),
+    cache_size: int | None = None,
 ) -> None:
     """Start listening and serving remote calls until SIGTERM/SIGINT.
 
@@ -277,6 +279,9 @@ def run_worker(
         Endpoints (``HOST:PORT``, ``*:PORT`` or ``*``) trainers may dial to reach this
         worker besides its own addresses: port forwarding, NAT, containers, tunnels
         (see :mod:`torchfeed.worker.names`).
+    cache_size : int, optional
+        Bytes of decoded samples :func:`torchfeed.cached` datasets may keep in this process
+        (:data:`torchfeed.worker.cache.DEFAULT_SIZE` by default; 0: none).
     """
     raise_fd_limit()
     if torch_threads is not None:
@@ -294,6 +299,10 @@ def run_worker(
         max_pending_handshakes=max_handshakes,
         integrity_only=integrity_only,
         reachable_at=reachable_at,
+    )
+    workercache.configure(
+        workercache.DEFAULT_SIZE if cache_size is None else cache_size,
+        lane=workercache.Lane(host, server.secret),  # peers reach this worker's cache there
     )
     in_main = threading.current_thread() is threading.main_thread()
     if in_main:

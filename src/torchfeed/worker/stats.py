@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from ..protocol import wire
+from . import cache as workercache
 
 _RATE_SECONDS = 0.9  # rates are measured over the last 1 to 2 seconds (the keeper ticks every second)
 
@@ -96,6 +97,7 @@ class Counters:
             "wire_bytes_sent": wired,
             "parallel": server.parallel,
             "uptime_s": now - self.started,
+            **workercache.figures(),  # [cache] decoded samples kept for torchfeed.cached datasets
         }
 
 

@@ -1,0 +1,505 @@
+"""Decode once: :func:`cached` datasets keep the deterministic part of a sample on the workers.
+
+``RemoteDataset(workers, cached(Factory, then=augment), *args)`` builds ``Factory(*args)``
+on every worker; ``dataset[i]`` is then ``then(Factory(*args)[i])``, where the inner
+sample is computed once and kept in the worker's :mod:`~torchfeed.worker.cache` and
+``then`` runs at every access under the loader's per-sample seed (so a cached pass gives
+the batches an uncached one gives). For :class:`~torchfeed.datasets.Shards`, the decoded
+samples of a whole shard are kept (``open_shard(url)`` read once) and ``then`` runs on
+each sample as the stream yields it.
+
+**Sharing.** Datasets built from equal pickles of ``(factory, args, kwargs)`` on one worker
+share one instance (map-style) and one set of cached samples, whatever their ``then``:
+two jobs of a hyperparameter search pay for one decode.
+
+**One cache across the pool.** Every sample has an *owner* among the workers the trainer
+built the dataset on (rendezvous hashing of the sample key over their lanes): only the
+owner keeps it. A worker asked for a sample it does not own fetches it from the owner's
+*lane* (a second, small authenticated server in every worker process that only reads and
+writes the cache, so a lane never waits for an executor and peers cannot deadlock); a
+sample the owner does not have yet is decoded where it is needed and handed to the owner
+to keep. A lane that fails is left out for :data:`_DOWN_SECONDS` (its samples get other
+owners and are decoded again there). The scheduler is unchanged: any worker can serve any
+batch, and losses, hedges and exactly-once delivery work as without a cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torch.utils.data import Dataset, IterableDataset
+
+from .. import client
+from ..protocol import serialize
+from ..worker import cache as store_module
+from ..worker.cache import MISSING
+
+_DOWN_SECONDS = 30.0  # a peer lane that failed is not asked again for this long
+_PEER_TIMEOUT = 10.0  # seconds a peer lane has to answer
+
+
+def cached(factory: Callable, *, then: Callable | None = None) -> Cached:
+    """A factory for :class:`~torchfeed.RemoteDataset` whose samples are computed once per pool.
+
+    For example ``RemoteDataset(workers, torchfeed.cached(ImageFolder, then=augment), root,
+    transform=decode)``; see the guide, *Decode once*.
+
+    Parameters
+    ----------
+    factory : callable
+        The dataset class (or a function returning a dataset) whose samples are
+        deterministic: read, decode, resize. It must draw no random numbers.
+    then : callable, optional
+        Run on every access of a sample, after the cache: the random part (crops, flips,
+        noise), under the loader's per-sample seed. It must not modify its argument in
+        place (that is the cached sample): return a new object.
+    """
+    if isinstance(factory, Cached):
+        raise TypeError("cached(cached(...)): the factory is already cached; pass the inner factory")
+    if then is not None and not callable(then):
+        raise TypeError(f"cached(then=...) must be callable (a function of one sample), got {then!r}")
+    return Cached(factory, then)
+
+
+class Cached:
+    """What :func:`cached` returns: called on a worker, it builds (or reuses) the dataset."""
+
+    def __init__(self, factory: Callable, then: Callable | None):
+        self.factory = factory
+        self.then = then
+        name = getattr(factory, "__qualname__", None) or type(factory).__qualname__
+        self.__qualname__ = f"cached({name})"  # how building errors name it
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The factory's: RemoteDataset's checks (a ``timeout`` parameter) look at it."""
+        return inspect.signature(self.factory)
+
+    def __call__(self, *args, **kwargs):
+        meta, buffers = serialize.dumps((self.factory, args, kwargs), by_value=True)
+        digest = hashlib.blake2b(meta, digest_size=16)
+        for b in buffers:
+            digest.update(b)
+        key = digest.digest()
+        shared = _shared_instance(key, self.factory, args, kwargs)
+        if isinstance(shared.instance, IterableDataset):
+            return _cached_shards(shared, self.then)
+        return CachedDataset(shared, self.then)
+
+    def __repr__(self) -> str:
+        return f"cached({self.factory!r}, then={self.then!r})"
+
+
+class Shared:
+    """One dataset instance and its key in the worker's cache, held by the datasets built on it."""
+
+    def __init__(self, key: bytes, instance: Any):
+        self.key = key
+        self.instance = instance
+        store_module.store.hold(key)
+        weakref.finalize(self, store_module.store.release, key)
+
+
+_registry: weakref.WeakValueDictionary[bytes, Shared] = weakref.WeakValueDictionary()
+_registry_lock = threading.Lock()
+
+
+def _shared_instance(key: bytes, factory: Callable, args: tuple, kwargs: dict) -> Shared:
+    with _registry_lock:
+        found = _registry.get(key)
+        if found is not None and not isinstance(found.instance, IterableDataset):
+            return found  # map-style instances are shared; an iterable has per-stream state
+    instance = factory(*args, **kwargs)  # outside the lock: building may take long
+    with _registry_lock:
+        found = _registry.get(key)
+        if found is not None and not isinstance(instance, IterableDataset):
+            return found
+        shared = Shared(key, instance)
+        if found is None:
+            _registry[key] = shared
+        return shared
+
+
+class Counts:
+    """A cached dataset's hits and misses on this worker (this trainer's view of it)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def add(self, hit: bool) -> None:
+        with self._lock:
+            if hit:
+                self.hits += 1
+            else:
+                self.misses += 1
+        store_module.store.tally(hit)
+
+
+class Peers:
+    """The lanes of the workers a dataset was built on, and which of them owns a sample."""
+
+    def __init__(self):
+        self.lanes: list[str] = []
+        self.me: str | None = None
+        self._down: dict[str, float] = {}
+
+    def set(self, lanes: list[str], me: str | None) -> None:
+        self.lanes = sorted(lanes)
+        self.me = me
+        self._down = {}
+
+    def owner(self, key: Any) -> str | None:
+        """The lane of the worker that keeps ``key``; None: this one."""
+        if self.me is None or len(self.lanes) < 2:
+            return None
+        now = time.monotonic()
+        name = repr(key).encode()
+        best, best_score = None, b""
+        for lane in self.lanes:
+            if lane != self.me and self._down.get(lane, 0.0) > now:
+                continue
+            score = hashlib.blake2b(name, digest_size=8, key=lane.encode()[:64]).digest()
+            if score > best_score:
+                best, best_score = lane, score
+        return None if best == self.me else best
+
+    def down(self, lane: str) -> None:
+        self._down[lane] = time.monotonic() + _DOWN_SECONDS
+
+    def fetch(self, lane: str, dataset: bytes, keys: list) -> dict:
+        """The samples of ``keys`` that ``lane`` keeps ({} when it cannot answer)."""
+        settings = store_module.lane()
+        if settings is None:
+            return {}
+        try:
+            fut = client.rpc_async(
+                lane,
+                lane_get,
+                args=(dataset, keys),
+                timeout=_PEER_TIMEOUT,
+                secret=settings.secret,
+                wait_for_worker=False,
+                trust_worker=True,  # a peer holds the pool's secret: it could run code here anyway
+            )
+            return fut.wait()
+        except Exception:  # noqa: BLE001 - a lost or slow peer: decode here instead
+            self.down(lane)
+            return {}
+
+    def give(self, lane: str, dataset: bytes, items: dict) -> None:
+        """Hand decoded samples to their owner (not waited for)."""
+        settings = store_module.lane()
+        if settings is None:
+            return
+        try:
+            fut = client.rpc_async(
+                lane,
+                lane_put,
+                args=(dataset, items),
+                timeout=_PEER_TIMEOUT,
+                secret=settings.secret,
+                wait_for_worker=False,
+            )
+        except Exception:  # noqa: BLE001 - cannot send: the owner decodes it when asked
+            return
+        # a refusal (a call over the owner's --max-call-bytes, say) only means it keeps nothing
+        fut.add_done_callback(_ignore_outcome)
+
+
+def _ignore_outcome(fut) -> None:
+    try:
+        fut.value()
+    except Exception:  # noqa: BLE001 - see Peers.give
+        pass
+
+
+class CachedDataset(Dataset):
+    """A map-style cached dataset on a worker: ``self[i] = then(instance[i])``, ``instance[i]`` kept."""
+
+    def __init__(self, shared: Shared, then: Callable | None):
+        self.shared = shared
+        self.then = then
+        self.counts = Counts()
+        self.peers = Peers()
+        self._borrowed = threading.local()  # samples fetched from peers for the batch being loaded
+
+    def __len__(self) -> int:
+        return len(self.shared.instance)
+
+    def torchfeed_prefetch(self, keys) -> None:
+        """Before a batch (the worker's Fetcher calls it): fetch the samples peers keep, one
+        request per peer, so that ``__getitem__`` finds them."""
+        borrowed: dict = {}
+        self._borrowed.samples = borrowed
+        if self.peers.me is None:
+            return
+        store, key = store_module.store, self.shared.key
+        wanted: dict[str, list] = {}
+        for k in keys:
+            owner = self.peers.owner(k)
+            if owner is not None and store.peek(key, k) is MISSING:
+                wanted.setdefault(owner, []).append(k)
+        for lane, ks in wanted.items():
+            borrowed.update(dict.fromkeys(ks, MISSING))  # asked: not asked again one by one
+            borrowed.update(self.peers.fetch(lane, key, ks))
+
+    def __getitem__(self, index):
+        x = self.sample(index)
+        return self.then(x) if self.then is not None else x
+
+    def sample(self, index) -> Any:
+        """The cached (inner) sample of ``index``: kept here, kept by its owner, or decoded."""
+        store, key = store_module.store, self.shared.key
+        x = store.peek(key, index)
+        asked = False
+        if x is MISSING:
+            borrowed = getattr(self._borrowed, "samples", {})
+            asked = index in borrowed
+            x = borrowed.pop(index, MISSING)
+        owner = None
+        if x is MISSING:
+            owner = self.peers.owner(index)
+            if owner is not None and not asked:  # not prefetched (no auto-collation): ask its owner now
+                x = self.peers.fetch(owner, key, [index]).get(index, MISSING)
+        if x is not MISSING:
+            self.counts.add(True)
+            return x
+        self.counts.add(False)
+        x = self.shared.instance[index]
+        if owner is None:
+            store.put(key, index, x)
+        else:
+            self.peers.give(owner, key, {index: x})
+        return x
+
+    def __repr__(self) -> str:
+        return f"cached({self.shared.instance!r}, then={self.then!r})"
+
+
+class _ShardOpener:
+    """``open_shard`` of a cached Shards: a shard's decoded samples read once, ``then`` per sample."""
+
+    def __init__(
+        self, shared: Shared, open_shard: Callable, then: Callable | None, counts: Counts, peers: Peers
+    ):
+        self.shared = shared
+        self.open_shard = open_shard
+        self.then = then
+        self.counts = counts
+        self.peers = peers
+
+    def __call__(self, url: str):
+        store, key, entry = store_module.store, self.shared.key, ("shard", url)
+        samples = store.peek(key, entry)
+        owner = None
+        if samples is MISSING:
+            owner = self.peers.owner(entry)
+            if owner is not None:
+                samples = self.peers.fetch(owner, key, [entry]).get(entry, MISSING)
+        if samples is not MISSING:
+            self.counts.add(True)
+            return self._then(samples)
+        self.counts.add(False)
+        return self._decode(url, entry, owner)
+
+    def _then(self, samples):
+        for x in samples:
+            yield self.then(x) if self.then is not None else x
+
+    def _decode(self, url: str, entry: tuple, owner: str | None):
+        kept = []
+        for x in self.open_shard(url):
+            kept.append(x)
+            yield self.then(x) if self.then is not None else x
+        # read to its end: keep it (a stream that stopped early keeps nothing)
+        if owner is None:
+            store_module.store.put(self.shared.key, entry, kept)
+        else:
+            self.peers.give(owner, self.shared.key, {entry: kept})
+
+
+def _cached_shards(shared: Shared, then: Callable | None):
+    """A cached iterable dataset: a Shards (or anything with ``open_shard``) with a caching opener."""
+    instance = shared.instance
+    open_shard = getattr(instance, "open_shard", None)
+    if not callable(open_shard):
+        raise TypeError(
+            f"cached() supports map-style datasets and torchfeed.datasets.Shards; {type(instance).__qualname__} "
+            "is an IterableDataset without open_shard: cache its map-style source, or read it through Shards"
+        )
+    counts, peers = Counts(), Peers()
+    instance.open_shard = _ShardOpener(shared, open_shard, then, counts, peers)
+    instance.torchfeed_cache = (shared, counts, peers)  # what lane_address, set_peers and counts read
+    return instance
+
+
+def _parts(dataset) -> tuple[Counts, Peers]:
+    if isinstance(dataset, CachedDataset):
+        return dataset.counts, dataset.peers
+    found = getattr(dataset, "torchfeed_cache", None)
+    if found is None:
+        raise TypeError(f"{type(dataset).__qualname__} is not a cached dataset")
+    return found[1], found[2]
+
+
+# -- lanes: run on the workers -----------------------------------------------------------------
+_lane_server: Any = None
+_lane_lock = threading.Lock()
+
+
+def lane_address(dataset) -> str | None:
+    """Runs on a worker: the address of its lane (started on first use); None without one."""
+    global _lane_server
+    settings = store_module.lane()
+    if settings is None:
+        return None
+    with _lane_lock:
+        if _lane_server is None:
+            from ..worker.server import WorkerServer
+
+            _lane_server = WorkerServer(settings.host, 0, parallel=2, secret=settings.secret).start()
+        return _lane_server.address
+
+
+def set_peers(dataset, lanes: list[str], me: str | None) -> None:
+    """Runs on a worker: the lanes of the workers ``dataset`` is built on, this one's among them."""
+    _parts(dataset)[1].set([lane for lane in lanes if lane], me)
+
+
+def counts(dataset) -> dict[str, int]:
+    """Runs on a worker: this dataset's hits and misses here, and the worker's cached bytes."""
+    c = _parts(dataset)[0]
+    figures = store_module.store.figures()
+    return {"hits": c.hits, "misses": c.misses, "bytes": figures.bytes, "budget": figures.budget}
+
+
+def lane_get(dataset: bytes, keys: list) -> dict:
+    """Runs on a lane: the samples of ``keys`` this worker keeps."""
+    store = store_module.store
+    out = {}
+    for k in keys:
+        x = store.peek(dataset, k)
+        if x is not MISSING:
+            out[k] = x
+    return out
+
+
+def lane_put(dataset: bytes, items: dict) -> None:
+    """Runs on a lane: keep samples a peer decoded for this worker."""
+    for k, x in items.items():
+        store_module.store.put(dataset, k, x)
+
+
+# These run beside seeded loading (on the lanes, or polled during a pass) and draw no random
+# numbers: the worker must not hand the global generators back to "outside" code for them.
+_RNG_FREE: tuple[Any, ...] = (lane_address, set_peers, counts, lane_get, lane_put)
+for _fn in _RNG_FREE:
+    _fn.manages_rng = True
+
+
+# -- trainer side -----------------------------------------------------------------------------
+def is_cached(factory: Any) -> bool:
+    return isinstance(factory, Cached)
+
+
+def link_peers(session, refs: dict, timeout: float, secret) -> None:
+    """Tell every worker holding the dataset the lanes of all of them (after a build)."""
+    lanes = client.wait_all(
+        {
+            w: session.rpc_async(w, lane_address, args=(ref,), timeout=timeout, secret=secret)
+            for w, ref in refs.items()
+        },
+        timeout,
+    )
+    known = sorted(v for v in lanes.values() if isinstance(v, str))
+    client.wait_all(
+        {
+            w: session.rpc_async(
+                w,
+                set_peers,
+                args=(ref, known, lanes[w] if isinstance(lanes[w], str) else None),
+                timeout=timeout,
+                secret=secret,
+            )
+            for w, ref in refs.items()
+        },
+        timeout,
+    )
+
+
+class Probe:
+    """The trainer's view of a cached dataset's hits (polled without blocking ``stats()``)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self._lock = threading.Lock()
+        self.latest: dict[str, dict] = {}
+        self.base: dict[str, dict] | None = None
+        self._asked = 0.0
+        self._want_base = False
+
+    def pass_started(self) -> None:
+        with self._lock:
+            self._want_base = True
+            self._asked = 0.0
+        self.refresh()
+
+    def refresh(self, every: float = 0.5) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._asked < every:
+                return
+            self._asked = now
+            as_base = self._want_base
+            self._want_base = False
+        ds = self.dataset
+        futs = {}
+        for w in ds.alive_workers():
+            try:
+                futs[w] = ds.session.rpc_async(
+                    w, counts, args=(ds.ref(w),), timeout=ds.timeout, secret=ds.secret
+                )
+            except Exception:  # noqa: BLE001 - a worker gone meanwhile: no figures from it
+                continue
+        if not futs:
+            return
+        left = [len(futs)]
+        got: dict[str, dict] = {}
+
+        def one(w: str, f) -> None:
+            try:
+                value = f.value()
+                if isinstance(value, dict) and all(isinstance(v, int) for v in value.values()):
+                    got[w] = value
+            except Exception:  # noqa: BLE001 - no figures from a failed worker
+                pass
+            with self._lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    self.latest = got
+                    if as_base or self.base is None:
+                        self.base = dict(got)
+
+        for w, f in futs.items():
+            f.add_done_callback(lambda f, w=w: one(w, f))
+
+    def figures(self) -> tuple[float | None, dict[str, dict]]:
+        """The hit rate since the pass started (None before it is known) and per-worker figures."""
+        self.refresh()
+        with self._lock:
+            latest, base = self.latest, self.base or {}
+        hits = misses = 0
+        for w, f in latest.items():
+            b = base.get(w, {})
+            hits += f["hits"] - b.get("hits", 0)
+            misses += f["misses"] - b.get("misses", 0)
+        rate = hits / (hits + misses) if hits + misses > 0 else None
+        return rate, latest

@@ -1,0 +1,228 @@
+"""The worker's sample cache: one byte budget per worker process, shared by every dataset on it.
+
+:func:`torchfeed.cached` datasets (:mod:`torchfeed.loader.cache`) keep decoded samples
+here, keyed by ``(dataset key, sample key)``: trainers and jobs that build an equal
+dataset on this worker use the same entries. The budget is ``torchfeed worker
+--cache-size`` (:data:`DEFAULT_SIZE` unless set; 0 turns caching off).
+
+Past the budget the cache **keeps what it has**: a new sample is not stored (it is decoded
+again when asked for), except that entries of datasets no trainer holds any more are
+evicted, oldest first, to make room. Keeping rather than evicting the least recently used
+entry is what a scan over the data wants: every epoch reads every sample, so LRU would
+evict each sample just before it is read again and hit nothing, while keeping a fixed
+part hits that part every epoch. Results are the same either way (a sample not cached is
+decoded again).
+
+Also here: the settings of this worker's *lane* (the secret and interface its peers use,
+set by :func:`torchfeed.worker.server.run_worker`), and :func:`parse_size`.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_SIZE = 1 << 30  # 1 GiB: ``torchfeed worker --cache-size`` unless set
+MISSING: Any = object()
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
+}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*")
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``"512MiB"``, ``"8GiB"``, ``"1.5G"``, ``"100MB"`` or a plain number of bytes.
+
+    KiB/MiB/GiB/TiB (and K/M/G/T) are powers of 1024, KB/MB/GB/TB powers of 1000."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"a cache size cannot be negative, got {text}")
+        return text
+    match = _SIZE.fullmatch(str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"cache size {text!r} not understood: write a number of bytes with an optional unit, "
+            "e.g. 512MiB, 8GiB, 1.5G, 100MB, or 0 to turn the cache off"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def sizeof(obj: Any, _depth: int = 0) -> int:
+    """Bytes a sample holds: tensors' and arrays' memory, bytes, images, and their containers."""
+    nbytes = getattr(obj, "nbytes", None)  # numpy arrays
+    if isinstance(nbytes, int):
+        return nbytes + 112
+    storage = getattr(obj, "untyped_storage", None)  # torch tensors: the whole storage a view keeps
+    if callable(storage) and hasattr(obj, "element_size"):
+        try:
+            return int(storage().nbytes()) + 200
+        except Exception:  # noqa: BLE001 - a tensor subclass without storage: its elements
+            return int(obj.element_size() * obj.numel()) + 200
+    if isinstance(obj, (bytes, bytearray, str)):
+        return len(obj) + 50
+    if _depth < 8 and isinstance(obj, (list, tuple, set, frozenset)):
+        return 56 + 8 * len(obj) + sum(sizeof(x, _depth + 1) for x in obj)
+    if _depth < 8 and isinstance(obj, dict):
+        return 232 + sum(sizeof(k, _depth + 1) + sizeof(v, _depth + 1) for k, v in obj.items())
+    size = getattr(obj, "size", None)  # PIL images: width x height x bands
+    bands = getattr(obj, "getbands", None)
+    if isinstance(size, tuple) and len(size) == 2 and callable(bands):
+        return int(size[0]) * int(size[1]) * len(bands()) + 200
+    return sys.getsizeof(obj)
+
+
+@dataclass
+class Figures:
+    """The cache's numbers, as a worker's STATS reports them."""
+
+    budget: int
+    bytes: int
+    entries: int
+    hits: int
+    misses: int
+    refused: int  # samples not stored: over the budget
+    evicted: int  # entries of datasets no trainer holds, dropped to make room
+
+
+class Store:
+    """Samples kept within a byte budget (thread-safe; the lock is held for a few instructions)."""
+
+    def __init__(self, budget: int = DEFAULT_SIZE):
+        self.budget = budget
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()  # oldest first
+        self._holders: dict[bytes, int] = {}  # dataset key -> datasets built on it and alive
+        self._bytes = 0
+        self.hits = self.misses = self.refused = self.evicted = 0
+
+    def tally(self, hit: bool) -> None:
+        """Count a lookup of a cached dataset on this worker (found here or at a peer, or not)."""
+        with self._lock:
+            if hit:
+                self.hits += 1
+            else:
+                self.misses += 1
+
+    def peek(self, dataset: bytes, key: Any) -> Any:
+        """The kept sample or :data:`MISSING` (counting nothing: see :meth:`tally`)."""
+        with self._lock:
+            found = self._entries.get((dataset, key))
+        return MISSING if found is None else found[0]
+
+    def put(self, dataset: bytes, key: Any, value: Any, nbytes: int | None = None) -> bool:
+        """Keep ``value`` if it fits (after evicting entries of datasets nobody holds)."""
+        size = sizeof(value) if nbytes is None else nbytes
+        with self._lock:
+            if (dataset, key) in self._entries:
+                return True
+            if self._bytes + size > self.budget:
+                self._evict_orphans(self._bytes + size - self.budget)
+            if self._bytes + size > self.budget:
+                self.refused += 1
+                return False
+            self._entries[(dataset, key)] = (value, size)
+            self._bytes += size
+            return True
+
+    def _evict_orphans(self, needed: int) -> None:
+        for entry_key in list(self._entries):
+            if needed <= 0:
+                return
+            if self._holders.get(entry_key[0], 0) > 0:
+                continue
+            _, size = self._entries.pop(entry_key)
+            self._bytes -= size
+            needed -= size
+            self.evicted += 1
+
+    def hold(self, dataset: bytes) -> None:
+        with self._lock:
+            self._holders[dataset] = self._holders.get(dataset, 0) + 1
+
+    def release(self, dataset: bytes) -> None:
+        with self._lock:
+            left = self._holders.get(dataset, 0) - 1
+            if left > 0:
+                self._holders[dataset] = left
+            else:
+                self._holders.pop(dataset, None)
+
+    def resize(self, budget: int) -> None:
+        """A new budget; entries over it are dropped, newest first (what fits is kept)."""
+        with self._lock:
+            self.budget = budget
+            while self._bytes > budget and self._entries:
+                _, (_, size) = self._entries.popitem()
+                self._bytes -= size
+
+    def figures(self) -> Figures:
+        with self._lock:
+            return Figures(
+                self.budget,
+                self._bytes,
+                len(self._entries),
+                self.hits,
+                self.misses,
+                self.refused,
+                self.evicted,
+            )
+
+
+store = Store()  # this process's cache
+
+
+@dataclass
+class Lane:
+    """Where this worker's peers reach its cache: an interface and the pool's secret."""
+
+    host: str
+    secret: Any
+
+
+_lane: Lane | None = None
+
+
+def configure(size: int | None = None, *, lane: Lane | None = None) -> None:
+    """Set this process's cache budget (bytes) and lane (``torchfeed worker`` does, at start)."""
+    global _lane
+    if size is not None:
+        store.resize(size)
+    if lane is not None:
+        _lane = lane
+
+
+def lane() -> Lane | None:
+    """The lane settings, or None in a process that is not a ``torchfeed worker``."""
+    return _lane
+
+
+def figures() -> dict[str, int]:
+    """The cache's figures as plain numbers (for a worker's STATS)."""
+    f = store.figures()
+    return {
+        "cache_budget": f.budget,
+        "cache_bytes": f.bytes,
+        "cache_entries": f.entries,
+        "cache_hits": f.hits,
+        "cache_misses": f.misses,
+        "cache_refused": f.refused,
+    }

@@ -1,0 +1,233 @@
+"""torchfeed.cached: decode once on the workers, exact results (real worker processes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import cache_datasets as cd
+import torchfeed
+from torchfeed import RemoteDataLoader, RemoteDataset, client
+from torchfeed.datasets import Shards
+from torchfeed.worker.cache import parse_size
+
+TESTS = Path(__file__).resolve().parent
+SRC = TESTS.parent / "src"
+
+
+def _batches(ds, **kw):
+    return list(RemoteDataLoader(ds, **kw))
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _decodes(addresses, n) -> dict[int, int]:
+    total: dict[int, int] = {}
+    for a in addresses:
+        for i, c in client.rpc_async(a, cd.decodes, args=(n,)).wait().items():
+            total[i] = total.get(i, 0) + c
+    return total
+
+
+def test_cached_equals_uncached_and_decodes_each_sample_once_in_the_pool(workers2):
+    n = 40
+    cached = RemoteDataset(workers2, torchfeed.cached(cd.Decoded, then=cd.augment), n)
+    plain = RemoteDataset(workers2, cd.Uncached, n)
+    one_worker = RemoteDataset(workers2[:1], torchfeed.cached(cd.Decoded, then=cd.augment), n + 1)
+    plain_one = RemoteDataset(workers2, cd.Uncached, n + 1)
+    for epoch in range(3):  # the first pass decodes, the next ones find every sample cached
+        kw = dict(batch_size=6, shuffle=True, seed=11 + epoch)
+        assert _same(_batches(cached, **kw), _batches(plain, **kw)), epoch
+        assert _same(_batches(one_worker, **kw), _batches(plain_one, **kw)), epoch  # any number of workers
+    loader = RemoteDataLoader(cached, batch_size=6, shuffle=True, seed=1)
+    list(loader)
+    # one cache across the pool: a sample is decoded once, whichever worker its batches went to
+    assert _decodes(workers2, n) == dict.fromkeys(range(n), 1)
+
+
+def test_cached_shards_equal_uncached(workers2, tmp_path):
+    urls = []
+    for s in range(4):
+        path = tmp_path / f"shard{s}.txt"
+        path.write_text("".join(f"{s * 10 + k}\n" for k in range(5)))
+        urls.append(str(path))
+    cached = RemoteDataset(
+        workers2, torchfeed.cached(Shards, then=cd.jitter), urls, cd.shard_lines, shuffle=True
+    )
+    plain = RemoteDataset(workers2, Shards, urls, cd.jittered_lines, shuffle=True)
+    for epoch in range(2):
+        kw = dict(batch_size=3, num_workers=1, seed=7 + epoch)  # one stream: a reproducible order
+        got, expected = _batches(cached, **kw), _batches(plain, **kw)
+        assert len(got) == 7 and _same(got, expected), epoch
+    # every shard read once, its decoded samples kept (by one worker of the pool)
+    assert _decodes(workers2, -1) == {s * 10 + k: 1 for s in range(4) for k in range(5)}
+
+
+_TRAINER = """
+import sys, torch, torchfeed
+import cache_datasets as cd
+from torchfeed import RemoteDataLoader, RemoteDataset
+workers, seed = sys.argv[1].split(","), int(sys.argv[2])
+ds = RemoteDataset(workers, torchfeed.cached(cd.Decoded, then=cd.augment), 36)
+ref = RemoteDataset(workers, cd.Uncached, 36)
+for epoch in range(2):
+    got = list(RemoteDataLoader(ds, batch_size=4, shuffle=True, seed=seed + epoch))
+    exp = list(RemoteDataLoader(ref, batch_size=4, shuffle=True, seed=seed + epoch))
+    assert all(torch.equal(a, b) for a, b in zip(got, exp)) and len(got) == len(exp) == 9
+print("ok")
+"""
+
+
+def test_two_trainer_processes_share_one_decode(workers2):
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TRAINER, ",".join(workers2), str(seed)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for seed in (100, 200)  # two jobs of a search: different seeds, the same data
+    ]
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0 and out.strip().endswith("ok"), out
+    # both jobs, two epochs each (4 x 36 decodes uncached): every sample decoded about once in
+    # all (both jobs may ask for one sample at the same moment, before either kept it)
+    decodes = _decodes(workers2, 36)
+    assert set(decodes) == set(range(36)) and sum(decodes.values()) < 1.5 * 36
+
+
+def test_budget_bounds_the_cache_and_results_stay_exact(fresh_workers):
+    w = fresh_workers(2, cache_size="64KiB")  # a sample holds ~12 KB: about five fit per worker
+    n = 48
+    cached = RemoteDataset(w.addresses, torchfeed.cached(cd.Decoded, then=cd.augment), n, 32)
+    plain = RemoteDataset(w.addresses, cd.Uncached, n, 32)
+    for epoch in range(2):
+        kw = dict(batch_size=8, shuffle=True, seed=epoch)
+        assert _same(_batches(cached, **kw), _batches(plain, **kw))
+    for a in w.addresses:
+        stats = client.worker_stats(a, timeout=10)
+        assert stats["cache_budget"] == 64 * 1024
+        assert 0 < stats["cache_bytes"] <= 64 * 1024
+        assert stats["cache_refused"] > 0  # past the budget it keeps what it has
+    # the samples kept were found again in the second epoch; the others were decoded again
+    # (a hedged batch may decode its samples once more)
+    decodes = _decodes(w.addresses, n)
+    assert set(decodes) == set(range(n)) and 1 in decodes.values() and max(decodes.values()) >= 2
+
+
+def test_worker_killed_during_a_cached_epoch(fresh_workers):
+    w = fresh_workers(3)
+    n = 60
+    cached = RemoteDataset(w.addresses, torchfeed.cached(cd.Decoded, then=cd.augment), n)
+    plain = RemoteDataset(w.addresses[1:], cd.Uncached, n)
+    kw = dict(batch_size=5, shuffle=True, seed=3)
+    assert _same(_batches(cached, **kw), _batches(plain, **kw))  # epoch 1: everything cached
+    got = []
+    for i, batch in enumerate(RemoteDataLoader(cached, **kw)):
+        got.append(batch)
+        if i == 2:
+            w.kill(0)  # its part of the cache is gone: decoded again on the others
+    expected = _batches(plain, **kw)
+    assert _same(got, expected)  # nothing lost, nothing repeated, the same samples
+    # the survivors decoded their own part once and the lost worker's part again, not everything
+    # twice (a requeued or hedged batch may decode a few samples once more)
+    decodes = _decodes(w.addresses[1:], n)
+    assert sum(decodes.values()) < 1.7 * n
+
+
+def test_loader_stats_show_the_hit_rate(workers2):
+    ds = RemoteDataset(workers2, torchfeed.cached(cd.Decoded, then=cd.augment), 30)
+    loader = RemoteDataLoader(ds, batch_size=5, shuffle=True, seed=0)
+    list(loader)
+    list(loader)
+    import time
+
+    deadline = time.monotonic() + 10
+    while True:  # figures are polled from the workers in the background
+        s = loader.stats()
+        if s.cache_hit_rate is not None and s.cache_hit_rate >= 0.9:
+            break
+        assert time.monotonic() < deadline, s
+        time.sleep(0.2)
+    assert s.cache_hit_rate == 1.0
+    assert all(row.cache_bytes and row.cache_bytes > 0 for row in s.workers.values())
+    assert "cache" in s.table()
+
+
+@pytest.mark.parametrize(
+    "text, size",
+    [("512MiB", 512 << 20), ("8GiB", 8 << 30), ("1.5G", 3 << 29), ("100MB", 10**8), ("0", 0), ("4096", 4096)],
+)
+def test_sizes(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["12XB", "-1GiB", "GiB", "1,5G", ""])
+def test_bad_sizes_say_how_to_write_one(text):
+    with pytest.raises(ValueError, match="e.g. 512MiB, 8GiB"):
+        parse_size(text)
+
+
+def test_worker_refuses_a_bad_cache_size():
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    out = subprocess.run(
+        [sys.executable, "-m", "torchfeed", "worker", "--cache-size", "12XB"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "--cache-size" in out.stderr and "'12XB' not understood" in out.stderr and "512MiB" in out.stderr
+
+
+def test_cached_refuses_what_it_cannot_cache():
+    with pytest.raises(TypeError, match="then"):
+        torchfeed.cached(cd.Decoded, then=3)
+    with pytest.raises(TypeError, match="already cached"):
+        torchfeed.cached(torchfeed.cached(cd.Decoded))
+
+
+def test_launchers_pass_the_cache_size_on():
+    from torchfeed.cluster.slurm import SlurmJob
+
+    script = SlurmJob(["train.py"], cache_size="8GiB").script()
+    assert "torchfeed worker" in script and f"--cache-size {8 << 30}" in script
+    assert "--cache-size" not in SlurmJob(["train.py"]).script()
+    with pytest.raises(ValueError, match="not understood"):
+        SlurmJob(["train.py"], cache_size="8 gigs").script()
+
+
+def test_local_workers_take_a_cache_size(fresh_workers):
+    w = fresh_workers(1, cache_size="3MiB")
+    assert client.worker_stats(w.addresses[0], timeout=10)["cache_budget"] == 3 << 20
+
+
+def test_advice_names_the_cache_when_it_is_the_bottleneck():
+    from torchfeed.stats import LoaderStats, WorkerStats, advise
+
+    def stats(rate, full):
+        w = WorkerStats("w:1", "serving", 50.0, 10, 320, 1, 0.5, 0, 0, cache_bytes=16 << 20, cache_hits=5)
+        return LoaderStats(
+            0.8, 0.8, 100.0, 10, 320, 0, 3.0, 2.4, {"w:1": w}, cache_hit_rate=rate, cache_full=full
+        )
+
+    full = advise(stats(0.3, True), 10, 0.5)
+    assert full.startswith("input-bound") and "30% of samples" in full and "--cache-size" in full
+    assert "--cache-size" not in advise(stats(0.3, False), 10, 0.5)
+    assert "cache" not in advise(stats(0.95, True), 10, 0.5) and "cache" not in advise(
+        stats(None, False), 10, 0.5
+    )
