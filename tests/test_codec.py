@@ -231,3 +231,30 @@ def test_the_advice_names_a_link_bound_loader_and_float_images():
     text = advise(_stats(link_busy=0.95, wire_bytes_received=10**9), 50, 1.0)
     assert "compression='auto'" in text
     assert advise(_stats(link_busy=0.1), 50, 1.0).startswith("input-bound")  # workers, not the link
+
+
+def test_a_buffer_whose_size_table_takes_several_records_reads_in_step(monkeypatch):
+    # scaled down: 64-byte records hold 16 sizes, so a 40-chunk buffer's table takes 3 records
+    from torchfeed.protocol import channel as channel_module
+
+    monkeypatch.setattr(channel_module, "CHUNK", 64)
+    monkeypatch.setattr(codec, "MIN_BYTES", 0)
+    a, b, tx, rx = _pair()
+    data = np.zeros(40 * 64 + 5, np.uint8)
+    data[::7] = 1
+    packed = codec.Chooser(64).pack([memoryview(data)], codec.LZ4, 0.0)
+    assert packed is not None and packed.codecs == bytes([codec.LZ4])
+    _send_in_thread(lambda: (tx.send(wire.REPLY, 1, b"m", (), packed=packed), tx.send(wire.PONG, 2)))
+    frame = rx.read_frame(wire.Limits())
+    dest = memoryview(bytearray(data.nbytes))
+    rx.read_buffers([dest], frame, "w")
+    assert bytes(dest) == data.tobytes()
+    assert rx.read_frame(wire.Limits()).kind == wire.PONG
+    a.close(), b.close()
+
+
+def test_a_zstd_frame_announcing_more_than_its_chunk_is_refused_before_it_is_inflated():
+    # zstandard would allocate what a frame announces: a few bytes can announce gigabytes
+    bomb = codec.compress(codec.ZSTD, bytes(4 << 20))
+    with pytest.raises(ProtocolError, match="announces 4,194,304 bytes"):
+        codec.decompress_into(codec.ZSTD, bomb, memoryview(bytearray(CHUNK)), "w")

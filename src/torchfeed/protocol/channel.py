@@ -47,6 +47,7 @@ TAG = 16
 CHUNK = 256 * 1024  # plaintext bytes per record: large enough to amortise, small enough for cache
 _NONCE = struct.Struct(">4xQ")
 _SEND_BATCH = 1 << 20  # sealed bytes gathered into one sendmsg
+MAX_CHUNKS = 1 << 22  # chunks of one compressed buffer a receiver reads (1 TiB; its size table: 16 MiB)
 
 
 class IntegrityError(ProtocolError):
@@ -324,16 +325,23 @@ class Channel:
                     self._open_into(scratch[:size])
                     codec.decompress_into(kind, scratch[:size], d[start : start + piece], peer)
 
-    def _sizes(self, n: int, peer: str):
-        """The chunk sizes of a compressed buffer of ``n`` bytes, read (and checked) a
-        record at a time (the table of a buffer announced huge is never held whole)."""
+    def _sizes(self, n: int, peer: str) -> list[int]:
+        """The chunk sizes of a compressed buffer of ``n`` bytes: its whole table (every
+        record of it comes before the buffer's chunks), checked."""
         per_record = CHUNK // 4
         count = -(-n // CHUNK)
+        if count > MAX_CHUNKS:
+            raise ProtocolError(
+                f"a compressed buffer of {n:,} bytes from worker {peer or '?'} is more than this side reads "
+                f"compressed ({MAX_CHUNKS * CHUNK:,} bytes): the connection is dropped"
+            )
         table = memoryview(bytearray(4 * min(per_record, count)))
+        sizes: list[int] = []
         for first in range(0, count, per_record):
             part = [min(CHUNK, n - k * CHUNK) for k in range(first, min(count, first + per_record))]
             self._open_into(table[: 4 * len(part)])
-            yield from codec.read_sizes(table[: 4 * len(part)], part, peer)
+            sizes += codec.read_sizes(table[: 4 * len(part)], part, peer)
+        return sizes
 
     def skip(self, frame: wire.Frame, meta: bool = True) -> None:
         """Authenticate and discard the unread rest of ``frame`` (its meta when

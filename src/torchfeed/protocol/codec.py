@@ -102,6 +102,11 @@ def decompress_into(codec: int, src, dest: memoryview, worker: str = "") -> None
         if codec == LZ4:
             out = lz4.block.decompress(src, uncompressed_size=n)
         elif codec == ZSTD:
+            # zstandard allocates what the frame announces, whatever max_output_size says:
+            # check the announcement first (a small frame may announce gigabytes)
+            announced = zstandard.get_frame_parameters(src).content_size
+            if announced != n:
+                raise ValueError(f"the frame announces {announced:,} bytes")
             out = _zstd_d().decompress(src, max_output_size=n)
         else:
             raise ValueError(f"unknown codec {codec}")
@@ -181,8 +186,8 @@ class Chooser:
         for start in range(0, raw.nbytes, self.chunk):
             piece = raw[start : start + self.chunk]
             out = compress(codec, piece)
-            if len(out) >= len(piece):  # did not shrink: stored as it is
-                chunks.append(piece)
+            if len(out) >= len(piece):  # did not shrink: stored as it is (a copy: a view would
+                chunks.append(bytes(piece))  # keep the whole buffer alive, uncounted, until sent)
                 sizes.append(len(piece))
             else:
                 chunks.append(out)
