@@ -149,7 +149,6 @@ class Chooser:
         self.chunk = chunk
         self._lock = threading.Lock()
         self._speed = dict(_START_SPEED)  # bytes of input per second, per codec
-        self._ratio: dict[int, float] = {}  # last measured wire/raw ratio, per codec
         self._decisions: dict[int, tuple[int, int]] = {}  # buffer position -> (codec, replies left)
 
     def pack(self, buffers: Sequence[memoryview], mode: int, link_rate: float) -> Packed | None:
@@ -157,18 +156,18 @@ class Chooser:
         None when no buffer is compressed (the reply then travels as before)."""
         if mode == NONE or not buffers:
             return None
-        codecs = bytearray(len(buffers))
+        raws = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in buffers]
+        codecs = bytearray(len(raws))
         any_packed = False
-        for i, b in enumerate(buffers):
-            if b.nbytes >= MIN_BYTES:
-                codecs[i] = mode if mode != AUTO else self._auto(i, b, link_rate)
+        for i, raw in enumerate(raws):
+            if raw.nbytes >= MIN_BYTES:
+                codecs[i] = mode if mode != AUTO else self._auto(i, raw, link_rate)
                 any_packed = any_packed or codecs[i] != NONE
         if not any_packed:
             return None
         bodies: list = []
         total = 0
-        for codec, b in zip(codecs, buffers):
-            raw = b.cast("B") if b.format != "B" or b.ndim != 1 else b
+        for codec, raw in zip(codecs, raws):
             if codec == NONE:
                 bodies.append(raw)
                 total += raw.nbytes
@@ -177,7 +176,7 @@ class Chooser:
             table = struct.pack(f"<{len(sizes)}I", *sizes)
             bodies.append([table, *chunks])
             total += len(table) + sum(sizes)
-        return Packed([b.nbytes for b in buffers], bytes(codecs), bodies, total)
+        return Packed([raw.nbytes for raw in raws], bytes(codecs), bodies, total)
 
     def _compress(self, codec: int, raw: memoryview) -> tuple[list, list[int]]:
         chunks: list = []
@@ -196,10 +195,10 @@ class Chooser:
         with self._lock:
             if seconds > 0:
                 self._speed[codec] = 0.7 * self._speed[codec] + 0.3 * raw.nbytes / seconds
-            self._ratio[codec] = sum(sizes) / raw.nbytes
         return chunks, sizes
 
-    def _auto(self, position: int, b: memoryview, link_rate: float) -> int:
+    def _auto(self, position: int, raw: memoryview, link_rate: float) -> int:
+        """The codec for buffer ``position`` (``raw``: its bytes, a flat byte view)."""
         if link_rate <= 0:  # not measured yet: nothing says the link is slow
             return NONE
         with self._lock:
@@ -213,7 +212,6 @@ class Chooser:
         if not candidates:
             choice = NONE
         else:
-            raw = b.cast("B") if b.format != "B" or b.ndim != 1 else b
             middle = max(0, (raw.nbytes - SAMPLE) // 2)
             sample = raw[middle : middle + SAMPLE]
             best, best_time = NONE, MIN_GAIN / link_rate
