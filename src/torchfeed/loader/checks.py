@@ -7,6 +7,7 @@ written against torch behaves the same (tests/test_loader_args.py compares them)
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 log = logging.getLogger("torchfeed.loader")
@@ -86,3 +87,30 @@ def log_ignored(workers: int, iterable: bool, num_workers, context, pin_memory_d
             "RemoteDataLoader: in_order=False has no effect: batches always come in "
             "sampler order (slow workers are given later batches instead, so order costs little)",
         )
+
+
+def _world_size() -> int:
+    """Ranks of this job: torch.distributed's once initialized, else torchrun's WORLD_SIZE."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def warn_unsharded(own_sampling: bool, iterable: bool) -> None:
+    """Say once, at WARNING, that every rank loads the whole dataset: a loader that made its own
+    sampler (none given) in a job of several ranks, as torch's DataLoader does under torchrun."""
+    if not own_sampling or iterable or _world_size() <= 1:
+        return
+    log_once(
+        "unsharded",
+        f"this job has {_world_size()} ranks and RemoteDataLoader was given no sampler: every rank "
+        "loads the whole dataset (as torch's DataLoader does). To give each rank its share, pass "
+        "sampler=torch.utils.data.DistributedSampler(dataset) or torchfeed.DistributedSampler(dataset) "
+        "(and call loader.set_epoch(epoch) every epoch), or let a framework shard it (Lightning and "
+        "Fabric do; Accelerate through torchfeed.frameworks.accelerate.prepare).",
+    )

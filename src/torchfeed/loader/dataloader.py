@@ -12,10 +12,10 @@ import logging
 import multiprocessing
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import torch
-from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 
 from .. import stats
@@ -26,6 +26,7 @@ from .dataset import RemoteDataset
 from .fetch import Fetcher
 from .iterable import IterablePass
 from .passes import MapPass
+from .pending import PendingPass
 from .plan import FetcherSet, LoaderConfig, PassPlan, new_pass_id
 from .sampling import mix_seed
 from .views import Source
@@ -36,6 +37,9 @@ T_co = TypeVar("T_co", covariant=True)
 
 # Assigning these after construction raises, as in torch.
 _FROZEN = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
+# What the worker-side fetchers are made with: read again at every pass (as torch reads them at
+# every ``iter()``), so a pass after an assignment gets new fetchers.
+_FETCHER_INPUTS = ("collate_fn", "worker_init_fn")
 
 
 class _EndlessSampler(Sampler):
@@ -46,12 +50,19 @@ class _EndlessSampler(Sampler):
             yield None
 
 
-class RemoteDataLoader(Generic[T_co]):
+class RemoteDataLoader(DataLoader[T_co]):
     """Drop-in replacement for ``torch.utils.data.DataLoader`` with remote workers.
 
     Takes DataLoader's arguments (same order, same meanings, same errors for conflicting
     ones) and yields the same batches for the same sampler order. Loading and collation
     run on the workers of the :class:`RemoteDataset`.
+
+    It is a ``DataLoader`` subclass (torch's ``__init__`` is not run: nothing of torch's
+    local loading is used), so training frameworks treat it as one: Lightning and Fabric
+    re-create it with their ``DistributedSampler`` from its public attributes, which hold
+    every constructor argument. A pass starts at the first ``next()``: ``iter()`` alone
+    loads nothing and leaves the epoch as it is (see :mod:`torchfeed.loader.pending`).
+    Accelerate and the HF Trainer need one line each (:mod:`torchfeed.frameworks`).
 
     Parameters
     ----------
@@ -196,7 +207,9 @@ class RemoteDataLoader(Generic[T_co]):
         self.sampler = sampler
         self.batch_sampler = batch_sampler
         self.generator = generator
-        self.prefetch_factor = 2 if prefetch_factor is None else prefetch_factor
+        # as torch: None with num_workers=0 (re-creating the loader from its attributes must pass
+        # torch's checks); requests in flight per worker are then 2
+        self.prefetch_factor = 2 if prefetch_factor is None and self.num_workers != 0 else prefetch_factor
         self.pin_memory = pin_memory
         self.pin_memory_device = pin_memory_device
         self.timeout = timeout
@@ -208,6 +221,8 @@ class RemoteDataLoader(Generic[T_co]):
         self.max_retries = max_retries
         self.straggler_factor = straggler_factor
         self.straggler_min_seconds = straggler_min_seconds
+        self.safe_globals = safe_globals  # as given (frameworks re-create the loader from attributes)
+        self.compression = compression
         self._reply_policy = source.session.reply_policy.with_globals(safe_globals)
         self._compression = (
             source.session.compression if compression == "session" else codec.check_mode(compression)
@@ -216,6 +231,7 @@ class RemoteDataLoader(Generic[T_co]):
             collate_fn = default_collate if self._auto_collation else default_convert
         self.collate_fn = collate_fn
         self._fetchers = FetcherSet(self._make_fetcher, source.timeout, source.secret)
+        self._fetcher_inputs = self._current_fetcher_inputs()
         self._epoch = 0  # epoch of the next pass
         self._progress: resume.Progress | None = None  # the latest pass
         self._resume_from: dict | None = None
@@ -245,6 +261,7 @@ class RemoteDataLoader(Generic[T_co]):
                 "batch_size=None option disables auto-batching and is mutually exclusive with drop_last"
             )
         self._shuffle_generator: torch.Generator | None = None
+        own_sampling = sampler is None and batch_sampler is None
         if sampler is None:
             if source.iterable:
                 sampler = _EndlessSampler()
@@ -256,6 +273,8 @@ class RemoteDataLoader(Generic[T_co]):
                 sampler = SequentialSampler(dataset)
         if batch_size is not None and batch_sampler is None:
             batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+        # the loader made its own sampling: under torch.distributed every rank loads everything
+        self._own_sampling = own_sampling
         return batch_size, drop_last, sampler, batch_sampler
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -296,8 +315,23 @@ class RemoteDataLoader(Generic[T_co]):
 
     # -- epochs, state and resume -------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """Epoch of the next pass (it then advances by one per pass), like DistributedSampler."""
+        """Epoch of the next pass (it then advances by one per pass), like DistributedSampler.
+
+        Also sets the epoch of the sampler, the batch sampler and the batch sampler's sampler
+        where they have ``set_epoch`` (as Accelerate's loaders do), so a ``DistributedSampler``
+        reshuffles when a training loop calls only ``loader.set_epoch(e)``.
+        """
         self._epoch = int(epoch)
+        seen: set[int] = set()
+        parts: tuple[Any, ...] = (
+            self.sampler,
+            self.batch_sampler,
+            getattr(self.batch_sampler, "sampler", None),
+        )
+        for part in parts:
+            if part is not None and id(part) not in seen and callable(getattr(part, "set_epoch", None)):
+                seen.add(id(part))
+                part.set_epoch(epoch)
 
     @property
     def epoch(self) -> int:
@@ -340,22 +374,32 @@ class RemoteDataLoader(Generic[T_co]):
 
     def __len__(self) -> int:
         if self._source.iterable:  # as torch: from the dataset's length, if it has one
-            length = len(self.dataset)
+            length = len(self.dataset)  # type: ignore[arg-type]  # an iterable RemoteDataset's length
             if self.batch_size is not None:
                 length = length // self.batch_size if self.drop_last else -(-length // self.batch_size)
             return length
         return len(self._index_sampler)
 
-    def __iter__(self) -> MapPass | IterablePass:
+    def __iter__(self) -> PendingPass:  # type: ignore[override]
+        """A pass that starts at its first ``next()`` (:class:`~torchfeed.loader.pending.PendingPass`)."""
         buffers.check_pinnable(self.pin_memory)
-        resume_from, self._resume_from = self._resume_from, None
         # torch's persistent workers draw their base seed once, at the first pass
         kept = self._persistent_seed if self.persistent_workers else None
+        # torch's iterator draws the base seed in iter(); so does this one, to use the global
+        # generator at the same point (the draw is the only thing iter() does)
+        drawn = resume.draw_base_seed(self.generator) if self.seed is None and kept is None else None
+        return PendingPass(lambda: self._start_pass(kept if drawn is None else drawn), self.__len__)
+
+    def _start_pass(self, base_seed: int | resume.Drawn | None) -> MapPass | IterablePass:
+        """Begin the pass (at the first ``next()`` of the iterator ``__iter__`` returned)."""
+        resume_from, self._resume_from = self._resume_from, None
+        checks.warn_unsharded(self._own_sampling, self._source.iterable)
+        fetchers = self._fetchers_for_pass()
         sampler_iter, progress = resume.begin_pass(
             self._sampling(),
             self._epoch,
             resume_from,
-            kept,
+            base_seed,
             index_sampler=self._index_sampler,
             shuffle_generator=self._shuffle_generator,
         )
@@ -367,7 +411,7 @@ class RemoteDataLoader(Generic[T_co]):
         plan = PassPlan(
             config=self._config(),
             source=self._source,
-            fetchers=self._fetchers,
+            fetchers=fetchers,
             sampler_iter=sampler_iter,
             progress=progress,
             auto_collation=self._auto_collation,
@@ -389,6 +433,19 @@ class RemoteDataLoader(Generic[T_co]):
         head, self._head = self._head, None
         return MapPass(plan, head)
 
+    def _current_fetcher_inputs(self) -> tuple:
+        return tuple(id(self.__dict__.get(name)) for name in _FETCHER_INPUTS)
+
+    def _fetchers_for_pass(self) -> FetcherSet:
+        """The worker-side fetchers for a pass starting now: new ones when ``collate_fn`` or
+        ``worker_init_fn`` was assigned since they were made (a prefetched head made with the old
+        ones is then not used: ``Head.matches`` compares the fetcher set)."""
+        inputs = self._current_fetcher_inputs()
+        if inputs != self._fetcher_inputs:
+            self._fetchers = FetcherSet(self._make_fetcher, self._source.timeout, self._source.secret)
+            self._fetcher_inputs = inputs
+        return self._fetchers
+
     def _sampling(self) -> resume.Sampling:
         return resume.Sampling(
             seed=self.seed,
@@ -408,7 +465,7 @@ class RemoteDataLoader(Generic[T_co]):
             drop_last=self.drop_last,
             pin_memory=self.pin_memory,
             timeout=self.timeout,
-            prefetch_factor=self.prefetch_factor,
+            prefetch_factor=self.prefetch_factor or 2,
             max_retries=self.max_retries,
             straggler_factor=self.straggler_factor,
             straggler_min_seconds=self.straggler_min_seconds,

@@ -67,25 +67,54 @@ class Sampling:
     per_sample_seeding: bool
 
 
+@dataclass(frozen=True)
+class Drawn:
+    """A base seed drawn from the global generator (or the loader's ``generator``) when the
+    iterator was made, and that generator's state just before the draw (what a resume replays)."""
+
+    seed: int
+    global_rng: bytes
+    generator_rng: bytes | None  # the loader's ``generator``, when it has one (the draw used it)
+
+
+def draw_base_seed(generator: torch.Generator | None) -> Drawn:
+    """Draw a pass's base seed exactly as torch's DataLoader iterator does in ``iter()``."""
+    global_rng = _to_bytes(torch.get_rng_state())
+    generator_rng = _to_bytes(generator.get_state()) if generator is not None else None
+    seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+    return Drawn(seed & ((1 << 64) - 1), global_rng, generator_rng)
+
+
 def shuffle_seed(seed: int, epoch: int) -> int:
     """The seed of a loader's own shuffle generator for ``epoch`` (with ``seed=``)."""
     return mix_seed(seed, epoch, _SHUFFLE_TAG) & _INT63
 
 
 def _generators(loader: Sampling, shuffle_generator: torch.Generator | None) -> dict[str, torch.Generator]:
-    """The generators this loader's sampling draws from, by a stable name (not the loader's own
-    shuffle generator, which is reseeded from (seed, epoch) every pass)."""
+    """The generators this loader's sampling draws from, by a stable name: the loader's, and
+    those of its sampler, its batch sampler and the samplers they wrap (``.sampler``,
+    ``.batch_sampler``: Accelerate's ``BatchSamplerShard`` wraps the user's batch sampler), not
+    the loader's own shuffle generator, which is reseeded from (seed, epoch) every pass."""
     found: dict[str, torch.Generator] = {}
-    candidates = [("loader", loader.generator), ("sampler", getattr(loader.sampler, "generator", None))]
-    bs = loader.batch_sampler
-    if bs is not None:
-        candidates.append(("batch_sampler", getattr(bs, "generator", None)))
-        candidates.append(("batch_sampler.sampler", getattr(getattr(bs, "sampler", None), "generator", None)))
-    seen = set()
-    for name, g in candidates:
+    seen: set[int] = set()
+
+    def visit(name: str, obj: Any, depth: int) -> None:
+        g = getattr(obj, "generator", None)
         if isinstance(g, torch.Generator) and g is not shuffle_generator and id(g) not in seen:
             seen.add(id(g))
             found[name] = g
+        if depth < 3:
+            for attr in ("sampler", "batch_sampler"):
+                inner = getattr(obj, attr, None)
+                if inner is not None and inner is not obj:
+                    visit(f"{name}.{attr}", inner, depth + 1)
+
+    if isinstance(loader.generator, torch.Generator) and loader.generator is not shuffle_generator:
+        seen.add(id(loader.generator))
+        found["loader"] = loader.generator
+    visit("sampler", loader.sampler, 1)
+    if loader.batch_sampler is not None:
+        visit("batch_sampler", loader.batch_sampler, 1)
     return found
 
 
@@ -111,7 +140,7 @@ def begin_pass(
     loader: Sampling,
     epoch: int,
     resume: dict[str, Any] | None,
-    base_seed: int | None = None,
+    base_seed: int | Drawn | None = None,
     *,
     index_sampler: Iterable,
     shuffle_generator: torch.Generator | None = None,
@@ -122,7 +151,8 @@ def begin_pass(
     ``index_sampler`` is what the pass iterates (the batch sampler, or the sampler without
     auto-collation); ``shuffle_generator`` is the loader's own shuffle generator, reseeded
     here from (seed, epoch). ``base_seed`` (the first pass's, for torch's persistent
-    workers) is used instead of drawing one.
+    workers) is used instead of drawing one; a :class:`Drawn` one (drawn by ``iter()``) too, with
+    the generator state it was drawn from.
     """
     if resume is not None:
         check_state(resume, loader.seed)
@@ -151,6 +181,14 @@ def begin_pass(
             shuffle_generator.manual_seed(shuffle_seed(loader.seed, epoch))
         record.base_seed = mix_seed(loader.seed, epoch)
         indices = iter(index_sampler)
+    elif isinstance(base_seed, Drawn) and resume is None:
+        # drawn by iter(), as torch's iterator draws it: the recorded state is the one before
+        # that draw, so a resume replays the draw and then the sampler's own draws
+        record.global_rng = base_seed.global_rng
+        if base_seed.generator_rng is not None and "loader" in record.generators:
+            record.generators["loader"] = base_seed.generator_rng
+        record.base_seed = base_seed.seed
+        indices = iter(index_sampler)
     else:
         record.global_rng = _to_bytes(torch.get_rng_state())
         indices = iter(index_sampler)
@@ -158,6 +196,7 @@ def begin_pass(
         # first index), so the same global seed gives the same shuffle order as torch
         if base_seed is None or resume is not None:
             base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+        assert isinstance(base_seed, int)
         record.base_seed = resume["base_seed"] if resume is not None else base_seed & ((1 << 64) - 1)
     progress = Progress(record)
     if resume is not None:

@@ -44,10 +44,15 @@ class DistributedSampler(Sampler[int]):
     """Elastic distributed sampler: one seeded global order shared by all ranks.
 
     Rank ``r`` of ``W`` takes positions ``start + r, start + r + W, ...`` of the global
-    order for the epoch. The state records the global position, so a job can resume
-    after the number of ranks changed and every remaining sample is still seen exactly
-    once across the job (with ``drop_last=False`` the last step is padded by wrapping
-    around, as torch's sampler does, unless ``pad=False``).
+    order for the epoch. With ``start=0`` this is exactly torch's ``DistributedSampler``:
+    the same permutation for the same ``seed`` and epoch (``randperm`` seeded with
+    ``seed + epoch``), the same padding (``drop_last=False`` repeats the epoch's first
+    samples so every rank gets the same count, unless ``pad=False``) and the same indices
+    per rank. The state records the global position, so a job can resume after the number
+    of ranks changed and every remaining sample is still seen exactly once across the job;
+    padding always comes from the epoch's order, so a resumed rank pads with the samples
+    it would have padded with. ``len()`` is the epoch's count per rank (a resumed pass
+    yields fewer, as a resumed torch loader yields fewer batches than its length).
 
     Parameters
     ----------
@@ -102,14 +107,14 @@ class DistributedSampler(Sampler[int]):
         self.epoch = epoch
 
     def _global_order(self) -> torch.Tensor:
-        if self.shuffle:
+        if self.shuffle:  # as torch's DistributedSampler: the same seed and epoch give the same order
             g = torch.Generator()
-            g.manual_seed(mix_seed(self.seed, self.epoch) & ((1 << 63) - 1))
+            g.manual_seed(self.seed + self.epoch)
             return torch.randperm(self.num_samples_total, generator=g)
         return torch.arange(self.num_samples_total)
 
-    def _rank_count(self) -> int:
-        remaining = self.num_samples_total - self.start
+    def _rank_count(self, start: int) -> int:
+        remaining = self.num_samples_total - start
         w = self.num_replicas
         if self.drop_last:
             return remaining // w
@@ -118,14 +123,17 @@ class DistributedSampler(Sampler[int]):
         return len(range(self.rank, remaining, w))
 
     def __len__(self) -> int:
-        return self._rank_count()
+        return self._rank_count(0)
 
     def __iter__(self) -> Iterator[int]:
-        remaining = self._global_order()[self.start :]
-        w, count = self.num_replicas, self._rank_count()
-        if not self.drop_last and self.pad and len(remaining) and len(remaining) % w:
-            reps = math.ceil(count * w / len(remaining))
-            remaining = remaining.repeat(reps)[: count * w]
+        order = self._global_order()
+        remaining = order[self.start :]
+        w, count = self.num_replicas, self._rank_count(self.start)
+        short = count * w - len(remaining)
+        if not self.drop_last and self.pad and short > 0 and len(order):
+            # the padding repeats the epoch's order from its beginning (torch's), whatever ``start``
+            reps = math.ceil(short / len(order))
+            remaining = torch.cat([remaining, order.repeat(reps)[:short]])
         return iter(remaining[self.rank :: w][:count].tolist())
 
     def state_dict(self, consumed_on_rank: int = 0) -> dict[str, int]:

@@ -228,7 +228,10 @@ def _train(
     width = len(str(epochs))
     for epoch in range(epochs):  # the loader's epoch advances with each pass
         model.train()
-        bar = ProgressBar(len(loader.dataset), f"epoch {epoch + 1:>{width}}/{epochs}")
+        bar = ProgressBar(
+            len(loader.dataset),  # type: ignore[arg-type]
+            f"epoch {epoch + 1:>{width}}/{epochs}",
+        )
         loss_sum, correct, seen = 0.0, 0, 0
         for images, labels in loader:
             optimizer.zero_grad(set_to_none=True)

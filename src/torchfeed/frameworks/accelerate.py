@@ -1,0 +1,99 @@
+"""Accelerate: a RemoteDataLoader prepared exactly as Accelerate prepares a DataLoader.
+
+``accelerator.prepare(loader)`` builds a new torch ``DataLoader`` over ``loader.dataset`` with
+its own batch sampler (``BatchSamplerShard``: each process's batches, padded with the first
+ones when ``even_batches``). :func:`prepare` lets Accelerate make every one of those
+decisions with its own code (``Accelerator.prepare_data_loader``: sharding, seedable
+samplers, the synchronized generator, device placement, the end-of-loader gradient sync)
+and then puts a :class:`~torchfeed.RemoteDataLoader` over Accelerate's batch sampler in the
+place of the torch loader inside Accelerate's ``DataLoaderShard``. The torch loader it built
+is never iterated.
+
+The prepared loader reports its state to ``accelerator.save_state``/``load_state`` (as a
+torchdata ``StatefulDataLoader`` does) and to ``register_for_checkpointing``, so a mid-epoch
+resume continues with exactly the batches that had not been delivered. Accelerate's
+``skip_first_batches`` would rebuild a torch loader: resume through the loader's state instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..loader.dataloader import RemoteDataLoader
+
+# the constructor arguments a prepared loader keeps (every one is a public attribute)
+_KEPT = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "prefetch_factor",
+    "persistent_workers",
+    "pin_memory_device",
+    "in_order",
+    "seed",
+    "per_sample_seeding",
+    "max_retries",
+    "straggler_factor",
+    "straggler_min_seconds",
+    "safe_globals",
+    "compression",
+)
+
+
+def prepare(accelerator: Any, *objects: Any, device_placement: list[bool] | None = None) -> Any:
+    """``accelerator.prepare(*objects)``, with every :class:`~torchfeed.RemoteDataLoader` among
+    them prepared by :func:`prepare_loader`. Returns what ``accelerator.prepare`` returns: the
+    objects in the same order (one object alone, else a tuple).
+
+    Example: ``model, optimizer, loader = torchfeed.frameworks.accelerate.prepare(accelerator,
+    model, optimizer, loader)``.
+    """
+    if device_placement is not None and len(device_placement) != len(objects):
+        raise ValueError(
+            f"device_placement has {len(device_placement)} entries for {len(objects)} objects: give one per object"
+        )
+    places: list[bool | None] = (
+        list(device_placement) if device_placement is not None else [None] * len(objects)
+    )
+    others = [i for i, obj in enumerate(objects) if not isinstance(obj, RemoteDataLoader)]
+    done: dict[int, Any] = {}
+    if others:
+        kwargs = {} if device_placement is None else {"device_placement": [places[i] for i in others]}
+        prepared = accelerator.prepare(*(objects[i] for i in others), **kwargs)
+        done.update(zip(others, prepared if len(others) > 1 else (prepared,)))
+    for i, obj in enumerate(objects):
+        if i not in done:
+            done[i] = prepare_loader(accelerator, obj, device_placement=places[i])
+    result = tuple(done[i] for i in range(len(objects)))
+    return result[0] if len(result) == 1 else result
+
+
+def prepare_loader(accelerator: Any, loader: RemoteDataLoader, device_placement: bool | None = None) -> Any:
+    """Prepare one map-style :class:`~torchfeed.RemoteDataLoader` as
+    ``accelerator.prepare_data_loader`` prepares a ``DataLoader``; returns Accelerate's
+    ``DataLoaderShard`` whose batches come from a RemoteDataLoader over Accelerate's batch
+    sampler (this process's share)."""
+    if not isinstance(loader, RemoteDataLoader):
+        raise TypeError(
+            f"expected a RemoteDataLoader, got {type(loader).__name__}: use accelerator.prepare for it"
+        )
+    shard = accelerator.prepare_data_loader(loader, device_placement=device_placement)
+    local = shard.base_dataloader  # Accelerate's torch DataLoader, built but never iterated
+    if local.dataset is not loader.dataset or local.batch_sampler is None:
+        raise TypeError(
+            "Accelerate shards this loader by wrapping its dataset (an iterable-style dataset, or "
+            "dispatch_batches=True), which would load it in the trainer: give each process its own "
+            "RemoteDataLoader (sampler=DistributedSampler for map-style data) and do not prepare it"
+        )
+    remote: RemoteDataLoader = RemoteDataLoader(
+        loader.dataset, batch_sampler=local.batch_sampler, **{name: getattr(loader, name) for name in _KEPT}
+    )
+    shard.base_dataloader = remote
+    shard.dl_state_dict = remote.state_dict()
+    # save_state/load_state then keep the loader's state, as for a torchdata StatefulDataLoader
+    shard.use_stateful_dataloader = True
+    return shard

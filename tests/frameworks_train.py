@@ -1,0 +1,256 @@
+"""One rank of a 2-rank torchrun job for tests/test_frameworks.py.
+
+``python -m torch.distributed.run --nproc_per_node 2 frameworks_train.py FRAMEWORK OUT_DIR``
+runs the same training under FRAMEWORK (torchrun, lightning, fabric, accelerate) with torch's
+DataLoader and with RemoteDataLoader (workers from ``TORCHFEED_TEST_WORKERS``), and writes
+what this rank saw (sample indices per batch, per epoch; random draws; gradient syncs) to
+``OUT_DIR/rank{RANK}.json``. Samples name their index, so the test compares shards, order,
+step counts and resumed batches with torch's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DistributedSampler as TorchDistributedSampler
+
+import torchfeed
+
+N = 45  # 2 ranks: torch pads to 46, 23 samples and 6 batches of 4 per rank
+BATCH = 4
+EPOCHS = 2
+
+
+class Indexed(Dataset):
+    """Sample i names i and draws one random number (a random augmentation)."""
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        return {"index": torch.tensor(i), "noise": torch.rand(()), "x": torch.full((2,), float(i))}
+
+
+def remote_dataset():
+    return torchfeed.RemoteDataset(os.environ["TORCHFEED_TEST_WORKERS"].split(","), Indexed)
+
+
+def indices(batch) -> list[int]:
+    return batch["index"].tolist()
+
+
+def noise(batch) -> list[float]:
+    return [round(v, 6) for v in batch["noise"].tolist()]
+
+
+# -- plain torchrun (DDP without a framework) ------------------------------------------------
+def run_torchrun(out: dict) -> None:
+    dist.init_process_group("gloo")
+    rds = remote_dataset()
+    for name, make in (
+        ("torch", lambda: DataLoader(Indexed(), BATCH, sampler=TorchDistributedSampler(Indexed(), seed=3))),
+        (
+            "remote",
+            lambda: torchfeed.RemoteDataLoader(rds, BATCH, sampler=torchfeed.DistributedSampler(rds, seed=3)),
+        ),
+    ):
+        loader = make()
+        epochs = []
+        for e in range(EPOCHS):
+            loader.set_epoch(e) if name == "remote" else loader.sampler.set_epoch(e)
+            epochs.append([indices(b) for b in loader])
+        out[name] = epochs
+    # no sampler: every rank loads everything, as torch, and a warning says so
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("torchfeed.loader").addHandler(handler)
+    out["plain"] = [indices(b) for b in torchfeed.RemoteDataLoader(rds, BATCH)]
+    out["plain_torch"] = [indices(b) for b in DataLoader(Indexed(), BATCH)]
+    out["plain_warnings"] = [m for m in records if "every rank loads the whole dataset" in m]
+    # a resume in epoch 1 after 3 batches, from the loader's state, in a new loader
+    torch.manual_seed(0)  # base seeds come from the global generator (seed=None), as torch's
+    full = torchfeed.RemoteDataLoader(rds, BATCH, sampler=torchfeed.DistributedSampler(rds, seed=3))
+    seen = []
+    for e in range(EPOCHS):
+        full.set_epoch(e)
+        seen.append([noise(b) for b in full])
+    torch.manual_seed(0)
+    first = torchfeed.RemoteDataLoader(rds, BATCH, sampler=torchfeed.DistributedSampler(rds, seed=3))
+    list(first)
+    first.set_epoch(1)
+    it = iter(first)
+    head = [noise(next(it)) for _ in range(3)]
+    state = first.state_dict()
+    resumed = torchfeed.RemoteDataLoader(rds, BATCH, sampler=torchfeed.DistributedSampler(rds, seed=3))
+    torch.manual_seed(1)  # the resumed process's generator is another's
+    resumed.load_state_dict(state)
+    out["resume"] = {
+        "expected": seen[1],
+        "head": head,
+        "tail": [noise(b) for b in resumed],
+        "len_after_load": len(resumed),
+        "len": len(full),
+    }
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# -- Lightning --------------------------------------------------------------------------
+def run_lightning(out: dict) -> None:
+    import lightning as L
+
+    class Model(L.LightningModule):
+        def __init__(self, make_loader, make_val, seen):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+            self.make_loader, self.make_val, self.seen = make_loader, make_val, seen
+
+        def training_step(self, batch, batch_idx):
+            self.seen["train"].append([self.current_epoch, batch_idx, indices(batch), noise(batch)])
+            return self.layer(batch["x"]).sum()
+
+        def validation_step(self, batch, batch_idx):
+            self.seen["val"].append([self.current_epoch, indices(batch)])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            return self.make_loader()
+
+        def val_dataloader(self):
+            return self.make_val()
+
+    def trainer(**kw):
+        base = dict(
+            accelerator="cpu",
+            devices=2,
+            strategy="ddp",
+            max_epochs=EPOCHS,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        return L.Trainer(**{**base, **kw})
+
+    rds = remote_dataset()
+    makers = {
+        "torch": (lambda: DataLoader(Indexed(), BATCH, shuffle=True), lambda: DataLoader(Indexed(), 5)),
+        "remote": (
+            lambda: torchfeed.RemoteDataLoader(rds, BATCH, shuffle=True),
+            lambda: torchfeed.RemoteDataLoader(rds, 5),
+        ),
+    }
+    for name, (make, make_val) in makers.items():
+        L.seed_everything(7, workers=True)
+        seen: dict = {"train": [], "val": []}
+        trainer().fit(Model(make, make_val, seen))
+        out[name] = seen
+        seen = {"train": [], "val": []}
+        trainer(max_epochs=1, overfit_batches=2).fit(Model(make, make_val, seen))
+        out[name + "_overfit"] = seen
+    # resume from a checkpoint taken inside epoch 1 (after its 2nd batch), in a new Trainer
+    ckpt = os.path.join(os.environ["FRAMEWORKS_TMP"], "lightning.ckpt")
+
+    class SaveAt(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.current_epoch == 1 and batch_idx == 1:
+                trainer.save_checkpoint(ckpt)
+
+    # with seed= every later epoch is exact too (without it, later base seeds come from the global
+    # generator, which Lightning does not restore: as with torch's DataLoader)
+    make = lambda: torchfeed.RemoteDataLoader(rds, BATCH, shuffle=True, seed=11)  # noqa: E731
+    make_val = makers["remote"][1]
+    L.seed_everything(7, workers=True)
+    full: dict = {"train": [], "val": []}
+    trainer(max_epochs=3, callbacks=[SaveAt()]).fit(Model(make, make_val, full))
+    L.seed_everything(7, workers=True)  # as the job was started (Lightning seeds its sampler from it)
+    tail: dict = {"train": [], "val": []}
+    t = trainer(max_epochs=3)
+    t.fit(Model(make, make_val, tail), ckpt_path=ckpt)
+    out["resume"] = {"full": full["train"], "tail": tail["train"]}
+
+
+# -- Lightning Fabric ---------------------------------------------------------------------
+def run_fabric(out: dict) -> None:
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+    fabric.launch()
+    rds = remote_dataset()
+    for name, make in (
+        ("torch", lambda: DataLoader(Indexed(), BATCH, shuffle=True)),
+        ("remote", lambda: torchfeed.RemoteDataLoader(rds, BATCH, shuffle=True)),
+    ):
+        fabric.seed_everything(5)
+        loader = fabric.setup_dataloaders(make())
+        out[name] = [[indices(b) for b in loader] for _ in range(EPOCHS)]
+
+
+# -- Accelerate ---------------------------------------------------------------------------
+def run_accelerate(out: dict) -> None:
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    from torchfeed.frameworks import accelerate as tf_accelerate
+
+    rds = remote_dataset()
+    state_dir = os.path.join(os.environ["FRAMEWORKS_TMP"], "accelerate-state")
+
+    def train(name, make, prepare, stop_at=None, resume=False):
+        set_seed(11)
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        model, opt, loader = prepare(accelerator, model, opt, make())
+        if resume:
+            accelerator.load_state(state_dir)
+        seen = []
+        for e in range(1 if resume else 0, EPOCHS):
+            loader.set_epoch(e)
+            for step, batch in enumerate(loader):
+                with accelerator.accumulate(model):
+                    model(batch["x"]).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+                seen.append([e, indices(batch), noise(batch), accelerator.sync_gradients])
+                if stop_at == (e, step):
+                    accelerator.save_state(state_dir)
+                    return seen
+        return seen
+
+    def torch_prepare(accelerator, *objs):
+        return accelerator.prepare(*objs)
+
+    out["torch"] = train("torch", lambda: DataLoader(Indexed(), BATCH, shuffle=True), torch_prepare)
+    make = lambda: torchfeed.RemoteDataLoader(rds, BATCH, shuffle=True)  # noqa: E731
+    out["remote"] = train("remote", make, tf_accelerate.prepare)
+    train("remote", make, tf_accelerate.prepare, stop_at=(1, 2))
+    out["resume"] = train("remote", make, tf_accelerate.prepare, resume=True)
+
+
+def main() -> None:
+    framework, out_dir = sys.argv[1], sys.argv[2]
+    os.environ.setdefault("FRAMEWORKS_TMP", tempfile.mkdtemp())
+    out: dict = {}
+    {
+        "torchrun": run_torchrun,
+        "lightning": run_lightning,
+        "fabric": run_fabric,
+        "accelerate": run_accelerate,
+    }[framework](out)
+    with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""RemoteDataLoader under the training frameworks, against torch's DataLoader under the same one.
+
+Each test runs tests/frameworks_train.py as a real 2-rank torchrun job (gloo, CPU) with the
+framework installed here (lightning, accelerate, transformers: the test extra), once with
+torch's DataLoader and once with RemoteDataLoader in the same processes, and compares what
+every rank saw: sample indices per batch and epoch (the shard, the order, the step count),
+validation batches, gradient-sync steps, and the batches after a mid-epoch resume through the
+framework's own checkpointing (with the random draws of the samples).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchfeed import LocalWorkers
+from torchfeed.util import free_port
+
+pytestmark = pytest.mark.slow
+HERE = Path(__file__).resolve().parent
+N = 45
+
+
+@pytest.fixture(scope="module")
+def workers():
+    with LocalWorkers(2) as w:
+        yield w.addresses
+
+
+def run(framework: str, workers, tmp_path) -> list[dict]:
+    """Both ranks' records of one framework's run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {
+        **os.environ,
+        "TORCHFEED_TEST_WORKERS": ",".join(workers),
+        "FRAMEWORKS_TMP": str(tmp_path),
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(HERE / "frameworks_train.py"),
+        framework,
+        str(out),
+    ]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def batches(rows, column):
+    return [row[column] for row in rows]
+
+
+def assert_sharded(per_rank_epochs, per_rank=23):
+    """Each epoch: ranks disjoint but for the padding, together the whole dataset."""
+    for epoch in zip(*per_rank_epochs):
+        ranks = [[i for b in rank for i in b] for rank in epoch]
+        assert len(ranks[0]) == len(ranks[1]) == per_rank
+        assert set(ranks[0]) | set(ranks[1]) == set(range(N))
+        assert len(ranks[0]) + len(ranks[1]) - len(set(ranks[0]) | set(ranks[1])) == 2 * per_rank - N
+
+
+@pytest.mark.timeout(600)
+def test_torchrun_ddp(workers, tmp_path):
+    ranks = run("torchrun", workers, tmp_path)
+    for r in ranks:
+        # torchfeed.DistributedSampler gives torch's DistributedSampler indices, and
+        # loader.set_epoch(e) reaches the sampler (the second epoch is reshuffled)
+        assert r["remote"] == r["torch"]
+        assert r["remote"][0] != r["remote"][1]
+        # without a sampler every rank loads everything (as torch) and is told so, once
+        assert r["plain"] == r["plain_torch"] and len(r["plain"]) == 12
+        assert len(r["plain_warnings"]) == 1
+        # resumed from the loader's state in epoch 1: the remaining batches, same draws;
+        # len() stays the epoch's length
+        resume = r["resume"]
+        assert resume["head"] == resume["expected"][:3]
+        assert resume["tail"] == resume["expected"][3:]
+        assert resume["len_after_load"] == resume["len"] == 6
+    assert_sharded([ranks[0]["remote"], ranks[1]["remote"]])
+
+
+@pytest.mark.timeout(600)
+def test_lightning_trainer(workers, tmp_path):
+    pytest.importorskip("lightning")
+    ranks = run("lightning", workers, tmp_path)
+    for r in ranks:
+        # Lightning injects its DistributedSampler into RemoteDataLoader as into DataLoader
+        assert [row[:3] for row in r["remote"]["train"]] == [row[:3] for row in r["torch"]["train"]]
+        assert r["remote"]["val"] == r["torch"]["val"]  # validation sharded too
+        assert len(r["remote"]["train"]) == 12  # 6 steps per epoch per rank, not 12
+        assert [row[:3] for row in r["remote_overfit"]["train"]] == [
+            row[:3] for row in r["torch_overfit"]["train"]
+        ]
+        # resumed from a checkpoint inside epoch 1: exactly the rest of the run (indices and
+        # random draws), 6 batches in every later epoch
+        full = {(e, b): (idx, draws) for e, b, idx, draws in r["resume"]["full"]}
+        tail = r["resume"]["tail"]
+        assert [(e, b) for e, b, _, _ in tail] == [k for k in full if k > (1, 1)]
+        assert all(full[(e, b)] == (idx, draws) for e, b, idx, draws in tail)
+    epochs = [[[row[2] for row in r["remote"]["train"] if row[0] == e] for e in range(2)] for r in ranks]
+    assert_sharded(epochs)
+
+
+@pytest.mark.timeout(600)
+def test_lightning_fabric(workers, tmp_path):
+    pytest.importorskip("lightning")
+    ranks = run("fabric", workers, tmp_path)
+    for r in ranks:
+        assert r["remote"] == r["torch"]  # setup_dataloaders accepts it and shards it as torch's
+        assert r["remote"][0] != r["remote"][1]
+    assert_sharded([ranks[0]["remote"], ranks[1]["remote"]])
+
+
+@pytest.mark.timeout(600)
+def test_accelerate(workers, tmp_path):
+    pytest.importorskip("accelerate")
+    ranks = run("accelerate", workers, tmp_path)
+    for r in ranks:
+        # Accelerate's own shards, order and end-of-loader gradient syncs (gradient
+        # accumulation of 4 over 6 batches: syncs after the 4th and the last)
+        def seen(rows):
+            return [(e, idx, sync) for e, idx, _, sync in rows]
+
+        assert seen(r["remote"]) == seen(r["torch"])
+        assert [sync for e, _, _, sync in r["remote"] if e == 0] == [False] * 3 + [True, False, True]
+        # save_state inside epoch 1 after 3 batches, load_state in a new Accelerator: the rest
+        epoch1 = [row for row in r["remote"] if row[0] == 1]
+        assert r["resume"] == epoch1[3:]
+    epochs = [[[row[1] for row in r["remote"] if row[0] == e] for e in range(2)] for r in ranks]
+    assert_sharded(
+        epochs, per_rank=24
+    )  # even_batches: 12 batches of 4, the last padded from the first samples
