@@ -440,17 +440,6 @@ class RemoteDataset(Dataset[T_co]):
             ).wait()
         raise WorkerLost(f"no worker of this dataset is reachable: {self.workers}")
 
-    def __getitems__(self, indices):
-        """Refused: a torch ``DataLoader`` (or a framework that rebuilt one) is loading this dataset
-        in the trainer, one remote call per sample, without the loader's seeding."""
-        raise TypeError(
-            "a torch DataLoader is loading a RemoteDataset in the trainer, sample by sample: wrap it in "
-            "torchfeed.RemoteDataLoader instead. If a framework rebuilt your RemoteDataLoader as a torch "
-            "DataLoader (Accelerate's prepare() and skip_first_batches(), the HF Trainer), prepare it with "
-            "torchfeed.frameworks.accelerate.prepare(accelerator, loader) or train with "
-            "torchfeed.frameworks.transformers.RemoteTrainer (docs: Training frameworks)"
-        )
-
     def run_on_workers(
         self, fn: Callable, *args, pass_worker_id: bool = False, pass_dataset: bool = False
     ) -> dict[str, Any]:
