@@ -238,6 +238,51 @@ def run_accelerate(out: dict) -> None:
     out["resume"] = train("remote", make, tf_accelerate.prepare, resume=True)
 
 
+# -- the HF Trainer ---------------------------------------------------------------------------
+def run_hf(out: dict) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    from torchfeed.frameworks.transformers import RemoteTrainer
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+            self.seen: list = []
+
+        def forward(self, x, index, noise):
+            self.seen.append([index.tolist(), [round(v, 6) for v in noise.tolist()]])
+            return {"loss": self.layer(x).sum()}
+
+    def train(trainer_class, dataset, epochs, resume=False, extra=None, **kw):
+        args = TrainingArguments(
+            output_dir=os.path.join(os.environ["FRAMEWORKS_TMP"], "hf"),
+            per_device_train_batch_size=BATCH,
+            num_train_epochs=epochs,
+            use_cpu=True,
+            ddp_backend="gloo",
+            report_to="none",
+            logging_strategy="no",
+            remove_unused_columns=False,
+            seed=13,
+            **kw,
+        )
+        model = Model()
+        trainer = trainer_class(model=model, args=args, train_dataset=dataset, **(extra or {}))
+        trainer.train(resume_from_checkpoint=resume or None)
+        return model.seen
+
+    rds = remote_dataset()
+    out["torch"] = train(Trainer, Indexed(), EPOCHS, save_strategy="no")
+    out["remote"] = train(RemoteTrainer, rds, EPOCHS, save_strategy="no")
+    # a checkpoint at global step 8 (inside epoch 1), then a new trainer resumes from it; with
+    # seed= the draws of every later epoch are exact too (not only the resumed one's)
+    seeded = {"loader_options": {"seed": 17}}
+    out["full"] = train(RemoteTrainer, rds, 3, extra=seeded, save_strategy="steps", save_steps=8)
+    checkpoint = os.path.join(os.environ["FRAMEWORKS_TMP"], "hf", "checkpoint-8")
+    out["tail"] = train(RemoteTrainer, rds, 3, checkpoint, seeded, save_strategy="steps", save_steps=8)
+
+
 def main() -> None:
     framework, out_dir = sys.argv[1], sys.argv[2]
     os.environ.setdefault("FRAMEWORKS_TMP", tempfile.mkdtemp())
@@ -247,6 +292,7 @@ def main() -> None:
         "lightning": run_lightning,
         "fabric": run_fabric,
         "accelerate": run_accelerate,
+        "hf": run_hf,
     }[framework](out)
     with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
         json.dump(out, f)

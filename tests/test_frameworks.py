@@ -143,3 +143,19 @@ def test_accelerate(workers, tmp_path):
     assert_sharded(
         epochs, per_rank=24
     )  # even_batches: 12 batches of 4, the last padded from the first samples
+
+
+@pytest.mark.timeout(600)
+def test_hf_trainer(workers, tmp_path):
+    pytest.importorskip("transformers")
+    ranks = run("hf", workers, tmp_path)
+    for r in ranks:
+        # RemoteTrainer's loaders: the Trainer's sampler and Accelerate's shards, as Trainer's
+        assert [idx for idx, _ in r["remote"]] == [idx for idx, _ in r["torch"]]
+        assert len(r["remote"]) == 12
+        # resume_from_checkpoint at step 8 (epoch 1, third batch): the remaining 10 batches,
+        # draws included, without a torch loader rebuilt to skip the first ones
+        assert len(r["full"]) == 18
+        assert r["tail"] == r["full"][8:]
+    epochs = [[[idx for idx, _ in r["remote"][e * 6 : e * 6 + 6]] for e in range(2)] for r in ranks]
+    assert_sharded(epochs, per_rank=24)

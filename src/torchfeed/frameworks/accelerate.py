@@ -82,16 +82,31 @@ def prepare_loader(accelerator: Any, loader: RemoteDataLoader, device_placement:
             f"expected a RemoteDataLoader, got {type(loader).__name__}: use accelerator.prepare for it"
         )
     shard = accelerator.prepare_data_loader(loader, device_placement=device_placement)
-    local = shard.base_dataloader  # Accelerate's torch DataLoader, built but never iterated
-    if local.dataset is not loader.dataset or local.batch_sampler is None:
-        raise TypeError(
-            "Accelerate shards this loader by wrapping its dataset (an iterable-style dataset, or "
-            "dispatch_batches=True), which would load it in the trainer: give each process its own "
-            "RemoteDataLoader (sampler=DistributedSampler for map-style data) and do not prepare it"
-        )
-    remote: RemoteDataLoader = RemoteDataLoader(
-        loader.dataset, batch_sampler=local.batch_sampler, **{name: getattr(loader, name) for name in _KEPT}
-    )
+    if shard.base_dataloader.dataset is not loader.dataset:
+        raise TypeError(_WRAPPED)
+    return remote_shard(shard, **{name: getattr(loader, name) for name in _KEPT})
+
+
+_WRAPPED = (
+    "Accelerate shards this loader by wrapping its dataset (an iterable-style dataset, or "
+    "dispatch_batches=True), which would load it in the trainer: give each process its own "
+    "RemoteDataLoader (sampler=DistributedSampler for map-style data) and do not prepare it"
+)
+# what a torch DataLoader holds of its arguments (public attributes), kept by remote_shard
+_TORCH_KEPT = _KEPT[: _KEPT.index("seed")]
+
+
+def remote_shard(shard: Any, **options: Any) -> Any:
+    """Put a :class:`~torchfeed.RemoteDataLoader` in the place of the torch ``DataLoader`` that
+    Accelerate's ``DataLoaderShard`` wraps (built over a RemoteDataset, never iterated): same
+    dataset and batch sampler (Accelerate's shard), the torch loader's arguments, and
+    ``options`` (RemoteDataLoader's own: ``seed=``, ...) over them. Returns ``shard``."""
+    local = shard.base_dataloader
+    if local.batch_sampler is None:
+        raise TypeError(_WRAPPED)
+    if not isinstance(local, RemoteDataLoader):
+        options = {**{name: getattr(local, name) for name in _TORCH_KEPT}, **options}
+    remote: RemoteDataLoader = RemoteDataLoader(local.dataset, batch_sampler=local.batch_sampler, **options)
     shard.base_dataloader = remote
     shard.dl_state_dict = remote.state_dict()
     # save_state/load_state then keep the loader's state, as for a torchdata StatefulDataLoader
