@@ -187,3 +187,17 @@ def secret_seen_by_worker_code() -> dict:
         "started with it": b"TORCHFEED_SECRET" in initial,
         "pid": os.getpid(),
     }
+
+
+class OffsetDataset(Dataset):
+    """Sample i is ``offset + i``; a worker_init_fn may set ``offset`` on a worker's copy."""
+
+    def __init__(self, n):
+        self.n = n
+        self.offset = 0
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return self.offset + i

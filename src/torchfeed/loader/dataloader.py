@@ -193,7 +193,8 @@ class RemoteDataLoader(DataLoader[T_co]):
         checks.log_ignored(
             len(self._source.workers),
             self._source.iterable,
-            num_workers,
+            # a loader re-created from its attributes (frameworks do) passes the worker count back
+            None if num_workers == len(self._source.workers) else num_workers,
             multiprocessing_context,
             pin_memory_device,
             in_order,
