@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import OffsetDataset, RangeDataset
 from torch.utils.data import DataLoader
 from torch.utils.data import DistributedSampler as TorchDistributedSampler
 
 import torchfeed
+from helpers import OffsetDataset, RangeDataset
 
 
 @pytest.fixture
