@@ -18,7 +18,7 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 from torch.utils.data import DistributedSampler as TorchDistributedSampler
 
 import torchfeed
@@ -36,6 +36,27 @@ class Indexed(Dataset):
 
     def __getitem__(self, i):
         return {"index": torch.tensor(i), "noise": torch.rand(()), "x": torch.full((2,), float(i))}
+
+
+class Stream(IterableDataset):
+    """Iterable-style: splits the samples by worker id, as torch's documentation shows."""
+
+    def share(self):
+        info = get_worker_info()
+        return (info.id, info.num_workers) if info is not None else (0, 1)
+
+    def __iter__(self):
+        k, n = self.share()
+        for i in range(k, N, n):
+            yield Indexed()[i]
+
+
+class RankStream(Stream):
+    """What a torch user writes for DDP: splits by rank too (a remote worker cannot ask for it)."""
+
+    def share(self):
+        k, n = super().share()
+        return dist.get_rank() * n + k, dist.get_world_size() * n
 
 
 def remote_dataset():
@@ -158,6 +179,21 @@ def run_lightning(out: dict) -> None:
         seen = {"train": [], "val": []}
         trainer(max_epochs=1, overfit_batches=2).fit(Model(make, make_val, seen))
         out[name + "_overfit"] = seen
+    # iterable-style: no sampler injected; each rank reads its own streams (rank_streams)
+    for name, make in (
+        ("torch_iterable", lambda: DataLoader(RankStream(), BATCH)),
+        (
+            "remote_iterable",
+            lambda: torchfeed.RemoteDataLoader(
+                torchfeed.RemoteDataset(os.environ["TORCHFEED_TEST_WORKERS"].split(","), Stream),
+                BATCH,
+                num_workers=1,
+            ),
+        ),
+    ):
+        seen = {"train": [], "val": []}
+        trainer(max_epochs=1, limit_val_batches=0).fit(Model(make, makers["torch"][1], seen))
+        out[name] = seen
     # resume from a checkpoint taken inside epoch 1 (after its 2nd batch), in a new Trainer
     ckpt = os.path.join(os.environ["FRAMEWORKS_TMP"], "lightning.ckpt")
 

@@ -201,3 +201,15 @@ class OffsetDataset(Dataset):
 
     def __getitem__(self, i):
         return self.offset + i
+
+
+class WorkerShare(torch.utils.data.IterableDataset):
+    """Iterable-style: 0..n-1 split by worker id, as torch's documentation shows."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        k, m = (info.id, info.num_workers) if info is not None else (0, 1)
+        return iter(range(k, self.n, m))

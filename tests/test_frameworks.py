@@ -104,6 +104,10 @@ def test_lightning_trainer(workers, tmp_path):
         assert [row[:3] for row in r["remote_overfit"]["train"]] == [
             row[:3] for row in r["torch_overfit"]["train"]
         ]
+        # iterable-style: streams numbered across the ranks give each rank the batches a
+        # rank-aware dataset gives it under torch's DataLoader
+        iterable = r["remote_iterable"]["train"]
+        assert [row[:3] for row in iterable] == [row[:3] for row in r["torch_iterable"]["train"]]
         # resumed from a checkpoint inside epoch 1: exactly the rest of the run (indices and
         # random draws), 6 batches in every later epoch
         full = {(e, b): (idx, draws) for e, b, idx, draws in r["resume"]["full"]}
@@ -112,6 +116,8 @@ def test_lightning_trainer(workers, tmp_path):
         assert all(full[(e, b)] == (idx, draws) for e, b, idx, draws in tail)
     epochs = [[[row[2] for row in r["remote"]["train"] if row[0] == e] for e in range(2)] for r in ranks]
     assert_sharded(epochs)
+    streams = [[row[2] for row in r["remote_iterable"]["train"]] for r in ranks]
+    assert sorted(i for rank in streams for b in rank for i in b) == list(range(N))  # no duplicates
 
 
 @pytest.mark.timeout(600)

@@ -108,3 +108,26 @@ def test_distributed_sampler_gives_torchs_indices(n, world, drop_last):
             resumed = torchfeed.DistributedSampler(n, world, rank, shuffle=True, seed=9, drop_last=drop_last)
             resumed.load_state_dict(ours.state_dict(consumed_on_rank=2))
             assert list(resumed) == list(theirs)[2:]
+
+
+def test_iterable_streams_are_numbered_across_the_ranks(workers2, monkeypatch, caplog):
+    from torch.utils.data import IterableDataset
+
+    from helpers import WorkerShare
+
+    ds = torchfeed.RemoteDataset(workers2, WorkerShare, 24)
+    assert isinstance(ds, IterableDataset)  # frameworks inject no sampler into its loader
+    with pytest.raises(TypeError, match="RemoteDataLoader"):
+        iter(ds)
+    from torchfeed.loader import checks
+
+    monkeypatch.setattr(checks, "_logged_once", set())  # said once per process: forget earlier tests
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    rank1 = sorted(int(i) for b in torchfeed.RemoteDataLoader(ds, batch_size=4) for i in b)
+    assert rank1 == [i for i in range(24) if i % 4 in (2, 3)]  # streams 2 and 3 of 4
+    assert "numbered across the ranks" in caplog.text
+    every = sorted(
+        int(i) for b in torchfeed.RemoteDataLoader(ds, batch_size=4, rank_streams=False) for i in b
+    )
+    assert every == list(range(24))  # torch's behaviour: every rank reads everything

@@ -89,16 +89,41 @@ def log_ignored(workers: int, iterable: bool, num_workers, context, pin_memory_d
         )
 
 
-def _world_size() -> int:
-    """Ranks of this job: torch.distributed's once initialized, else torchrun's WORLD_SIZE."""
+def job_ranks() -> tuple[int, int]:
+    """(rank, ranks) of this job: torch.distributed's once initialized, else torchrun's RANK and
+    WORLD_SIZE, else (0, 1)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
+        return dist.get_rank(), dist.get_world_size()
     try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
     except ValueError:
-        return 1
+        return 0, 1
+    return (rank, world) if 0 <= rank < world else (0, 1)
+
+
+def _world_size() -> int:
+    return job_ranks()[1]
+
+
+def stream_ranks(rank_streams: bool | None, streams: int) -> tuple[int, int]:
+    """(rank, ranks) to number an iterable-style pass's streams across: (0, 1) unless the job
+    has several ranks and ``rank_streams`` is not False (said once when it was left to None)."""
+    rank, world = job_ranks()
+    if rank_streams is False or world <= 1:
+        return 0, 1
+    if rank_streams is None:
+        log_once(
+            "rank-streams",
+            f"iterable-style loader in a job of {world} ranks: the streams are numbered across the ranks "
+            f"(this rank reads streams {rank * streams}-{rank * streams + streams - 1} of {world * streams}, as "
+            "get_worker_info() says), so a dataset that splits its data by worker id gives each rank its "
+            "own share; a loader read on one rank only sees that share. Pass rank_streams=False to read "
+            "every stream on every rank (torch's behaviour), rank_streams=True to silence this",
+        )
+    return rank, world
 
 
 def warn_unsharded(own_sampling: bool, iterable: bool) -> None:

@@ -127,6 +127,14 @@ class RemoteDataLoader(DataLoader[T_co]):
         zstd, per buffer, decided from a sample of its data and the measured link and
         compression speeds) when that delivers it sooner; ``"lz4"``/``"zstd"`` always try that
         codec; None never compresses. Default: the dataset's session's (``"auto"``).
+    rank_streams : bool, optional
+        Iterable-style datasets in a job of several ranks (``torch.distributed`` initialised,
+        or torchrun's ``WORLD_SIZE``): number the K streams of every rank across the job, so
+        rank r's streams see ``get_worker_info()`` ids ``r*K ... r*K+K-1`` of ``W*K`` and a dataset
+        that splits its data by worker id gives each rank its own share (the worker cannot ask
+        ``torch.distributed`` for the trainer's rank); ``Shards`` hands each rank its share of
+        the shards. ``None`` (default): on in such a job, said once at WARNING; False: every
+        rank reads every stream, as torch's DataLoader does.
     """
 
     def __init__(
@@ -159,6 +167,7 @@ class RemoteDataLoader(DataLoader[T_co]):
         kwargs: dict | None = None,
         safe_globals: Sequence[Any] | None = None,
         compression: str | None = "session",
+        rank_streams: bool | None = None,
     ):
         if callable(num_workers):
             raise TypeError(
@@ -224,6 +233,7 @@ class RemoteDataLoader(DataLoader[T_co]):
         self.straggler_min_seconds = straggler_min_seconds
         self.safe_globals = safe_globals  # as given (frameworks re-create the loader from attributes)
         self.compression = compression
+        self.rank_streams = rank_streams
         self._reply_policy = source.session.reply_policy.with_globals(safe_globals)
         self._compression = (
             source.session.compression if compression == "session" else codec.check_mode(compression)
@@ -428,7 +438,9 @@ class RemoteDataLoader(DataLoader[T_co]):
             self._cache_probe.pass_started()
         if self._source.iterable:
             streams = resume_from.get("streams") if resume_from is not None else None
-            running = IterablePass(plan, streams, stream_count=self._stream_count())
+            count = self._stream_count()
+            ranks = checks.stream_ranks(self.rank_streams, count)
+            running = IterablePass(plan, streams, stream_count=count, ranks=ranks)
             self._iterable_pass = (running.pass_id, weakref.ref(running), None)
             return running
         head, self._head = self._head, None

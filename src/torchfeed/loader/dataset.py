@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from .. import client, events
 from ..client import building, wait_all
@@ -259,6 +259,9 @@ class RemoteDataset(Dataset[T_co]):
             if distinct:
                 self._length = distinct.pop()
             self.iterable = self.iterable or any(d[0] for d in described.values())
+            if self.iterable and not isinstance(self, IterableDataset):
+                # frameworks tell iterable-style data by isinstance (Lightning then injects no sampler)
+                self.__class__ = RemoteIterableDataset
             self._refs.update(built)
             refs = dict(self._refs) if built and cache.is_cached(self.factory) else None
         if refs:  # a cached dataset: every worker learns its peers' lanes (one cache across them)
@@ -484,3 +487,15 @@ def _membership_loop(ref: weakref.ref[RemoteDataset]) -> None:
                 ds._thread = None
                 return
         del ds
+
+
+class RemoteIterableDataset(RemoteDataset, IterableDataset):
+    """A :class:`RemoteDataset` whose workers built an iterable-style dataset: it becomes one when
+    that is known (after its first build), so ``isinstance(ds, IterableDataset)`` holds as it does
+    for the dataset it stands for. Iterate it with a :class:`~torchfeed.RemoteDataLoader`."""
+
+    def __iter__(self):
+        raise TypeError(
+            "an iterable-style RemoteDataset is read through torchfeed.RemoteDataLoader(dataset, ...), "
+            "which runs its streams on the workers"
+        )

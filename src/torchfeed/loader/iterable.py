@@ -76,7 +76,9 @@ class _Slot:
 class IterablePass:
     """Trainer side: one pass over an iterable-style RemoteDataset."""
 
-    def __init__(self, plan, resume: dict | None = None, *, stream_count: int = 1):
+    def __init__(
+        self, plan, resume: dict | None = None, *, stream_count: int = 1, ranks: tuple[int, int] = (0, 1)
+    ):
         self._config = config = plan.config
         self._plan = plan
         self._source = plan.source
@@ -93,6 +95,7 @@ class IterablePass:
         self._said_replay = False
         self._pass_id = new_pass_id()
         self._base_seed = plan.base_seed
+        self._rank, self._ranks = ranks  # streams are numbered across the job's ranks
         if resume is not None:
             if resume.get("format") != SNAPSHOT_FORMAT:
                 raise ValueError("this state does not describe a pass over an iterable-style dataset")
@@ -170,7 +173,7 @@ class IterablePass:
         count, shuffle, seed = reported.shard_plan(first, got)
         epoch = self._plan.progress.record.epoch
         effective = (self._base_seed if seed is None else seed) & INT63
-        self._queue = deque(shard_order(count, shuffle, effective, epoch))
+        self._queue = deque(shard_order(count, shuffle, effective, epoch)[self._rank :: self._ranks])
         return True
 
     def _pick_worker(self) -> str | None:
@@ -217,7 +220,8 @@ class IterablePass:
                 "for a deterministic iterable)"
             )
         fetcher = self._plan.fetchers.get(worker)
-        context = (self._pass_id, slot.index, len(self._slots), self._base_seed)
+        count = len(self._slots)
+        context = (self._pass_id, self._rank * count + slot.index, self._ranks * count, self._base_seed)
         this, incarnation = weakref.ref(self), slot.incarnation
 
         def opened(ok, value):
