@@ -131,3 +131,10 @@ def test_iterable_streams_are_numbered_across_the_ranks(workers2, monkeypatch, c
         int(i) for b in torchfeed.RemoteDataLoader(ds, batch_size=4, rank_streams=False) for i in b
     )
     assert every == list(range(24))  # torch's behaviour: every rank reads everything
+
+
+def test_a_state_of_the_older_sampler_seeding_is_refused(rds):
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=4)
+    old = {**loader.state_dict(), "format": "torchfeed.RemoteDataLoader/1"}
+    with pytest.raises(ValueError, match="older torchfeed"):
+        loader.load_state_dict(old)

@@ -21,7 +21,9 @@ import torch
 
 from .sampling import DistributedSampler, mix_seed
 
-FORMAT = "torchfeed.RemoteDataLoader/1"
+FORMAT = "torchfeed.RemoteDataLoader/2"
+# states of format 1 resumed torchfeed.DistributedSampler from another permutation
+_OLD_FORMATS = ("torchfeed.RemoteDataLoader/1",)
 _SHUFFLE_TAG = 0x5F1E
 _INT63 = (1 << 63) - 1
 
@@ -127,6 +129,12 @@ def _elastic(loader: Sampling) -> DistributedSampler | None:
 
 def check_state(state: dict[str, Any], seed: int | None) -> None:
     """Refuse what is not a loader state, or one taken with another ``seed``."""
+    if isinstance(state, dict) and state.get("format") in _OLD_FORMATS:
+        raise ValueError(
+            f"this loader state ({state['format']}) was taken by an older torchfeed whose "
+            "DistributedSampler shuffled with another seeding (now torch's): resuming it would load "
+            "other samples. Finish that epoch with the torchfeed that took it, or start the epoch again"
+        )
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError("this is not a RemoteDataLoader state (made by RemoteDataLoader.state_dict())")
     if state["seed"] != seed:
