@@ -188,6 +188,7 @@ def run_lightning(out: dict) -> None:
                 torchfeed.RemoteDataset(os.environ["TORCHFEED_TEST_WORKERS"].split(","), Stream),
                 BATCH,
                 num_workers=1,
+                rank_streams=True,
             ),
         ),
     ):
@@ -306,17 +307,20 @@ def run_hf(out: dict) -> None:
         model = Model()
         trainer = trainer_class(model=model, args=args, train_dataset=dataset, **(extra or {}))
         trainer.train(resume_from_checkpoint=resume or None)
+        out.setdefault("params", []).append([round(v, 6) for v in model.layer.weight.flatten().tolist()])
         return model.seen
 
     rds = remote_dataset()
     out["torch"] = train(Trainer, Indexed(), EPOCHS, save_strategy="no")
     out["remote"] = train(RemoteTrainer, rds, EPOCHS, save_strategy="no")
-    # a checkpoint at global step 8 (inside epoch 1), then a new trainer resumes from it; with
-    # seed= the draws of every later epoch are exact too (not only the resumed one's)
+    # gradient accumulation of 2 (3 optimizer steps per epoch of 6 batches): a checkpoint at
+    # global step 4 (2 batches into epoch 1), then a new trainer resumes from it; with seed=
+    # the draws of every later epoch are exact too (not only the resumed one's)
     seeded = {"loader_options": {"seed": 17}}
-    out["full"] = train(RemoteTrainer, rds, 3, extra=seeded, save_strategy="steps", save_steps=8)
-    checkpoint = os.path.join(os.environ["FRAMEWORKS_TMP"], "hf", "checkpoint-8")
-    out["tail"] = train(RemoteTrainer, rds, 3, checkpoint, seeded, save_strategy="steps", save_steps=8)
+    kw = dict(save_strategy="steps", save_steps=4, gradient_accumulation_steps=2)
+    out["full"] = train(RemoteTrainer, rds, 3, extra=seeded, **kw)
+    checkpoint = os.path.join(os.environ["FRAMEWORKS_TMP"], "hf", "checkpoint-4")
+    out["tail"] = train(RemoteTrainer, rds, 3, checkpoint, seeded, **kw)
 
 
 def main() -> None:

@@ -159,9 +159,11 @@ def test_hf_trainer(workers, tmp_path):
         # RemoteTrainer's loaders: the Trainer's sampler and Accelerate's shards, as Trainer's
         assert [idx for idx, _ in r["remote"]] == [idx for idx, _ in r["torch"]]
         assert len(r["remote"]) == 12
-        # resume_from_checkpoint at step 8 (epoch 1, third batch): the remaining 10 batches,
-        # draws included, without a torch loader rebuilt to skip the first ones
+        # resume_from_checkpoint at step 4 (epoch 1, third batch; accumulation of 2): the
+        # remaining 10 batches, draws included, without a torch loader rebuilt to skip the
+        # first ones, and the same optimizer steps (the same weights at the end)
         assert len(r["full"]) == 18
         assert r["tail"] == r["full"][8:]
+        assert r["params"][-1] == r["params"][-2]
     epochs = [[[idx for idx, _ in r["remote"][e * 6 : e * 6 + 6]] for e in range(2)] for r in ranks]
     assert_sharded(epochs, per_rank=24)

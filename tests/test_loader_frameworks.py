@@ -110,7 +110,7 @@ def test_distributed_sampler_gives_torchs_indices(n, world, drop_last):
             assert list(resumed) == list(theirs)[2:]
 
 
-def test_iterable_streams_are_numbered_across_the_ranks(workers2, monkeypatch, caplog):
+def test_iterable_streams_numbered_across_the_ranks_when_asked(workers2, monkeypatch, caplog):
     from torch.utils.data import IterableDataset
 
     from helpers import WorkerShare
@@ -124,17 +124,25 @@ def test_iterable_streams_are_numbered_across_the_ranks(workers2, monkeypatch, c
     monkeypatch.setattr(checks, "_logged_once", set())  # said once per process: forget earlier tests
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    rank1 = sorted(int(i) for b in torchfeed.RemoteDataLoader(ds, batch_size=4) for i in b)
+    every = sorted(int(i) for b in torchfeed.RemoteDataLoader(ds, batch_size=4) for i in b)
+    assert every == list(range(24))  # by default as torch: every rank reads everything, and is told
+    assert "pass rank_streams=True" in caplog.text
+    rank1 = sorted(int(i) for b in torchfeed.RemoteDataLoader(ds, batch_size=4, rank_streams=True) for i in b)
     assert rank1 == [i for i in range(24) if i % 4 in (2, 3)]  # streams 2 and 3 of 4
-    assert "numbered across the ranks" in caplog.text
-    every = sorted(
-        int(i) for b in torchfeed.RemoteDataLoader(ds, batch_size=4, rank_streams=False) for i in b
-    )
-    assert every == list(range(24))  # torch's behaviour: every rank reads everything
 
 
 def test_a_state_of_the_older_sampler_seeding_is_refused(rds):
-    loader = torchfeed.RemoteDataLoader(rds, batch_size=4)
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=4, sampler=torchfeed.DistributedSampler(rds, 2, 0))
+    it = iter(loader)
+    next(it)
     old = {**loader.state_dict(), "format": "torchfeed.RemoteDataLoader/1"}
     with pytest.raises(ValueError, match="older torchfeed"):
         loader.load_state_dict(old)
+    plain = torchfeed.RemoteDataLoader(rds, batch_size=4, shuffle=True)
+    it = iter(plain)
+    next(it)
+    state = {**plain.state_dict(), "format": "torchfeed.RemoteDataLoader/1"}
+    del state["draws"]  # format 1 had no such key
+    resumed = torchfeed.RemoteDataLoader(rds, batch_size=4, shuffle=True)
+    resumed.load_state_dict(state)  # no DistributedSampler in it: nothing changed, it resumes
+    assert len(list(resumed)) == 4

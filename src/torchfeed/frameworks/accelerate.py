@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch.utils.data import IterableDataset
+
 from ..loader.dataloader import RemoteDataLoader
 
 # the constructor arguments a prepared loader keeps (every one is a public attribute)
@@ -102,7 +104,7 @@ def remote_shard(shard: Any, **options: Any) -> Any:
     dataset and batch sampler (Accelerate's shard), the torch loader's arguments, and
     ``options`` (RemoteDataLoader's own: ``seed=``, ...) over them. Returns ``shard``."""
     local = shard.base_dataloader
-    if local.batch_sampler is None:
+    if local.batch_sampler is None or isinstance(local.dataset, IterableDataset):
         raise TypeError(_WRAPPED)
     if not isinstance(local, RemoteDataLoader):
         options = {**{name: getattr(local, name) for name in _TORCH_KEPT}, **options}

@@ -8,13 +8,13 @@ those arguments takes the place of the torch loader inside Accelerate's ``DataLo
 (:func:`torchfeed.frameworks.accelerate.remote_shard`). Other datasets get the Trainer's
 own loaders.
 
-Resume: the Trainer skips a resumed epoch's first batches by rebuilding a torch loader
-(``skip_first_batches``). ``RemoteTrainer`` saves the training loader's state at every
-checkpoint instead (``OUTPUT_DIR/torchfeed-loader/step-<global step>-rank<process>.pt``) and
-loads it when training resumes, so the resumed epoch continues with exactly the batches not
-yet delivered (and the Trainer's ``ignore_data_skip`` is set, so it does not skip them again).
-With ``ignore_data_skip=True`` given by the user, the resumed epoch starts again, as with the
-plain Trainer.
+Resume: to skip a resumed epoch's first batches the Trainer rebuilds a torch loader
+(``skip_first_batches``), which would load the remote dataset in the trainer. ``RemoteTrainer``
+saves the training loader's state into every checkpoint folder
+(``torchfeed_loader_rank<process>.pt``, rotated with it) and, where the Trainer skips, loads
+that state instead: the Trainer keeps its own step counting, gradient accumulation and RNG
+restoring, and the epoch continues with exactly the batches not yet trained on.
+``ignore_data_skip=True`` restarts the epoch, as with the plain Trainer.
 """
 
 from __future__ import annotations
@@ -23,10 +23,15 @@ import os
 from typing import Any
 
 import torch
+import transformers.trainer as hf_trainer
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..loader.dataloader import RemoteDataLoader
 from ..loader.views import Source
 from .accelerate import remote_shard
+
+STATE_FILE = "torchfeed_loader_rank{}.pt"
 
 
 def _remote(dataset: Any) -> bool:
@@ -35,6 +40,10 @@ def _remote(dataset: Any) -> bool:
     except TypeError:
         return False
     return True
+
+
+def _is_remote_loader(loader: Any) -> bool:
+    return isinstance(getattr(loader, "base_dataloader", None), RemoteDataLoader)
 
 
 class RemoteTrainer(Trainer):
@@ -47,9 +56,7 @@ class RemoteTrainer(Trainer):
     def __init__(self, *args: Any, loader_options: dict[str, Any] | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.loader_options = dict(loader_options or {})
-        self.resume_loader_state = not self.args.ignore_data_skip
-        self.args.ignore_data_skip = True  # the loader's state resumes the epoch, no rebuilt loader skips
-        self.add_callback(LoaderState(self))
+        self.add_callback(LoaderState())
 
     def _get_dataloader(self, dataset: Any, *args: Any, **kwargs: Any) -> Any:
         prepared = super()._get_dataloader(dataset, *args, **kwargs)
@@ -57,38 +64,55 @@ class RemoteTrainer(Trainer):
             return prepared
         return remote_shard(prepared, **self.loader_options)
 
+    def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
+        # The Trainer skips a resumed epoch's first batches with the module's
+        # skip_first_batches (Accelerate's, which rebuilds a torch loader): for a remote
+        # loader, that skip loads the loader's state instead, for this call only.
+        checkpoint = kwargs.get("resume_from_checkpoint")
+        rank = self.args.process_index
+        original = hf_trainer.skip_first_batches
+
+        def skip(dataloader: Any, num_batches: int = 0) -> Any:
+            if not _is_remote_loader(dataloader):
+                return original(dataloader, num_batches)
+            return _resume(dataloader, checkpoint, rank, num_batches)
+
+        hf_trainer.skip_first_batches = skip
+        try:
+            return super()._run_epoch(*args, **kwargs)
+        finally:
+            hf_trainer.skip_first_batches = original
+
+
+def _resume(loader: Any, checkpoint: str | None, rank: int, num_batches: int) -> Any:
+    """``loader`` continued after its first ``num_batches`` batches, from the checkpoint's state."""
+    path = os.path.join(checkpoint or "", STATE_FILE.format(rank))
+    if checkpoint is None or not os.path.exists(path):
+        raise FileNotFoundError(
+            f"resuming {num_batches} batches into an epoch needs the loader state {path} (RemoteTrainer "
+            "saves it into every checkpoint); without it the epoch's first batches would be loaded again. "
+            "Pass ignore_data_skip=True in TrainingArguments to restart the epoch instead"
+        )
+    state = torch.load(path, weights_only=True)
+    if state.get("batches") != num_batches:
+        raise ValueError(
+            f"the loader state in {path} is {state.get('batches')} batches into its epoch, the Trainer resumes "
+            f"{num_batches} batches in: was the checkpoint taken with another batch size or number of processes?"
+        )
+    loader.load_state_dict(state)
+    return loader
+
 
 class LoaderState(TrainerCallback):
-    """Saves the training loader's state at each checkpoint and loads it when training resumes."""
-
-    def __init__(self, trainer: RemoteTrainer):
-        self.trainer = trainer
-
-    def _path(self, args: Any, step: int) -> str:
-        return os.path.join(args.output_dir, "torchfeed-loader", f"step-{step}-rank{args.process_index}.pt")
+    """Saves the training loader's state into each checkpoint folder (every process its own)."""
 
     def on_save(
         self, args: Any, state: Any, control: Any, train_dataloader: Any = None, **kwargs: Any
     ) -> None:
-        if not self.trainer.resume_loader_state or not callable(
-            getattr(train_dataloader, "state_dict", None)
-        ):
+        if not _is_remote_loader(train_dataloader):
             return
-        path = self._path(args, state.global_step)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, STATE_FILE.format(args.process_index))
         torch.save(train_dataloader.state_dict(), path + ".tmp")
         os.replace(path + ".tmp", path)
-
-    def on_train_begin(
-        self, args: Any, state: Any, control: Any, train_dataloader: Any = None, **kwargs: Any
-    ) -> None:
-        if not self.trainer.resume_loader_state or state.global_step == 0:
-            return
-        path = self._path(args, state.global_step)
-        if not os.path.exists(path):
-            raise FileNotFoundError(
-                f"resuming at step {state.global_step} needs the loader state {path} (saved with each "
-                "checkpoint by RemoteTrainer); without it the epoch's first batches would be repeated. "
-                "Pass ignore_data_skip=True in TrainingArguments to restart the epoch instead"
-            )
-        train_dataloader.load_state_dict(torch.load(path, weights_only=True))

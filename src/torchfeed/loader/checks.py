@@ -109,21 +109,23 @@ def _world_size() -> int:
 
 
 def stream_ranks(rank_streams: bool | None, streams: int) -> tuple[int, int]:
-    """(rank, ranks) to number an iterable-style pass's streams across: (0, 1) unless the job
-    has several ranks and ``rank_streams`` is not False (said once when it was left to None)."""
+    """(rank, ranks) to number an iterable-style pass's streams across: the job's with
+    ``rank_streams=True``, else (0, 1): every rank reads every stream, as torch's DataLoader
+    does, said once when ``rank_streams`` was left to None in a job of several ranks."""
     rank, world = job_ranks()
-    if rank_streams is False or world <= 1:
+    if world <= 1 or rank_streams is False:
         return 0, 1
-    if rank_streams is None:
-        log_once(
-            "rank-streams",
-            f"iterable-style loader in a job of {world} ranks: the streams are numbered across the ranks "
-            f"(this rank reads streams {rank * streams}-{rank * streams + streams - 1} of {world * streams}, as "
-            "get_worker_info() says), so a dataset that splits its data by worker id gives each rank its "
-            "own share; a loader read on one rank only sees that share. Pass rank_streams=False to read "
-            "every stream on every rank (torch's behaviour), rank_streams=True to silence this",
-        )
-    return rank, world
+    if rank_streams:
+        return rank, world
+    log_once(
+        "rank-streams",
+        f"iterable-style loader in a job of {world} ranks: every rank reads all {streams} streams (as torch's "
+        "DataLoader does), and the dataset on the workers cannot ask torch.distributed for this rank. "
+        "If it splits its data by get_worker_info() alone, pass rank_streams=True: the streams are then "
+        f"numbered across the ranks (rank r reads streams r*{streams}..r*{streams}+{streams - 1} of "
+        f"{world * streams}) and Shards hands each rank its share; rank_streams=False silences this",
+    )
+    return 0, 1
 
 
 def warn_unsharded(own_sampling: bool, iterable: bool) -> None:

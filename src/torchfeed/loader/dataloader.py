@@ -129,12 +129,12 @@ class RemoteDataLoader(DataLoader[T_co]):
         codec; None never compresses. Default: the dataset's session's (``"auto"``).
     rank_streams : bool, optional
         Iterable-style datasets in a job of several ranks (``torch.distributed`` initialised,
-        or torchrun's ``WORLD_SIZE``): number the K streams of every rank across the job, so
-        rank r's streams see ``get_worker_info()`` ids ``r*K ... r*K+K-1`` of ``W*K`` and a dataset
-        that splits its data by worker id gives each rank its own share (the worker cannot ask
-        ``torch.distributed`` for the trainer's rank); ``Shards`` hands each rank its share of
-        the shards. ``None`` (default): on in such a job, said once at WARNING; False: every
-        rank reads every stream, as torch's DataLoader does.
+        or torchrun's ``WORLD_SIZE``). True: number the K streams of every rank across the job,
+        so rank r's streams see ``get_worker_info()`` ids ``r*K ... r*K+K-1`` of ``W*K`` and a
+        dataset that splits its data by worker id gives each rank its own share (the worker
+        cannot ask ``torch.distributed`` for the trainer's rank); ``Shards`` hands each rank its
+        share of the shards. False: every rank reads every stream, as torch's DataLoader does.
+        None (default): as False, said once at WARNING in such a job.
     """
 
     def __init__(
@@ -246,6 +246,9 @@ class RemoteDataLoader(DataLoader[T_co]):
         self._epoch = 0  # epoch of the next pass
         self._progress: resume.Progress | None = None  # the latest pass
         self._resume_from: dict | None = None
+        self._pending: weakref.ref[PendingPass] | None = None  # the latest iterator made
+        # read by code written for torch's DataLoader (Lightning resets it): no torch iterator here
+        self._iterator = None
         self._persistent_seed: int | None = None
         self._estimates: dict = {}  # seconds per batch of each worker, from the latest pass
         self._head: prefetch.Head | None = None  # the next pass's first batches, prefetched
@@ -355,6 +358,10 @@ class RemoteDataLoader(DataLoader[T_co]):
         Loaded into a new loader (same dataset, sampler settings and seed; any workers),
         the next pass yields exactly the batches this pass had not yet yielded.
         """
+        pending = self._pending() if self._pending is not None else None
+        if pending is not None and not pending.started:
+            # an iterator was made and not read yet: the next pass starts afresh, as it will
+            return resume.state_of(None, self._epoch, self.seed)
         state = resume.state_of(self._progress, self._epoch, self.seed)
         if state["active"] and self._iterable_pass is not None:
             running = self._iterable_pass[1]()
@@ -397,9 +404,13 @@ class RemoteDataLoader(DataLoader[T_co]):
         # torch's persistent workers draw their base seed once, at the first pass
         kept = self._persistent_seed if self.persistent_workers else None
         # torch's iterator draws the base seed in iter(); so does this one, to use the global
-        # generator at the same point (the draw is the only thing iter() does)
-        drawn = resume.draw_base_seed(self.generator) if self.seed is None and kept is None else None
-        return PendingPass(lambda: self._start_pass(kept if drawn is None else drawn), self.__len__)
+        # generator at the same point (the draw is the only thing iter() does). A resumed pass
+        # takes its base seed from the state: the pass it continues drew it before the checkpoint
+        fresh = self.seed is None and kept is None and self._resume_from is None
+        drawn = resume.draw_base_seed(self.generator) if fresh else None
+        pending = PendingPass(lambda: self._start_pass(kept if drawn is None else drawn), self.__len__)
+        self._pending = weakref.ref(pending)
+        return pending
 
     def _start_pass(self, base_seed: int | resume.Drawn | None) -> MapPass | IterablePass:
         """Begin the pass (at the first ``next()`` of the iterator ``__iter__`` returned)."""
@@ -447,14 +458,16 @@ class RemoteDataLoader(DataLoader[T_co]):
         return MapPass(plan, head)
 
     def _current_fetcher_inputs(self) -> tuple:
-        return tuple(id(self.__dict__.get(name)) for name in _FETCHER_INPUTS)
+        return tuple(self.__dict__.get(name) for name in _FETCHER_INPUTS)
 
     def _fetchers_for_pass(self) -> FetcherSet:
         """The worker-side fetchers for a pass starting now: new ones when ``collate_fn`` or
         ``worker_init_fn`` was assigned since they were made (a prefetched head made with the old
         ones is then not used: ``Head.matches`` compares the fetcher set)."""
         inputs = self._current_fetcher_inputs()
-        if inputs != self._fetcher_inputs:
+        # persistent workers keep what they were started with, as torch's do
+        changed = any(now is not then for now, then in zip(inputs, self._fetcher_inputs))
+        if changed and not self.persistent_workers:
             self._fetchers = FetcherSet(self._make_fetcher, self._source.timeout, self._source.secret)
             self._fetcher_inputs = inputs
         return self._fetchers

@@ -22,7 +22,8 @@ import torch
 from .sampling import DistributedSampler, mix_seed
 
 FORMAT = "torchfeed.RemoteDataLoader/2"
-# states of format 1 resumed torchfeed.DistributedSampler from another permutation
+# format 1: torchfeed.DistributedSampler shuffled with another seeding (such states are refused
+# when they hold that sampler's position; the others resume as they are)
 _OLD_FORMATS = ("torchfeed.RemoteDataLoader/1",)
 _SHUFFLE_TAG = 0x5F1E
 _INT63 = (1 << 63) - 1
@@ -36,6 +37,9 @@ class PassRecord:
     global_rng: bytes | None = None
     generators: dict[str, bytes] = field(default_factory=dict)
     sampler: dict[str, int] | None = None
+    # the base seed was drawn after the generator states were recorded (a resume draws it
+    # again to use the generators as the pass did); False when iter() drew it before
+    draws: bool = False
 
 
 @dataclass
@@ -72,19 +76,18 @@ class Sampling:
 @dataclass(frozen=True)
 class Drawn:
     """A base seed drawn from the global generator (or the loader's ``generator``) when the
-    iterator was made, and that generator's state just before the draw (what a resume replays)."""
+    iterator was made, before the pass began (and recorded the generators' states)."""
 
     seed: int
-    global_rng: bytes
-    generator_rng: bytes | None  # the loader's ``generator``, when it has one (the draw used it)
+
+
+def _draw(generator: torch.Generator | None) -> int:
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item()) & ((1 << 64) - 1)
 
 
 def draw_base_seed(generator: torch.Generator | None) -> Drawn:
     """Draw a pass's base seed exactly as torch's DataLoader iterator does in ``iter()``."""
-    global_rng = _to_bytes(torch.get_rng_state())
-    generator_rng = _to_bytes(generator.get_state()) if generator is not None else None
-    seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-    return Drawn(seed & ((1 << 64) - 1), global_rng, generator_rng)
+    return Drawn(_draw(generator))
 
 
 def shuffle_seed(seed: int, epoch: int) -> int:
@@ -129,13 +132,13 @@ def _elastic(loader: Sampling) -> DistributedSampler | None:
 
 def check_state(state: dict[str, Any], seed: int | None) -> None:
     """Refuse what is not a loader state, or one taken with another ``seed``."""
-    if isinstance(state, dict) and state.get("format") in _OLD_FORMATS:
+    if isinstance(state, dict) and state.get("format") in _OLD_FORMATS and state.get("sampler") is not None:
         raise ValueError(
             f"this loader state ({state['format']}) was taken by an older torchfeed whose "
             "DistributedSampler shuffled with another seeding (now torch's): resuming it would load "
             "other samples. Finish that epoch with the torchfeed that took it, or start the epoch again"
         )
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+    if not isinstance(state, dict) or state.get("format") not in (FORMAT, *_OLD_FORMATS):
         raise ValueError("this is not a RemoteDataLoader state (made by RemoteDataLoader.state_dict())")
     if state["seed"] != seed:
         raise ValueError(
@@ -189,23 +192,26 @@ def begin_pass(
             shuffle_generator.manual_seed(shuffle_seed(loader.seed, epoch))
         record.base_seed = mix_seed(loader.seed, epoch)
         indices = iter(index_sampler)
-    elif isinstance(base_seed, Drawn) and resume is None:
-        # drawn by iter(), as torch's iterator draws it: the recorded state is the one before
-        # that draw, so a resume replays the draw and then the sampler's own draws
-        record.global_rng = base_seed.global_rng
-        if base_seed.generator_rng is not None and "loader" in record.generators:
-            record.generators["loader"] = base_seed.generator_rng
-        record.base_seed = base_seed.seed
-        indices = iter(index_sampler)
     else:
+        # the states the sampler will draw from (replayed ones when resuming)
         record.global_rng = _to_bytes(torch.get_rng_state())
         indices = iter(index_sampler)
-        # drawn exactly as torch's DataLoader draws it (after iter(sampler), before the
-        # first index), so the same global seed gives the same shuffle order as torch
-        if base_seed is None or resume is not None:
-            base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
-        assert isinstance(base_seed, int)
-        record.base_seed = resume["base_seed"] if resume is not None else base_seed & ((1 << 64) - 1)
+        if resume is not None:
+            # the pass drew its base seed after recording these states: draw it again (and drop
+            # it) so the sampler draws from where it did; one drawn by iter() came before them
+            record.draws = bool(resume.get("draws", True))
+            if record.draws:
+                _draw(loader.generator)
+            record.base_seed = resume["base_seed"]
+        elif isinstance(base_seed, Drawn):  # drawn by iter(), as torch's iterator draws it
+            record.base_seed = base_seed.seed
+        elif base_seed is None:
+            # drawn exactly as torch's DataLoader draws it (after iter(sampler), before the
+            # first index), so the same global seed gives the same shuffle order as torch
+            record.draws = True
+            record.base_seed = _draw(loader.generator)
+        else:  # kept: torch's persistent workers draw their base seed once
+            record.base_seed = base_seed & ((1 << 64) - 1)
     progress = Progress(record)
     if resume is not None:
         skip = 0 if (elastic is not None and resume["sampler"] is not None) else resume["batches"]
