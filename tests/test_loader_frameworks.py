@@ -146,3 +146,40 @@ def test_a_state_of_the_older_sampler_seeding_is_refused(rds):
     resumed = torchfeed.RemoteDataLoader(rds, batch_size=4, shuffle=True)
     resumed.load_state_dict(state)  # no DistributedSampler in it: nothing changed, it resumes
     assert len(list(resumed)) == 4
+
+
+def test_a_resume_is_exact_when_the_global_generator_is_used_between_iter_and_next(rds):
+    torch.manual_seed(0)
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=4, shuffle=True)
+    it = iter(loader)
+    torch.rand(3)  # a framework hook, model code: anything between iter() and next()
+    head = [next(it)[1].tolist() for _ in range(2)]
+    state = loader.state_dict()
+    rest = [b[1].tolist() for b in it]
+    torch.manual_seed(1)  # another process's generator
+    resumed = torchfeed.RemoteDataLoader(rds, batch_size=4, shuffle=True)
+    resumed.load_state_dict(state)
+    assert [b[1].tolist() for b in resumed] == rest and len(head + rest) == 5
+
+
+def test_state_dict_after_an_unread_iter_describes_the_pass_about_to_start(rds):
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=4)
+    it = iter(loader)
+    next(it)
+    next(it)  # epoch 0 abandoned after 2 batches
+    pending = iter(loader)  # made, not read yet (as Lightning does before setting the epoch)
+    state = loader.state_dict()
+    assert (state["epoch"], state["active"]) == (1, False)
+    assert len(list(pending)) == 5
+
+
+def _pair(samples):
+    return [len(samples)] * 2
+
+
+def test_a_collate_fn_assigned_twice_between_passes_is_the_last_one(rds):
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=4, collate_fn=len)
+    assert next(iter(loader)) == 4
+    loader.collate_fn = lambda samples: -1
+    loader.collate_fn = _pair  # the first replacement is freed: its id may be reused
+    assert next(iter(loader)) == [4, 4]
