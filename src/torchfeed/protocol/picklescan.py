@@ -10,6 +10,11 @@ Three things the restricted unpickler cannot refuse by the globals it allows:
   a value would too).
 * Extension codes (EXT1/2/4): the C unpickler returns an object cached by
   ``copyreg.add_extension`` without asking ``find_class``. torchfeed never sends them.
+* Memo indexes: a PUT of index n makes the C unpickler grow its memo to 2n slots (16 bytes
+  per index, zeroed, holding the GIL) before anything else is checked, so 9 bytes
+  (``\x80\x05N r <u32> .``) can ask for 64 GiB. A pickler numbers its memo slots in order
+  (protocol 5 uses MEMOIZE, which takes the next slot), so a PUT may only overwrite a slot
+  or take the next one: :func:`check` refuses any index beyond the slots filled so far.
 
 :func:`check` walks the opcodes of a pickle keeping, for every object on the unpickler's
 stack and in its memo, how deep it nests and how many objects it unfolds to (shared parts
@@ -21,6 +26,13 @@ it runs only where bytes counted at C speed do not already bound the depth: more
 codes registered in this process. The usual reply (a few tensors, whose bytes travel
 apart) is never walked.
 
+Memo indexes are checked in every pickle that could hold a far one: one regular-expression
+search (C speed) looks for a byte ``r`` (LONG_BINPUT) followed by an index of
+:data:`FREE_MEMO` or more, or ``p`` (PUT) followed by five or more digits. Where it finds
+one (text often has such bytes) :func:`memo_in_order` steps over the opcodes, checking only
+the memo (about a third of the walk's cost); a pickle without one costs that search only.
+BINPUT's one-byte index bounds its memo at 512 slots.
+
 So sharing is caught only in pickles that are walked: a small pickle of shared tuples
 still hangs the trainer (a known gap, see DESIGN.md; CPython versions that cache a tuple's
 hash make that hash linear).
@@ -30,12 +42,19 @@ from __future__ import annotations
 
 import copyreg
 import pickletools
+import re
 
 from ..errors import UnsafeReplyError
 
 MAX_DEPTH = 1000
 MAX_UNFOLDED = 1 << 22  # objects, shared ones counted where they appear (besides the pickle's own size)
 FEW_WRAPPINGS = 4096  # a key 4096 tuples deep hashes within even a 512 KiB thread stack
+
+FREE_MEMO = 1 << 16  # memo indexes below this cost the unpickler at most 1 MiB: not searched for
+
+# a LONG_BINPUT whose index is FREE_MEMO or more (one of its two high bytes set), or a PUT
+# with five or more digits (int() also reads signs, spaces and underscores)
+_FAR_PUT = re.compile(rb"r..(?!\x00\x00)|p[ \t\r\x0b\x0c+]*[0-9_]{5}", re.DOTALL)
 
 _WRAPPING = (b"\x85", b"\x86", b"\x87", b"t", b"R", b"\x81", b"\x92", b"o", b"i")  # tuples and calls
 
@@ -84,12 +103,16 @@ _TABLE = _table()
 def check(meta: bytes) -> None:
     """Raise UnsafeReplyError if ``meta`` nests or unfolds too far, uses extension codes or
     cannot be read (see the module's docstring)."""
-    if not _extensions_registered() and (
-        len(meta) <= FEW_WRAPPINGS or sum(map(meta.count, _WRAPPING)) <= FEW_WRAPPINGS
-    ):
+    walk = _extensions_registered() or (
+        len(meta) > FEW_WRAPPINGS and sum(map(meta.count, _WRAPPING)) > FEW_WRAPPINGS
+    )
+    if not walk and _FAR_PUT.search(meta) is None:
         return
     try:
-        _walk(meta)
+        if walk:
+            _walk(meta)
+        else:
+            memo_in_order(meta)
     except UnsafeReplyError:
         raise
     except Exception as exc:  # the C unpickler reads forms this walk does not (e.g. b"I0x1\n")
@@ -113,6 +136,48 @@ def _too_far(depth: int, size: int, limit: int) -> None:
         )
 
 
+def _far(index: int, filled: int) -> UnsafeReplyError:
+    return UnsafeReplyError(
+        f"the reply stores an object in memo slot {index} while only {filled} slots are filled, "
+        "which torchfeed does not load (picklers fill their memo in order; a far slot makes the "
+        "unpickler allocate memory for every slot before it)"
+    )
+
+
+def _skip(meta: bytes, i: int, arg: int) -> int:
+    """Where the argument starting at ``i`` ends (its form given by _TABLE's code)."""
+    if arg >= 0:
+        return i + arg
+    if arg == _LEN1:
+        return i + 1 + meta[i]
+    if arg == _LEN4:
+        return i + 4 + int.from_bytes(meta[i : i + 4], "little")
+    if arg == _LEN8:
+        return i + 8 + int.from_bytes(meta[i : i + 8], "little")
+    i = meta.index(b"\n", i) + 1
+    return meta.index(b"\n", i) + 1 if arg == _TWO_LINES else i
+
+
+def memo_in_order(meta: bytes) -> None:
+    """Raise UnsafeReplyError if a PUT in ``meta`` names a memo slot beyond the next free one
+    (or an opcode is unknown); the opcodes are stepped over, nothing else is looked at."""
+    filled, i, end, table = 0, 0, len(meta), _TABLE
+    while i < end:
+        entry = table[meta[i]]
+        if entry is None:
+            raise UnsafeReplyError(f"the reply has an unknown pickle opcode {meta[i]:#04x}")
+        start = i + 1
+        i = _skip(meta, start, entry[0])
+        kind = entry[4]
+        if kind == "memoize":
+            filled += 1
+        elif kind == "put":
+            index = _index(meta, start, i, entry[5])
+            if index > filled or index < 0:
+                raise _far(index, filled)
+            filled += index == filled
+
+
 def _walk(meta: bytes) -> None:
     # every object is a cell [depth, unfolded size]; containers filled later update their
     # cell, which the memo shares, so a reference counts what it refers to when it is used
@@ -126,19 +191,8 @@ def _walk(meta: bytes) -> None:
         if entry is None:
             raise UnsafeReplyError(f"the reply has an unknown pickle opcode {meta[i]:#04x}")
         arg, mark, pops, pushes, kind, name = entry
-        start = i = i + 1
-        if arg >= 0:
-            i += arg
-        elif arg == _LEN1:
-            i += 1 + meta[i]
-        elif arg == _LEN4:
-            i += 4 + int.from_bytes(meta[i : i + 4], "little")
-        elif arg == _LEN8:
-            i += 8 + int.from_bytes(meta[i : i + 8], "little")
-        else:
-            i = meta.index(b"\n", i) + 1
-            if arg == _TWO_LINES:
-                i = meta.index(b"\n", i) + 1
+        start = i + 1
+        i = _skip(meta, start, arg)
         if kind == "op":
             pass
         elif kind == "skip":
@@ -152,6 +206,8 @@ def _walk(meta: bytes) -> None:
             continue
         elif kind in ("put", "memoize"):
             key = len(memo) if kind == "memoize" else _index(meta, start, i, name)
+            if key > len(memo) or key < 0:  # slots fill in order: memo holds 0 .. len(memo) - 1
+                raise _far(key, len(memo))
             memo[key] = stack[-1]
             continue
         elif kind == "get":
