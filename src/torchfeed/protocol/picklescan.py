@@ -104,7 +104,8 @@ _TABLE = _table()
 # memo_in_order's table, one int an opcode: 1 + a fixed argument size; or a code (the
 # three PUTs: _S_PUT, _S_PUT - 1, _S_PUT - 2; other arguments: _S_ARG + _TABLE's code)
 _S_UNKNOWN, _S_LEN1, _S_MEMOIZE, _S_PUT, _S_ARG = 0, -1, -2, -3, -20
-_PUT_ARGS, _PUT_NAMES = {_S_PUT: -1, _S_PUT - 1: 1, _S_PUT - 2: 4}, {}
+_PUT_ARGS: dict[int, int] = {_S_PUT: -1, _S_PUT - 1: 1, _S_PUT - 2: 4}
+_PUT_NAMES: dict[int, str] = {}
 
 
 def _steps() -> list[int]:
