@@ -355,6 +355,7 @@ class Connection:
         except UnsafeReplyError as exc:  # nothing was called: say which worker sent it
             ok, value = False, UnsafeReplyError(f"worker {self.address}: {exc}")
             value.global_name = exc.global_name
+            value.global_names = exc.global_names or [exc.global_name]
         except SerializationError as exc:
             ok, value = False, exc
         except Exception as exc:  # an unpicklable reply fails that request only

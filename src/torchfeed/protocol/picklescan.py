@@ -45,6 +45,7 @@ from __future__ import annotations
 import copyreg
 import pickletools
 import re
+from typing import Any
 
 from ..errors import UnsafeReplyError
 
@@ -280,3 +281,47 @@ def _index(meta: bytes, start: int, stop: int, name: str) -> int:
     if name in ("LONG_BINPUT", "LONG_BINGET"):
         return int.from_bytes(meta[start:stop], "little")
     return int(meta[start:stop])
+
+
+_STRINGS = (
+    "SHORT_BINUNICODE",
+    "BINUNICODE",
+    "BINUNICODE8",
+    "UNICODE",
+    "SHORT_BINSTRING",
+    "BINSTRING",
+    "STRING",
+)
+
+
+def global_names(meta: bytes) -> list[str]:
+    """``module.name`` of every global ``meta`` names (GLOBAL, INST, and STACK_GLOBAL of the
+    two strings pushed before it, as picklers write it), in order; what it cannot read ends
+    the list. For an error message: nothing is loaded."""
+    names: list[str] = []
+    memo: dict[Any, object] = {}
+    recent: list[object] = []  # the last two objects pushed (strings, or None for others)
+    try:
+        for op, arg, _ in pickletools.genops(meta):
+            name = op.name
+            if name in ("GLOBAL", "INST"):
+                names.append(str(arg).replace(" ", "."))
+                recent.append(None)
+            elif name == "STACK_GLOBAL":
+                if len(recent) >= 2 and all(isinstance(r, str) for r in recent[-2:]):
+                    names.append(f"{recent[-2]}.{recent[-1]}")
+                recent.append(None)
+            elif name in _STRINGS:
+                recent.append(arg if isinstance(arg, str) else None)
+            elif name == "MEMOIZE":
+                memo[len(memo)] = recent[-1] if recent else None
+            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[arg] = recent[-1] if recent else None
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                recent.append(memo.get(arg))
+            elif name not in ("FRAME", "PROTO"):
+                recent.append(None)
+            del recent[:-2]
+    except Exception:  # the load said what was refused; the rest of the list is a courtesy
+        pass
+    return names
