@@ -89,16 +89,23 @@ def reply_wire() -> tuple[int, float]:
 
 
 class _Pending:
-    __slots__ = ("callback", "pin", "deadline", "session", "policy")
+    __slots__ = ("callback", "compression", "deadline", "pin", "policy", "session")
 
     def __init__(
-        self, callback: Callback, pin: bool, deadline: float | None, session: Owner | None, policy: Any
+        self,
+        callback: Callback,
+        pin: bool,
+        deadline: float | None,
+        session: Owner | None,
+        policy: Any,
+        compression: int = codec.NONE,
     ):
         self.callback = callback
         self.pin = pin
         self.deadline = deadline
         self.session = session  # a call in flight keeps its session (and so this connection) open
         self.policy = policy  # a replies.Policy, or JSON_REPLY
+        self.compression = compression  # what the call allowed its reply (codec.refusal)
 
 
 JSON_REPLY = "json"  # request(policy=JSON_REPLY): the reply is JSON (STATS), not a pickle
@@ -222,7 +229,7 @@ class Connection:
         with self._pending_lock:
             if self.closed:
                 raise self._lost_error()
-            self._pending[rid] = _Pending(callback, pin, deadline, owner, policy)
+            self._pending[rid] = _Pending(callback, pin, deadline, owner, policy, compression)
         del owner
         try:
             self._send(kind, rid, meta, buffers, flags, aux)
@@ -291,6 +298,20 @@ class Connection:
                     self._receiving = receiving if pending is not None else None
                 if pending is None:  # a heartbeat, or cancelled or expired: drain and drop
                     self._drop(frame)
+                    continue
+                why = codec.refusal(frame.kind, pending.compression, frame.buffer_lengths, frame.codecs)
+                if why is not None:  # read past it (nothing allocated for it or inflated): that call fails
+                    with self._pending_lock:
+                        self._receiving = None
+                    self.channel.skip(frame)
+                    if not receiving[1]:
+                        try:
+                            pending.callback(
+                                False, ProtocolError(f"worker {self.address}: {why}; the reply is dropped")
+                            )
+                        except Exception:
+                            log.exception("a result callback failed")
+                    del frame, pending
                     continue
                 try:
                     started, headed = time.perf_counter(), channel.bytes_received
