@@ -395,7 +395,8 @@ def lane_address(dataset) -> str | None:
         if _lane_server is None:
             from ..worker.server import WorkerServer
 
-            _lane_server = WorkerServer(settings.host, 0, parallel=2, secret=settings.secret).start()
+            # the worker's own options (timeouts, call size, handshakes, reachable-at) apply here too
+            _lane_server = WorkerServer(settings.host, 0, parallel=2, **settings.server_options()).start()
         return _lane_server.address
 
 
