@@ -32,7 +32,7 @@ from ..errors import (
     WorkerLost,
 )
 from ..protocol import auth, codec, limits, wire
-from ..protocol.buffers import allocate
+from ..protocol.buffers import allocate, pinned
 from ..protocol.errordata import rebuild_remote_error
 from ..protocol.replies import SAFE, Policy, load_data
 
@@ -318,6 +318,8 @@ class Connection:
                     channel.read_meta(frame)
                     buffers = allocate(frame.buffer_lengths, pending.pin) if frame.buffer_lengths else []
                     channel.read_buffers(buffers, frame, self.address)  # each record received counts as life
+                    if buffers:  # page-locked only once a large reply's bytes are here (buffers.PIN_AHEAD)
+                        buffers = pinned(buffers, frame.buffer_lengths, pending.pin)
                     arriving = time.perf_counter() - started
                     if frame.buffer_lengths:  # how fast this reply arrived (header to last byte)
                         self.link.timed(channel.bytes_received - headed, arriving)
