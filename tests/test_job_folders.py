@@ -144,3 +144,9 @@ def test_torchfeed_slurm_never_writes_through_a_planted_link(place, capsys):
     assert (place.parent / "sbatch.args").read_text().split() == ["--parsable"]
     assert (place.parent / "sbatch.stdin").read_text() == script.read_text()
     assert "submitted job 4242" in capsys.readouterr().out
+
+
+def test_folders_of_the_users_own_are_checked_not_changed(place):
+    # job files straight in the working directory: it stays as it is (0755), the script is 0700
+    assert cli.main(["slurm", "--job-dir", "%j", "--", "python", "t.py"]) == 0
+    assert mode(place) == 0o755 and mode(place / "torchfeed.sbatch") == 0o700

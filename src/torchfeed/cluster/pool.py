@@ -116,7 +116,7 @@ class SlurmPool:
         # folders 0700 under folders no other user can change; files made through their
         # folder's handle (cluster/private.py): nobody else can swap what sbatch is given
         if directory is None:
-            pools = private.private_dir("torchfeed-pools")
+            pools = private.private_dir("torchfeed-pools", given=True)  # checked; made 0700 when missing
             try:
                 folder, name = private.new_private_dir(pools, "pool-")
             finally:

@@ -43,11 +43,12 @@ def _why_unsafe(st: os.stat_result, own: bool) -> str | None:
 
 
 def _refuse(path: str, why: str, own: bool) -> UnsafeFolderError:
-    fix = (
-        f"make it yours and private (chmod 700 {path!r}) or remove it"
-        if own
-        else f"remove write access for others (chmod go-w {path!r}), or choose a folder of your own"
-    )
+    if "belongs to" in why:
+        fix = "have it removed and let torchfeed make its own, or choose a folder of your own"
+    elif own:
+        fix = f"make it private (chmod 700 {path!r}) or remove it"
+    else:
+        fix = f"remove write access for others (chmod go-w {path!r}), or choose a folder of your own"
     return UnsafeFolderError(
         f"{path} is not safe for Slurm job files: {why}, so another user could replace the batch "
         f"scripts torchfeed submits as you; {fix}"
@@ -69,8 +70,9 @@ def check_parents(path: str | os.PathLike) -> None:
 def private_dir(path: str | os.PathLike, *, given: bool = False) -> int:
     """Open ``path`` as a private folder (0700, this user's), creating it and missing folders
     above it 0700; refuse unsafe folders on the way. Returns an open handle (``O_DIRECTORY``)
-    that the caller closes. ``given``: a folder the user named for a file of theirs (the
-    script's), which, when it exists, is only checked as the folders above it, not made private."""
+    that the caller closes. ``given``: a folder that, when it exists, is only checked as the
+    folders above it (this user's or root's, writable by nobody else unless sticky), not made
+    private: the working directory, a folder the user named, a shared ``torchfeed-pools``."""
     path = os.path.abspath(path)
     base, missing = path, list[str]()
     while not os.path.lexists(base):

@@ -318,10 +318,11 @@ class SlurmJob:
     def _write(self, text: str, path: os.PathLike | None) -> Path:
         # folders 0700 under folders no other user can change, the script made through its
         # folder's handle, never through a link (cluster/private.py)
-        given = path is not None
+        # existing folders (the working directory, a --job-dir or --script folder of the
+        # user's) are checked, not changed
         path = Path(path) if path is not None else self.default_path()
-        os.close(private.private_dir(os.path.dirname(self.output) or "."))
-        folder = private.private_dir(path.parent, given=given)
+        os.close(private.private_dir(os.path.dirname(self.output) or ".", given=True))
+        folder = private.private_dir(path.parent, given=True)
         try:
             private.write_file(folder, path.name, text, 0o700)
         finally:
