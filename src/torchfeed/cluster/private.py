@@ -79,7 +79,8 @@ def private_dir(path: str | os.PathLike, *, given: bool = False) -> int:
         base, name = os.path.split(base)
         missing.insert(0, name)
     check_parents(base if missing or given else os.path.dirname(path) or "/")
-    fd = os.open(base, _DIR_FLAGS if not missing else os.O_RDONLY | os.O_DIRECTORY)
+    # a folder of torchfeed's own is never a link; the user's may be (its chain was checked)
+    fd = os.open(base, _DIR_FLAGS if not (missing or given) else os.O_RDONLY | os.O_DIRECTORY)
     try:
         if not missing and not given:  # torchfeed's own folder exists: it must be this user's alone
             why = _why_unsafe(os.fstat(fd), own=True)
