@@ -16,7 +16,6 @@ import os
 import pickle
 import subprocess
 import sys
-from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -38,11 +37,14 @@ class Evil:
         return os.system, (f"touch {self.path}",)
 
 
-class Record(NamedTuple):
-    """A user's type: refused until allowed."""
+class Record:
+    """A user's type with a rebuild hook of its own: refused until allowed."""
 
-    image: torch.Tensor
-    label: int
+    def __init__(self, image: torch.Tensor, label: int):
+        self.image, self.label = image, label
+
+    def __reduce__(self):
+        return Record, (self.image, self.label)
 
 
 class HostileDataset(torch.utils.data.Dataset):
@@ -244,8 +246,8 @@ def test_add_safe_globals_lets_a_users_class_through(workers2, allowlist):
     # per process
     torchfeed.add_safe_globals([Record])
     assert Record in torchfeed.get_safe_globals()
-    got = list(torchfeed.RemoteDataLoader(ds, batch_size=2))  # collated: a Record of batches
-    assert type(got[0]) is Record and got[0].label.tolist() == [0, 1]
+    got = list(torchfeed.RemoteDataLoader(ds, batch_size=2, collate_fn=list))
+    assert type(got[0][0]) is Record and [r.label for r in got[0]] == [0, 1]
     # per session
     torchfeed.clear_safe_globals()
     with torchfeed.Session(safe_globals=[Record]) as session:

@@ -26,9 +26,7 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 import torchfeed
 from compat_datasets import (
     Batched,
-    CorruptSample,
     Keyed,
-    Pair,
     Plain,
     Shards,
     Span,
@@ -147,14 +145,11 @@ def test_collates(remote, case):
 )
 def test_dtypes_and_structures(remote, kw):
     batches, _ = compare(
-        torchfeed.RemoteDataLoader(remote(Typed), safe_globals=USER_TYPES, **kw),
+        torchfeed.RemoteDataLoader(remote(Typed), **kw),
         lambda: DataLoader(Typed(), **kw),
     )
     assert batches and all(isinstance(b, dict if "collate_fn" not in kw else list) for b in batches)
 
-
-# the datasets' own types: a trainer loads them from workers once allowed (docs/workers.md)
-USER_TYPES = [Pair, CorruptSample]
 
 KEYS = ["img003", ("shard", 2), "img000", "img011", ("shard", 0), "img007", "img007"]
 
@@ -183,7 +178,7 @@ ERRORS = {
 def test_errors_in_getitem(remote, case):
     cls, bad, kw = ERRORS[case]
     _, error = compare(
-        torchfeed.RemoteDataLoader(remote(cls, 23, bad), safe_globals=USER_TYPES, **kw),
+        torchfeed.RemoteDataLoader(remote(cls, 23, bad), **kw),
         lambda: DataLoader(cls(23, bad), **kw),
     )
     assert error is not None

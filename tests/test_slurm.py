@@ -125,7 +125,9 @@ def test_dry_run_multi_node_layout(capsys, tmp_path):
     assert "export TORCHFEED_GPUS_PER_MODEL=2" in lines and "unset TORCHFEED_SECRET" in lines
     assert 'export TORCHFEED_SECRET_FILE="$JOB_DIR/secret"' in lines
     assert any(line.startswith("(umask 077 && ") for line in lines)
-    assert any(line.startswith('mkdir -p "$JOB_DIR" && chmod 700 "$JOB_DIR"') for line in lines)
+    assert any(
+        line.startswith('(umask 077 && mkdir -p "$JOB_DIR") && chmod 700 "$JOB_DIR"') for line in lines
+    )
     assert any(line.startswith('(umask 077 && : > "$JOB_DIR/workers")') for line in lines)
     assert "srun --het-group=1 --kill-on-bad-exit=1 --ntasks-per-node=8 --cpus-per-task=2 \\" in lines
     assert (
@@ -192,7 +194,8 @@ def test_write_and_submit_without_slurm(capsys, tmp_path, monkeypatch):
     script = tmp_path / "jobs" / "torchfeed.sbatch"
     assert f"wrote {script}; submit it with: sbatch {script}" in capsys.readouterr().out
     assert script.read_text() == sbatch_script(["python", "t.py"], job_dir=str(job_dir))
-    assert stat.S_IMODE(script.stat().st_mode) == 0o755
+    assert stat.S_IMODE(script.stat().st_mode) == 0o700  # yours alone, as its folder
+    assert stat.S_IMODE(script.parent.stat().st_mode) == 0o700
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here
     assert cli.main(["slurm", "--submit", "--job-dir", str(job_dir), "--", "x"]) == 2
     assert "sbatch not found" in capsys.readouterr().err

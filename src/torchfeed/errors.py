@@ -157,11 +157,13 @@ class RemoteError(TorchfeedError):
 class UnsafeReplyError(SerializationError):
     """A worker's reply names a class or function the trainer does not load by default.
 
-    ``global_name`` is its ``module.name``; allow a type of yours with
+    ``global_name`` is its ``module.name`` (the first one the reply needs), ``global_names``
+    every one the reply needs and the trainer does not load; allow a type of yours with
     :func:`torchfeed.add_safe_globals` (see the message).
     """
 
     global_name: str = ""
+    global_names: list[str] = []  # noqa: RUF012  # replaced per instance, never changed in place
 
 
 class LimitExceeded(TorchfeedError):

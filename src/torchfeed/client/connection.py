@@ -32,7 +32,7 @@ from ..errors import (
     WorkerLost,
 )
 from ..protocol import auth, codec, limits, wire
-from ..protocol.buffers import allocate
+from ..protocol.buffers import allocate, pinned
 from ..protocol.errordata import rebuild_remote_error
 from ..protocol.replies import SAFE, Policy, load_data
 
@@ -89,16 +89,23 @@ def reply_wire() -> tuple[int, float]:
 
 
 class _Pending:
-    __slots__ = ("callback", "pin", "deadline", "session", "policy")
+    __slots__ = ("callback", "compression", "deadline", "pin", "policy", "session")
 
     def __init__(
-        self, callback: Callback, pin: bool, deadline: float | None, session: Owner | None, policy: Any
+        self,
+        callback: Callback,
+        pin: bool,
+        deadline: float | None,
+        session: Owner | None,
+        policy: Any,
+        compression: int = codec.NONE,
     ):
         self.callback = callback
         self.pin = pin
         self.deadline = deadline
         self.session = session  # a call in flight keeps its session (and so this connection) open
         self.policy = policy  # a replies.Policy, or JSON_REPLY
+        self.compression = compression  # what the call allowed its reply (codec.refusal)
 
 
 JSON_REPLY = "json"  # request(policy=JSON_REPLY): the reply is JSON (STATS), not a pickle
@@ -222,7 +229,7 @@ class Connection:
         with self._pending_lock:
             if self.closed:
                 raise self._lost_error()
-            self._pending[rid] = _Pending(callback, pin, deadline, owner, policy)
+            self._pending[rid] = _Pending(callback, pin, deadline, owner, policy, compression)
         del owner
         try:
             self._send(kind, rid, meta, buffers, flags, aux)
@@ -292,11 +299,27 @@ class Connection:
                 if pending is None:  # a heartbeat, or cancelled or expired: drain and drop
                     self._drop(frame)
                     continue
+                why = codec.refusal(frame.kind, pending.compression, frame.buffer_lengths, frame.codecs)
+                if why is not None:  # read past it (nothing allocated for it or inflated): that call fails
+                    with self._pending_lock:
+                        self._receiving = None
+                    self.channel.skip(frame)
+                    if not receiving[1]:
+                        try:
+                            pending.callback(
+                                False, ProtocolError(f"worker {self.address}: {why}; the reply is dropped")
+                            )
+                        except Exception:
+                            log.exception("a result callback failed")
+                    del frame, pending
+                    continue
                 try:
                     started, headed = time.perf_counter(), channel.bytes_received
                     channel.read_meta(frame)
                     buffers = allocate(frame.buffer_lengths, pending.pin) if frame.buffer_lengths else []
                     channel.read_buffers(buffers, frame, self.address)  # each record received counts as life
+                    if buffers:  # page-locked only once a large reply's bytes are here (buffers.PIN_AHEAD)
+                        buffers = pinned(buffers, frame.buffer_lengths, pending.pin)
                     arriving = time.perf_counter() - started
                     if frame.buffer_lengths:  # how fast this reply arrived (header to last byte)
                         self.link.timed(channel.bytes_received - headed, arriving)
@@ -355,6 +378,7 @@ class Connection:
         except UnsafeReplyError as exc:  # nothing was called: say which worker sent it
             ok, value = False, UnsafeReplyError(f"worker {self.address}: {exc}")
             value.global_name = exc.global_name
+            value.global_names = exc.global_names or [exc.global_name]
         except SerializationError as exc:
             ok, value = False, exc
         except Exception as exc:  # an unpicklable reply fails that request only

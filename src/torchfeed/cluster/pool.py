@@ -20,7 +20,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -30,6 +29,7 @@ from pathlib import Path
 from ..addrfile import UnsafeAddressFile, read_address_file
 from ..errors import Timeout, TorchfeedError
 from ..protocol import auth
+from . import private
 from .slurm import render_template
 
 log = logging.getLogger("torchfeed.cluster")
@@ -113,26 +113,32 @@ class SlurmPool:
         self.python, self.env = python, _checked_env(env)
         self.pending_warning, self.poll_interval = float(pending_warning), float(poll_interval)
         self._commands = {name: _find(name) for name in ("sbatch", "squeue", "scancel")}
+        # folders 0700 under folders no other user can change; files made through their
+        # folder's handle (cluster/private.py): nobody else can swap what sbatch is given
         if directory is None:
-            Path("torchfeed-pools").mkdir(exist_ok=True)
-            directory = tempfile.mkdtemp(prefix="pool-", dir=os.path.abspath("torchfeed-pools"))
+            pools = private.private_dir("torchfeed-pools", given=True)  # checked; made 0700 when missing
+            try:
+                folder, name = private.new_private_dir(pools, "pool-")
+            finally:
+                os.close(pools)
+            directory = Path("torchfeed-pools", name)
+        else:
+            folder = private.private_dir(directory)
         self.directory = Path(directory).absolute()
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.directory.chmod(0o700)  # it holds the secret and the address files
-        for sub in ("workers", "logs"):
-            (self.directory / sub).mkdir(mode=0o700, exist_ok=True)
-        self._own_secret = secret_file is None
-        if secret_file is None:
-            secret_file = self.directory / "secret"
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(secret_file)
-            fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32) + "\n")
-        self.secret_file = Path(secret_file).absolute()
-        self.secret = auth.secret_from_file(self.secret_file)  # checked now: 0600, private directory
-        self.script_path = self.directory / "worker.sbatch"
-        self.script_path.write_text(self.script())
+        try:
+            for sub in ("workers", "logs"):
+                private.sub_dir(folder, sub)
+            self._own_secret = secret_file is None
+            if secret_file is None:
+                secret_file = self.directory / "secret"
+                private.write_file(folder, "secret", secrets.token_hex(32) + "\n")
+            self.secret_file = Path(secret_file).absolute()
+            self.secret = auth.secret_from_file(self.secret_file)  # checked now: 0600, private directory
+            self.script_path = self.directory / "worker.sbatch"
+            self._script = self.script()  # submitted from memory; the file is for the user to read
+            private.write_file(folder, "worker.sbatch", self._script)
+        finally:
+            os.close(folder)
         self._lock = threading.RLock()
         self._tasks: dict[str, _Task] = {}
         self._arrays: list[str] = []
@@ -240,11 +246,12 @@ class SlurmPool:
         return ready
 
     # -- Slurm --------------------------------------------------------------------------------
-    def _run(self, name: str, args: list[str]) -> subprocess.CompletedProcess | None:
+    def _run(self, name: str, args: list[str], stdin: str = "") -> subprocess.CompletedProcess | None:
         env = {k: v for k, v in os.environ.items() if k not in (auth.ENV_SECRET, "TORCHFEED_WORKERS")}
         try:
             return subprocess.run(
                 [self._commands[name], *args],
+                input=stdin,  # sbatch reads the batch script from its standard input
                 capture_output=True,
                 text=True,
                 timeout=COMMAND_TIMEOUT,
@@ -257,7 +264,7 @@ class SlurmPool:
     def _submit(self, k: int) -> None:
         output = self.directory / "logs" / "%A_%a.out"  # here, not in the script: the path may hold spaces
         done = self._run(
-            "sbatch", ["--parsable", f"--array=0-{k - 1}", f"--output={output}", str(self.script_path)]
+            "sbatch", ["--parsable", f"--array=0-{k - 1}", f"--output={output}"], stdin=self._script
         )
         if done is None or done.returncode != 0:
             why = (done.stderr.strip() or done.stdout.strip()) if done is not None else "see above"

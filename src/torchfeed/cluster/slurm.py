@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..errors import TorchfeedError
 from ..worker.cache import parse_size
+from . import private
 
 _PYTHON_NAME = re.compile(r"python[0-9.]*$")
 
@@ -310,13 +311,22 @@ class SlurmJob:
         return Path(base or ".") / f"{self.job_name}.sbatch"
 
     def write(self, path: os.PathLike | None = None) -> Path:
-        """Write the script (mode 0755) and create the directory of the Slurm output file."""
-        text = self.script()
+        """Write the script (mode 0700) and create the directory of the Slurm output file (0700,
+        as every folder on the way that is missing; see cluster/private.py)."""
+        return self._write(self.script(), path)
+
+    def _write(self, text: str, path: os.PathLike | None) -> Path:
+        # folders 0700 under folders no other user can change, the script made through its
+        # folder's handle, never through a link (cluster/private.py)
+        # existing folders (the working directory, a --job-dir or --script folder of the
+        # user's) are checked, not changed
         path = Path(path) if path is not None else self.default_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        Path(os.path.dirname(self.output) or ".").mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        path.chmod(0o755)
+        os.close(private.private_dir(os.path.dirname(self.output) or ".", given=True))
+        folder = private.private_dir(path.parent, given=True)
+        try:
+            private.write_file(folder, path.name, text, 0o700)
+        finally:
+            os.close(folder)
         return path
 
     def submit(
@@ -332,9 +342,11 @@ class SlurmJob:
                 f"{sbatch} not found: submit from a Slurm login node, or write the script "
                 f"with `torchfeed slurm` (no --submit) and run `sbatch` on it there"
             )
-        script = self.write(path)
+        text = self.script()
+        script = self._write(text, path)
         done = subprocess.run(
-            [exe, "--parsable", str(script)],
+            [exe, "--parsable"],
+            input=text,  # from memory, on sbatch's standard input: never a path someone could swap
             capture_output=True,
             text=True,
             timeout=120,

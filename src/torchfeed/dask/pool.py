@@ -8,10 +8,14 @@ and stops it when its Dask worker closes; ``retire`` stops the (drained) torchfe
 first, then retires its Dask worker. A background thread polls the plugin on every Dask
 worker for the addresses that are ready, so :meth:`Pool.addresses` returns at once.
 
-The secret travels in the plugin, which the scheduler hands to every Dask worker, also to
-the ones that join later over their connection to the scheduler: it is refused unless the
-scheduler and the current workers are reached over TLS or loopback (``allow_insecure``
-overrides; ``secret_file`` sends only a path), as for :func:`start_workers`.
+The plugin, which the scheduler hands to every Dask worker (also to the ones that join
+later), carries no secret: only a ``secret_file`` path, when one is given. A secret given
+by value is sent to each Dask worker on its own, once the pool's thread has seen it join and
+decided that its connection is encrypted or stays on this machine (TLS, or a loopback
+address: dask/transport.py); a worker that is not is refused, said once under
+``torchfeed.dask`` with the reason, and its torchfeed worker never starts
+(``allow_insecure=True`` sends to every worker). The scheduler's own address is checked
+when the pool is made, as for :func:`start_workers`.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import distributed
 from distributed.comm.addressing import get_address_host
 
 from ..protocol import auth
+from .transport import in_clear
 from .workers import WorkerProcesses, export, prepare_secret, unexport
 
 log = logging.getLogger("torchfeed.dask")
@@ -40,13 +45,14 @@ class PoolProcesses(WorkerProcesses):
     """Lives in each Dask worker: starts its torchfeed worker at setup (in a thread, so that the
     Dask worker comes up at once), stops it at teardown."""
 
-    def __init__(self, sent: auth.Secret | str, host: str | None, args: list[str], timeout: float):
+    def __init__(self, sent: auth.Secret | str | None, host: str | None, args: list[str], timeout: float):
         super().__init__()
-        self.sent = sent
+        self.sent = sent  # a secret file's path, or None: the secret comes later (receive_secret)
         self.host = host
         self.args = args
         self.timeout = timeout
-        self.state = "new"  # starting | ready | failed | stopped
+        self.state = "new"  # waiting (for the secret) | starting | ready | failed | stopped
+        self.bind = ""
         self.error = ""
         self.starter: threading.Thread | None = None
 
@@ -58,15 +64,27 @@ class PoolProcesses(WorkerProcesses):
         self.starter = None
 
     def setup(self, worker) -> None:
-        bind = self.host or get_address_host(worker.address)
+        self.bind = self.host or get_address_host(worker.address)
+        if self.sent is None:
+            self.state = "waiting"  # the pool sends the secret once it has checked this worker
+            return
+        self._begin()
+
+    def receive_secret(self, secret: auth.Secret) -> None:
+        if self.state == "waiting":
+            self.sent = secret
+            self._begin()
+
+    def _begin(self) -> None:
         self.state = "starting"
         self.starter = threading.Thread(
-            target=self._start, args=(bind,), name="torchfeed-pool-start", daemon=True
+            target=self._start, args=(self.bind,), name="torchfeed-pool-start", daemon=True
         )
         self.starter.start()
 
     def _start(self, bind: str) -> None:
         try:
+            assert self.sent is not None  # _begin runs once the secret (or its path) is here
             self.start(1, self.sent, bind, self.args, self.timeout)
         except BaseException as exc:  # noqa: BLE001 - reported to the driver by report()
             self.state, self.error = "failed", f"{type(exc).__name__}: {str(exc).rstrip()}"
@@ -90,6 +108,12 @@ class PoolProcesses(WorkerProcesses):
 def _report(dask_worker=None) -> dict[str, Any] | None:
     plugin = dask_worker.plugins.get(POOL_PLUGIN)
     return plugin.report() if plugin is not None else None
+
+
+def _receive_secret(secret: auth.Secret, dask_worker=None) -> None:
+    plugin = dask_worker.plugins.get(POOL_PLUGIN)
+    if plugin is not None:
+        plugin.receive_secret(secret)
 
 
 async def _stop_here(dask_worker=None) -> None:
@@ -159,8 +183,12 @@ class Pool:
         self._ops: queue.Queue = queue.Queue()  # ("scale", n) | ("retire", [dask workers]) | None
         self._closed = False
         self._refusal: str | None = None  # the last reason the cluster did not grow (logged once)
+        self._secret = sent if isinstance(sent, auth.Secret) else None  # sent per worker, once checked
+        self._allow_insecure = allow_insecure
+        self._refused: set[str] = set()  # Dask workers not sent the secret (logged)
         args = ["--parallel", str(parallel), "--threads", str(threads), *worker_args]
-        self.client.register_plugin(PoolProcesses(sent, host, args, start_timeout), name=POOL_PLUGIN)
+        plugin = PoolProcesses(sent if self._secret is None else None, host, args, start_timeout)
+        self.client.register_plugin(plugin, name=POOL_PLUGIN)
         if export_secret:
             export(self.secret)
         self._exported = export_secret
@@ -269,6 +297,7 @@ class Pool:
         """Read which Dask workers there are and the state of their torchfeed worker."""
         info = self.client.scheduler_info(n_workers=-1).get("workers", {})
         reports = self.client.run(_report, on_error="return") if info else {}
+        waiting: list[str] = []
         with self._lock:
             for w in [w for w in self._ready if w not in info]:
                 del self._ready[w]
@@ -282,6 +311,8 @@ class Pool:
                     self._ready[w] = r["addresses"]
                     continue
                 self._ready.pop(w, None)
+                if r["state"] == "waiting" and w not in self._refused:
+                    waiting.append(w)
                 if r["state"] == "failed" and w not in self._failed:
                     self._failed.add(w)
                     log.warning(
@@ -289,6 +320,28 @@ class Pool:
                         w,
                         r["error"],
                     )
+        if waiting:
+            self._send_secret(waiting)
+
+    def _send_secret(self, workers: list[str]) -> None:
+        """Send the secret to the Dask workers among ``workers`` whose connection cannot be read
+        on a network (checked here, per worker, before anything secret leaves); log the rest."""
+        checked = []
+        for w in workers:
+            if self._allow_insecure or not in_clear(w):
+                checked.append(w)
+                continue
+            self._refused.add(w)
+            log.warning(
+                "torchfeed.dask.Pool: not sending the torchfeed secret to Dask worker %s, which joined "
+                "over a connection that is not encrypted and leaves this machine: anyone reading that "
+                "network would get the secret. Its torchfeed worker does not start. Run the cluster over "
+                "TLS, pass secret_file=PATH (a file the workers' machines share), or allow_insecure=True "
+                "on a network no one else can listen on",
+                w,
+            )
+        if checked and self._secret is not None:
+            self.client.run(_receive_secret, self._secret, workers=checked, on_error="return")
 
     def _scale(self, n: int) -> None:
         if self.cluster is None:

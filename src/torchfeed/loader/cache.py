@@ -10,7 +10,13 @@ each sample as the stream yields it.
 
 **Sharing.** Datasets built from equal pickles of ``(factory, args, kwargs)`` on one worker
 share one instance (map-style) and one set of cached samples, whatever their ``then``:
-two jobs of a hyperparameter search pay for one decode.
+two jobs of a hyperparameter search pay for one decode. So a kept sample is never given
+to ``then`` itself: ``then`` gets a deep copy (:func:`_fresh`), which it may change in
+place (``x.mul_(2)``) without changing what another job, or its own next epoch, receives.
+The copy costs about what copying the sample's bytes costs (a 3x224x224 float tensor:
+17 us, a 3x16x16 one 3 us, on a 2-core machine), once per sample per access; without
+``then`` the kept sample goes to the collate function as it is (default_collate copies
+it into the batch).
 
 **One cache across the pool.** Every sample has an *owner* among the workers the trainer
 built the dataset on (rendezvous hashing of the sample key over their lanes): only the
@@ -25,6 +31,7 @@ batch, and losses, hedges and exactly-once delivery work as without a cache.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import inspect
 import threading
@@ -33,6 +40,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from .. import client
@@ -253,7 +262,7 @@ class CachedDataset(Dataset):
 
     def __getitem__(self, index):
         x = self.sample(index)
-        return self.then(x) if self.then is not None else x
+        return self.then(_fresh(x)) if self.then is not None else x
 
     def sample(self, index) -> Any:
         """The cached (inner) sample of ``index``: kept here, kept by its owner, or decoded."""
@@ -312,18 +321,39 @@ class _ShardOpener:
 
     def _then(self, samples):
         for x in samples:
-            yield self.then(x) if self.then is not None else x
+            yield self.then(_fresh(x)) if self.then is not None else x
 
     def _decode(self, url: str, entry: tuple, owner: str | None):
         kept = []
         for x in self.open_shard(url):
             kept.append(x)
-            yield self.then(x) if self.then is not None else x
+            yield self.then(_fresh(x)) if self.then is not None else x
         # read to its end: keep it (a stream that stopped early keeps nothing)
         if owner is None:
             store_module.store.put(self.shared.key, entry, kept)
         else:
             self.peers.give(owner, self.shared.key, {entry: kept})
+
+
+_IMMUTABLE = (str, bytes, int, float, complex, bool, type(None))
+
+
+def _fresh(sample: Any, depth: int = 0) -> Any:
+    """A copy of a kept sample for ``then`` (tensors cloned, arrays and containers copied,
+    other objects deep-copied): what ``then`` does in place stays in its copy."""
+    kind = type(sample)
+    if kind in _IMMUTABLE:
+        return sample
+    if isinstance(sample, torch.Tensor) and kind is torch.Tensor:
+        return sample.clone()
+    if kind is np.ndarray and sample.dtype != object:
+        return sample.copy()
+    if depth < 32:
+        if kind in (list, tuple):
+            return kind(_fresh(v, depth + 1) for v in sample)
+        if kind is dict:
+            return {k: _fresh(v, depth + 1) for k, v in sample.items()}
+    return copy.deepcopy(sample)  # anything else (shared parts stay shared within it)
 
 
 def _cached_shards(shared: Shared, then: Callable | None):
@@ -365,7 +395,8 @@ def lane_address(dataset) -> str | None:
         if _lane_server is None:
             from ..worker.server import WorkerServer
 
-            _lane_server = WorkerServer(settings.host, 0, parallel=2, secret=settings.secret).start()
+            # the worker's own options (timeouts, call size, handshakes, reachable-at) apply here too
+            _lane_server = WorkerServer(settings.host, 0, parallel=2, **settings.server_options()).start()
         return _lane_server.address
 
 

@@ -142,22 +142,51 @@ def check_pinnable(pin: bool) -> None:
         _cuda_pinnable()
 
 
-def allocate(lengths: Sequence[int], pin: bool = False) -> list[memoryview]:
-    """One block holding every buffer of a message, each 64-byte aligned.
+# page-locked bytes one message may have reserved before its bytes arrive: a reply's header
+# announces its size, and page-locked memory is committed (and kept in torch's host cache)
+# at once, so a larger reply is received into ordinary memory, whose pages are only taken as
+# its records arrive, and copied into page-locked memory once it has all arrived (pinned)
+PIN_AHEAD = 256 << 20
 
-    With ``pin=True`` and CUDA available the block is page-locked host memory, so the
-    tensors rebuilt from it can be copied to the GPU asynchronously.
-    """
+
+def _pinned(n: int) -> np.ndarray:
+    return torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()  # torch caches these
+
+
+def _layout(lengths: Sequence[int]) -> tuple[list[int], int]:
     offsets = []
     total = 0
     for n in lengths:
         offsets.append(total)
         total += (n + ALIGN - 1) // ALIGN * ALIGN
-    if pin and _cuda_pinnable():
-        arr = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True).numpy()  # torch caches these
+    return offsets, total
+
+
+def allocate(lengths: Sequence[int], pin: bool = False, *, arrived: bool = False) -> list[memoryview]:
+    """One block holding every buffer of a message, each 64-byte aligned.
+
+    With ``pin=True`` and CUDA available the block is page-locked host memory, so the
+    tensors rebuilt from it can be copied to the GPU asynchronously: at once for messages
+    of at most :data:`PIN_AHEAD` bytes, else only when its bytes have ``arrived`` (the
+    receiver calls :func:`pinned` after receiving into ordinary memory).
+    """
+    offsets, total = _layout(lengths)
+    if pin and (arrived or total <= PIN_AHEAD) and _cuda_pinnable():
+        arr = _pinned(max(total, 1))
     else:
         arr = empty_array(max(total, 1))
     return [_view(arr[o : o + n]) for o, n in zip(offsets, lengths)]
+
+
+def pinned(views: list[memoryview], lengths: Sequence[int], pin: bool) -> list[memoryview]:
+    """A received message's buffers in page-locked memory when ``pin`` asked for it and
+    :func:`allocate` could not reserve it ahead (a copy, made now that the bytes are here)."""
+    if not pin or _layout(lengths)[1] <= PIN_AHEAD or not _cuda_pinnable():
+        return views
+    out = allocate(lengths, pin, arrived=True)
+    for src, dst in zip(views, out):
+        dst[:] = src
+    return out
 
 
 def _view(arr: np.ndarray) -> memoryview:

@@ -36,6 +36,7 @@ import lz4.block
 import zstandard
 
 from ..errors import ProtocolError
+from . import wire
 
 log = logging.getLogger("torchfeed.codec")
 
@@ -93,6 +94,21 @@ def compress(codec: int, data) -> bytes:
     if codec == LZ4:
         return lz4.block.compress(data, store_size=False)
     return _zstd_c().compress(data)
+
+
+def refusal(kind: int, mode: int, lengths: Sequence[int], codecs: bytes) -> str | None:
+    """Trainer side: why a reply of ``kind`` (wire.REPLY or ERROR) with buffers of
+    ``lengths`` compressed as ``codecs`` is not read, for a call that asked for ``mode``;
+    None when it is. An error never carries buffers; a reply is compressed only as the call
+    allowed (none for ``compression=None``, that codec for "lz4" or "zstd", either for auto)."""
+    if kind == wire.ERROR and lengths:
+        return f"an error reply carries {len(lengths)} buffer(s); errors never carry buffers"
+    allowed = (NONE,) if mode == NONE else (NONE, LZ4, ZSTD) if mode == AUTO else (NONE, mode)
+    bad = sorted({CODEC_NAMES.get(c, str(c)) for c in codecs if c not in allowed})
+    if bad:
+        asked = "no compression" if mode == NONE else f"compression={CODEC_NAMES.get(mode, 'auto')!r}"
+        return f"a reply is compressed with {', '.join(bad)} where the call asked for {asked}"
+    return None
 
 
 def decompress_into(codec: int, src, dest: memoryview, worker: str = "") -> None:

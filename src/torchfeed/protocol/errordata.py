@@ -7,12 +7,16 @@ plain (strings, numbers, bytes and containers of them). The trainer loads that w
 global allowed (:func:`torchfeed.protocol.replies.load_data`) and raises
 :class:`~torchfeed.errors.RemoteError`, also an instance of the first class of the remote
 exception's bases that it allows (:func:`rebuild_remote_error`): Python's built-in
-exceptions and those allowed by ``add_safe_globals`` or ``safe_globals``, never torchfeed's
+exceptions, those allowed by ``add_safe_globals`` or ``safe_globals``, and exception
+classes already imported in the trainer that define no ``__new__``, ``__reduce__``,
+``__reduce_ex__``, ``__setstate__`` or ``__del__`` of their own (plainclass.plain_exception:
+built by their constructor from the plain arguments, as torch's DataLoader does), never torchfeed's
 own errors (the trainer acts on those) but a worker's reports of a request over a limit
 (``FrameTooLarge``, ``LimitExceeded``). Attributes that would shadow a method, a
 descriptor or a RemoteError field are not set (:func:`torchfeed.errors.instantiate`).
 So ``except KeyError:`` catches a worker's ``KeyError``, and a ``MyError(ValueError)``
-is caught by ``except ValueError:``, or by ``except MyError:`` once ``MyError`` is allowed.
+is caught by ``except MyError:`` when the trainer has imported ``MyError`` (else by
+``except ValueError:``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 from .. import errors, tracebacks
 from ..errors import RemoteError, TorchfeedError
+from .plainclass import plain_exception
 from .replies import SAFE, Policy, loaded
 
 # arguments and attributes of an exception travel when plain and at most this large
@@ -119,6 +124,8 @@ def exception_class(name: Any, policy: Policy = SAFE) -> type | None:
         found = policy.allowed(name)
         if found is None and policy.trusted:
             found = _imported(name)
+        if found is None:  # already imported here, rebuilt from its arguments by its constructor
+            found = plain_exception(name)
     if not (isinstance(found, type) and issubclass(found, BaseException)):
         return None
     if issubclass(found, TorchfeedError) and found not in _REPORTS:

@@ -35,8 +35,20 @@ TORCH_DTYPES = {
     if isinstance(d, torch.dtype) and not str(d).startswith(("torch.qint", "torch.quint"))
 }
 
+# torch's layouts by their str() ("torch.sparse_coo"), as torch.serialization._get_layout
+# names them in a sparse tensor's reduction
+TORCH_LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+
 _MAX_DTYPE_DEPTH = 8
 _MAX_DTYPE_PARTS = 4096
+
+
+def rebuild_layout(name: Any) -> torch.layout:
+    """A torch layout by its name (what a reply naming torch.serialization._get_layout gets)."""
+    found = TORCH_LAYOUTS.get(name) if isinstance(name, str) else None
+    if found is None:
+        raise UnsafeReplyError(f"the reply names an unknown torch layout {name!r:.80}")
+    return found
 
 
 def check_sizes(what: str, values) -> None:

@@ -10,10 +10,12 @@ names. So every reply is loaded by a restricted unpickler (as ``torch.load`` doe
 * ``complex``, ``collections.OrderedDict``, torch dtypes, ``torch.Size`` and
   ``torch.device`` (builtin containers, strings and numbers have opcodes of their own);
 * what the user allowed: :func:`add_safe_globals` (this process), or a loader's,
-  session's or call's ``safe_globals``.
+  session's or call's ``safe_globals``;
+* classes of the trainer's that hold data only (namedtuples, dataclasses, plain classes:
+  plainclass.py), through a stand-in that never runs their ``__init__``.
 
-Anything else raises :class:`~torchfeed.errors.UnsafeReplyError` naming the global, before
-it is called. Before loading, picklescan.py refuses pickles that nest deep enough to
+Anything else raises :class:`~torchfeed.errors.UnsafeReplyError` naming every global the
+reply needs that is not allowed (:func:`needs`), before any is called. Before loading, picklescan.py refuses pickles that nest deep enough to
 overflow the stack, unfold too far through shared references (where it walks them), use
 extension codes or cannot be read; after, rebuild.Made refuses a load whose pickle changed
 (BUILD) an object a rebuild function made. A call made with ``trust_worker=True``
@@ -36,7 +38,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsafeReplyError
-from . import picklescan, rebuild
+from . import picklescan, plainclass, rebuild
 
 _HERE = __name__
 _REBUILD = rebuild.__name__
@@ -60,6 +62,7 @@ _ALWAYS: dict[str, Any] = {
     "torch.Size": torch.Size,
     "torch.device": torch.device,
     f"{_REBUILD}.rebuild_np_scalar": rebuild.rebuild_np_scalar,
+    "torch.serialization._get_layout": rebuild.rebuild_layout,  # torch's reduction of a sparse tensor
 }
 
 
@@ -153,8 +156,11 @@ class Policy:
         return found
 
     def allowed_class(self, name: str, payload: bytes = b"") -> Any:
-        """Restricted form of :func:`rebuild_class`: the class must be allowed by name."""
+        """Restricted form of :func:`rebuild_class`: the class must be allowed by name, or be
+        a plain class of the trainer's (its stand-in, plainclass.maker)."""
         found = self.allowed(name) if isinstance(name, str) else None
+        if found is None:
+            found = plainclass.plain_class(name)
         if found is None:
             raise refused(str(name))
         return found
@@ -163,7 +169,32 @@ class Policy:
         if self.trusted:
             return _Trusting(meta, buffers).load()
         picklescan.check(meta)
-        return _Restricted(meta, buffers, self).load()
+        try:
+            return _Restricted(meta, buffers, self).load()
+        except UnsafeReplyError as exc:
+            names = getattr(exc, "global_name", None) and self.needs(meta)
+            if names and len(names) > 1:
+                raise refused(*names) from None
+            raise
+
+    def needs(self, meta: bytes) -> list[str]:
+        """The globals ``meta`` names that this policy does not load, in order (a refused
+        load's message lists them all; nothing is loaded or called)."""
+        out: list[str] = []
+        for name in picklescan.global_names(meta):
+            if name not in out and not self._loads(name):
+                out.append(name)
+        return out
+
+    def _loads(self, name: str) -> bool:
+        module, _, attr = name.rpartition(".")
+        return (
+            name in _MADE_BY
+            or name == _REBUILD_CLASS
+            or (module == "torch" and attr in rebuild.TORCH_DTYPES)
+            or self.allowed(name) is not None
+            or plainclass.plain_class(name) is not None
+        )
 
 
 SAFE = Policy()
@@ -177,15 +208,23 @@ def policy(safe_globals: Iterable[Any] | None = None, trust_worker: bool = False
     return SAFE.with_globals(safe_globals)
 
 
-def refused(name: str) -> UnsafeReplyError:
+def refused(*names: str) -> UnsafeReplyError:
+    """The error for a reply that needs ``names`` (the first is ``global_name``, all are
+    ``global_names``)."""
+    listed = ", ".join(names)
+    short = ", ".join(name.rpartition(".")[2] for name in names)
+    which = "which torchfeed does not load" if len(names) == 1 else "none of which torchfeed loads"
     exc = UnsafeReplyError(
-        f"the reply needs {name}, which torchfeed does not load from a worker by default: a reply "
-        "may not run code in the trainer. If it is a type your dataset returns, allow it with "
-        f"torchfeed.add_safe_globals([{name.rpartition('.')[2]}]) (or the loader's or session's "
-        "safe_globals=[...]; rpc_async(..., trust_worker=True) trusts one call's result entirely). "
-        "If your dataset returns nothing of this kind, the worker may be compromised."
+        f"the reply needs {listed}, {which} from a worker by default: a reply may not run "
+        "code in the trainer (namedtuples, dataclasses and plain classes of yours load by default "
+        "when they define no __new__, __reduce__, __setstate__ or other hook of their own). If "
+        f"it is what your dataset returns, allow it with torchfeed.add_safe_globals([{short}]) "
+        "(or the loader's or session's safe_globals=[...]; rpc_async(..., trust_worker=True) "
+        "trusts one call's result entirely). If your dataset returns nothing of this kind, the "
+        "worker may be compromised."
     )
-    exc.global_name = name
+    exc.global_name = names[0]
+    exc.global_names = list(names)
     return exc
 
 
@@ -230,9 +269,11 @@ class _Restricted(_Trusting):
             return getattr(self._made, made_by)
         if full == _REBUILD_CLASS:
             return self._rules.allowed_class
-        found = rebuild.TORCH_DTYPES.get(name) if module == "torch" else None
+        found: Any = rebuild.TORCH_DTYPES.get(name) if module == "torch" else None
         if found is None:
             found = self._rules.allowed(full)
+        if found is None:
+            found = plainclass.plain_class(full)
         if found is None:
             raise refused(full)
         return found

@@ -302,7 +302,16 @@ def run_worker(
     )
     workercache.configure(
         workercache.DEFAULT_SIZE if cache_size is None else cache_size,
-        lane=workercache.Lane(host, server.secret),  # peers reach this worker's cache there
+        lane=workercache.Lane(  # peers reach this worker's cache there, under the same bounds
+            host,
+            server.secret,
+            timeout=timeout,
+            handshake_timeout=handshake_timeout,
+            limits=limits,
+            max_handshakes=max_handshakes,
+            integrity_only=integrity_only,
+            reachable_at=tuple(reachable_at),
+        ),
     )
     in_main = threading.current_thread() is threading.main_thread()
     if in_main:

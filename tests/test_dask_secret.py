@@ -1,0 +1,72 @@
+"""torchfeed.dask.Pool decides per Dask worker, when it joins, whether the secret may go there.
+
+Real: a LocalCluster on loopback, its workers joining as it scales, the plugin the scheduler
+hands them, the secret sent to each one separately, what each worker holds (read on it).
+Simulated: that a worker joined over a network in clear. Every connection here is loopback,
+so the test makes the check (dask/transport.in_clear, the function the pool asks) regard
+the late worker's address as a network address; the pool's decision follows from it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from distributed import LocalCluster
+
+import torchfeed.dask as tfd
+import torchfeed.dask.pool as pool_module
+from helpers import wait_for
+
+pytestmark = [pytest.mark.dask, pytest.mark.timeout(300)]
+
+
+def _held(dask_worker=None):
+    """On a Dask worker: what its torchfeed pool plugin holds (state, whether it has a secret)."""
+    plugin = dask_worker.plugins.get(pool_module.POOL_PLUGIN)
+    return plugin.state, plugin.sent is not None
+
+
+def test_late_joiners_get_the_secret_only_when_their_connection_is_checked(monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, logger="torchfeed.dask")
+    with LocalCluster(
+        n_workers=1,
+        threads_per_worker=1,
+        processes=True,
+        host="127.0.0.1",
+        dashboard_address=None,
+        silence_logs=logging.ERROR,
+    ) as cluster:
+        with tfd.Pool(cluster, poll=0.25) as pool:
+            assert len(pool.wait(1, 120)) == 1
+            first = set(cluster.scheduler_info["workers"])
+            held = pool.client.run(_held)
+            assert all(state == "ready" for state, _ in held.values())
+            kept = pool.client.run_on_scheduler(
+                lambda dask_scheduler=None: dask_scheduler.worker_plugins[pool_module.POOL_PLUGIN]
+            )
+            assert (
+                isinstance(kept, bytes) and pool.secret.value not in kept
+            )  # what late joiners get: no secret
+            real_check = pool_module.in_clear
+            clear_all = [
+                True
+            ]  # a worker joining "over a network in clear": every later one, as the check sees it
+            monkeypatch.setattr(
+                pool_module, "in_clear", lambda a: (clear_all[0] and a not in first) or real_check(a)
+            )
+            pool.scale(2)
+            assert wait_for(lambda: len(cluster.scheduler_info["workers"]) == 2, 120)
+            late = (set(cluster.scheduler_info["workers"]) - first).pop()
+            assert wait_for(lambda: any(late in r.getMessage() for r in caplog.records), 60)
+            assert pool.client.run(_held, workers=[late])[late] == ("waiting", False)  # no secret there
+            message = next(r.getMessage() for r in caplog.records if late in r.getMessage())
+            assert "not encrypted and leaves this machine" in message and "secret_file=PATH" in message
+            assert len(pool.addresses()) == 1
+            # a loopback joiner, as the check really sees it: gets the secret and its worker starts
+            clear_all[0] = False
+            pool.scale(3)
+            assert len(pool.wait(2, 120)) == 2
+            states = pool.client.run(_held)
+            assert states[late] == ("waiting", False)
+            assert sorted(states.values()).count(("ready", True)) == 2
