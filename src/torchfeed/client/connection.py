@@ -14,6 +14,7 @@ import json
 import logging
 import pickle
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -149,6 +150,10 @@ class Connection:
                 sock, secret, self.address, integrity_only=auth.integrity_only_requested()
             )
             sock.settimeout(None)
+            # sends fail when the worker reads nothing for the heartbeat timeout (a hung
+            # worker must not block a sending thread forever); receives stay blocking
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 1, 0))
+            self.channel.send_stall_timeout = owner.heartbeat_timeout or None
         except TimeoutError as exc:
             sock.close()
             raise Timeout(
@@ -229,6 +234,10 @@ class Connection:
         except BaseException as exc:
             with self._pending_lock:
                 entry = self._pending.pop(rid, None)
+            if entry is None and isinstance(exc, OSError):
+                # the connection failed during the send (the keeper or the reader): the
+                # call's callback already has its WorkerLost, it must not get a second outcome
+                return rid
             del entry  # outside the lock: it may hold the last session reference
             if not isinstance(exc, OSError):
                 raise
@@ -452,15 +461,21 @@ class Connection:
                 )
             )
             return
-        releases, self._releases = self._releases, []
+        # the keeper never waits for the send lock: a send stuck on a worker that reads
+        # nothing must not stop the heartbeats of every other connection of the session
+        if not (self._releases or now - self.last_tx > owner.heartbeat_interval):
+            return
+        if not self._send_lock.acquire(blocking=False):
+            return  # a send is under way: releases wait for the next round
         try:
+            releases, self._releases = self._releases, []
             if releases:
-                self._send(wire.RELEASE, meta=pickle.dumps(releases))
-            elif now - self.last_tx > owner.heartbeat_interval and self._send_lock.acquire(blocking=False):
-                try:
-                    self.channel.send(wire.PING)
-                    self.last_tx = now
-                finally:
-                    self._send_lock.release()
+                self.channel.send(wire.RELEASE, 0, pickle.dumps(releases))
+            else:
+                self.channel.send(wire.PING)
+            self.last_tx = now
         except OSError as exc:
+            self._send_lock.release()
             self._fail(exc)
+            return
+        self._send_lock.release()

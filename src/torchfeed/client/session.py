@@ -370,12 +370,18 @@ class Session:
         """
         timeout = self.timeout if timeout is None else timeout
         fut: torch.futures.Future = torch.futures.Future()
+        completing = threading.Lock()
 
         def done(ok: bool, value: Any) -> None:
-            if ok:
-                fut.set_result(value)
-            else:
-                fut.set_exception(value)
+            # the first outcome wins: a send that fails as the connection is failed by
+            # another thread reports the same loss twice
+            with completing:
+                if fut.done():
+                    return
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(value)
 
         try:
             policy = self._policy(safe_globals, trust_worker)
@@ -388,7 +394,7 @@ class Session:
                 self._send(conn, meta, buffers, args, kwargs, rref, pin_memory, timeout, done, policy)
                 return fut
         except Exception as exc:
-            fut.set_exception(exc)
+            done(False, exc)
             return fut
         start = time.monotonic()
 
@@ -400,7 +406,7 @@ class Session:
                 left = max(0.1, timeout - (time.monotonic() - start))
                 self._send(conn, meta, buffers, args, kwargs, rref, pin_memory, left, done, policy)
             except Exception as exc:
-                fut.set_exception(exc)
+                done(False, exc)
 
         self._reach(address, secret, timeout, then)
         return fut
