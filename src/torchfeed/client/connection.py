@@ -65,9 +65,24 @@ def parse_address(address: Address) -> tuple[str, int]:
         host, _, port = text[1:].partition("]:")
     else:
         host, _, port = text.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"worker address {address!r} is not of the form host:port")
+        if ":" in host:  # "127.0.0.1:6543:1", or an IPv6 address without its brackets
+            raise ValueError(
+                f"worker address {address!r} is not of the form host:port (it has more than one ':'; "
+                "write an IPv6 address in brackets: [::1]:6543)"
+            )
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"worker address {address!r} is not of the form host:port (a port is 1-65535)")
     return host, int(port)
+
+
+def _connect_failure(exc: OSError, timeout: float) -> str:
+    """Why a connection failed, in words: a name that does not resolve or a refusal is said at
+    once, as it is; only a timeout took the whole ``timeout``."""
+    if isinstance(exc, socket.gaierror):
+        return f"its host name does not resolve ({exc.strerror or exc})"
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {timeout:g} s"
+    return str(exc)
 
 
 def format_address(address: Address) -> str:
@@ -139,7 +154,7 @@ class Connection:
             sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
             raise WorkerLost(
-                f"could not connect to worker {self.address} within {timeout:g} s: {exc}. "
+                f"could not connect to worker {self.address}: {_connect_failure(exc, timeout)}. "
                 "Is `torchfeed worker` running there, and is the address right?",
                 {self.address: repr(exc)},
             ) from exc
