@@ -1,7 +1,6 @@
 """One owner for the client state of the data plane: :class:`Session`.
 
-A session holds what the trainer side used to keep in module globals and class
-attributes: the heartbeat settings, the default timeout and secret, the cache of
+A session holds the trainer side's client state: the heartbeat settings, the default timeout and secret, the cache of
 connections (one per worker address and secret) and the keeper thread that sends
 heartbeats, flushes reference releases and expires request deadlines for them.
 
