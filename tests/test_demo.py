@@ -90,3 +90,11 @@ def test_random_affine_geometry():
     assert np.allclose(left[:, :-1], image[:, 1:]) and np.allclose(left[:, -1], 0)
     quarter = random_affine(image, _Draws(1, 0, 0, 0), max_degrees=90)  # a quarter turn
     assert np.allclose(quarter, np.rot90(image)) or np.allclose(quarter, np.rot90(image, -1))
+
+
+def test_the_demo_says_when_the_machine_is_busy():
+    from torchfeed.tools.demo import busy_note
+
+    assert busy_note(load=0.5, cores=2) is None
+    note = busy_note(load=7.9, cores=2)
+    assert note is not None and "busy" in note and "7.9" in note

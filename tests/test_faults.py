@@ -409,3 +409,22 @@ def test_soak_ten_thousand_batches_memory_flat(fresh_workers):
     end = [_rss_kb(p) for p in pids]
     for b, e, p in zip(base, end, pids):
         assert e <= b * 1.10, f"process {p}: RSS grew from {b} kB to {e} kB"
+
+
+def test_a_worker_that_stops_reading_during_a_send_fails_the_call_once(fresh_workers):
+    """A call whose send is cut off by the connection failing (the keeper gives up on a hung
+    worker) reports WorkerLost through its future; its send neither blocks for good nor
+    completes the future twice ("a completed Future as complete again")."""
+    w = fresh_workers(1)
+    session = torchfeed.Session(heartbeat_interval=0.5, heartbeat_timeout=2)
+    address = w.addresses[0]
+    assert session.rpc_async(address, len, args=(b"x",)).wait() == 1
+    w.kill(0, signal.SIGSTOP)
+    try:
+        # far more than the socket buffers hold: the send blocks until the connection fails
+        fut = session.rpc_async(address, len, args=(bytes(256 << 20),))
+        with pytest.raises(torchfeed.WorkerLost):
+            fut.wait()
+    finally:
+        w.kill(0, signal.SIGCONT)
+        session.close()

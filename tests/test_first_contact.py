@@ -381,3 +381,20 @@ def test_an_open_file_is_not_sent_by_rpc_either(workers2, tmp_path):
     path.write_text("a\nb\n")
     with open(path) as f, pytest.raises(torchfeed.SerializationError, match="pass its path"):
         torchfeed.rpc_async(workers2[0], len, args=(f,)).wait()
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:6543:1", "::1:6543", "host:0", "host:70000", "host:"])
+def test_a_malformed_address_is_refused_with_the_form_expected(address):
+    with pytest.raises(ValueError, match="host:port"):
+        torchfeed.client.parse_address(address)
+
+
+def test_an_unresolvable_host_says_so_not_that_the_timeout_ran_out():
+    session = torchfeed.Session(timeout=60)
+    try:
+        fut = session.rpc_async("no-such-host.invalid:6543", len, args=(b"",), wait_for_worker=False)
+        with pytest.raises(torchfeed.WorkerLost, match="does not resolve") as caught:
+            fut.wait()
+        assert "within 60" not in str(caught.value)
+    finally:
+        session.close()

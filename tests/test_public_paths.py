@@ -13,8 +13,28 @@ import torchfeed
 
 
 @pytest.mark.parametrize("name", torchfeed.__all__)
-def test_every_name_in_all_resolves(name):
-    assert getattr(torchfeed, name) is not None
+def test_every_name_in_all_is_the_object_its_module_defines(name):
+    target = torchfeed._ALIASES.get(name, name)
+    module = importlib.import_module(f"torchfeed.{torchfeed._EXPORTS[target]}")
+    assert getattr(torchfeed, name) is getattr(module, target)
+    assert getattr(module, target).__module__.startswith("torchfeed.")
+
+
+def test_the_names_type_checkers_see_are_the_public_names():
+    """The TYPE_CHECKING imports of torchfeed/__init__.py name exactly _EXPORTS and _ALIASES."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(torchfeed.__file__).read_text())
+    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    seen = {a.asname or a.name for n in ast.walk(block) if isinstance(n, ast.ImportFrom) for a in n.names}
+    seen |= {t.id for n in ast.walk(block) if isinstance(n, ast.Assign) for t in n.targets}
+    assert seen == set(torchfeed.__all__)
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        torchfeed.Nope  # noqa: B018
 
 
 def test_seed_aliases_are_the_primary_classes():
@@ -86,33 +106,3 @@ def test_help_does_not_import_torch():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=_env()
     )
     assert done.stdout.strip() == "False", done.stderr
-
-
-def test_objects_pickled_under_the_old_flat_modules_still_load():
-    """A pickle made before the subpackages names torchfeed.sampling (and 27 other old modules):
-    it loads, the old name being the new module (with a DeprecationWarning saying where)."""
-    import pickle
-    import warnings
-
-    from torchfeed.loader.sampling import DistributedSampler
-
-    data = pickle.dumps(
-        DistributedSampler(list(range(10)), num_replicas=2, rank=0, shuffle=False), protocol=0
-    )
-    old = data.replace(b"torchfeed.loader.sampling", b"torchfeed.sampling")
-    assert old != data
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        loaded = pickle.loads(old)
-    assert isinstance(loaded, DistributedSampler) and list(loaded) == [0, 2, 4, 6, 8]
-    assert any("torchfeed.sampling moved to torchfeed.loader.sampling" in str(w.message) for w in caught)
-
-
-@pytest.mark.parametrize("old", sorted(torchfeed._MOVED))
-def test_every_old_module_name_is_its_new_module(old):
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        module = importlib.import_module(f"torchfeed.{old}")
-    assert module is importlib.import_module(f"torchfeed.{torchfeed._MOVED[old]}")

@@ -14,6 +14,7 @@ import json
 import logging
 import pickle
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -64,9 +65,24 @@ def parse_address(address: Address) -> tuple[str, int]:
         host, _, port = text[1:].partition("]:")
     else:
         host, _, port = text.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"worker address {address!r} is not of the form host:port")
+        if ":" in host:  # "127.0.0.1:6543:1", or an IPv6 address without its brackets
+            raise ValueError(
+                f"worker address {address!r} is not of the form host:port (it has more than one ':'; "
+                "write an IPv6 address in brackets: [::1]:6543)"
+            )
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"worker address {address!r} is not of the form host:port (a port is 1-65535)")
     return host, int(port)
+
+
+def _connect_failure(exc: OSError, timeout: float) -> str:
+    """Why a connection failed, in words: a name that does not resolve or a refusal is said at
+    once, as it is; only a timeout took the whole ``timeout``."""
+    if isinstance(exc, socket.gaierror):
+        return f"its host name does not resolve ({exc.strerror or exc})"
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {timeout:g} s"
+    return str(exc)
 
 
 def format_address(address: Address) -> str:
@@ -145,7 +161,7 @@ class Connection:
             sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
             raise WorkerLost(
-                f"could not connect to worker {self.address} within {timeout:g} s: {exc}. "
+                f"could not connect to worker {self.address}: {_connect_failure(exc, timeout)}. "
                 "Is `torchfeed worker` running there, and is the address right?",
                 {self.address: repr(exc)},
             ) from exc
@@ -156,6 +172,10 @@ class Connection:
                 sock, secret, self.address, integrity_only=auth.integrity_only_requested()
             )
             sock.settimeout(None)
+            # sends fail when the worker reads nothing for the heartbeat timeout (a hung
+            # worker must not block a sending thread forever); receives stay blocking
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 1, 0))
+            self.channel.send_stall_timeout = owner.heartbeat_timeout or None
         except TimeoutError as exc:
             sock.close()
             raise Timeout(
@@ -236,6 +256,10 @@ class Connection:
         except BaseException as exc:
             with self._pending_lock:
                 entry = self._pending.pop(rid, None)
+            if entry is None and isinstance(exc, OSError):
+                # the connection failed during the send (the keeper or the reader): the
+                # call's callback already has its WorkerLost, it must not get a second outcome
+                return rid
             del entry  # outside the lock: it may hold the last session reference
             if not isinstance(exc, OSError):
                 raise
@@ -476,15 +500,21 @@ class Connection:
                 )
             )
             return
-        releases, self._releases = self._releases, []
+        # the keeper never waits for the send lock: a send stuck on a worker that reads
+        # nothing must not stop the heartbeats of every other connection of the session
+        if not (self._releases or now - self.last_tx > owner.heartbeat_interval):
+            return
+        if not self._send_lock.acquire(blocking=False):
+            return  # a send is under way: releases wait for the next round
         try:
+            releases, self._releases = self._releases, []
             if releases:
-                self._send(wire.RELEASE, meta=pickle.dumps(releases))
-            elif now - self.last_tx > owner.heartbeat_interval and self._send_lock.acquire(blocking=False):
-                try:
-                    self.channel.send(wire.PING)
-                    self.last_tx = now
-                finally:
-                    self._send_lock.release()
+                self.channel.send(wire.RELEASE, 0, pickle.dumps(releases))
+            else:
+                self.channel.send(wire.PING)
+            self.last_tx = now
         except OSError as exc:
+            self._send_lock.release()
             self._fail(exc)
+            return
+        self._send_lock.release()

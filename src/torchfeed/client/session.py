@@ -1,7 +1,6 @@
 """One owner for the client state of the data plane: :class:`Session`.
 
-A session holds what the trainer side used to keep in module globals and class
-attributes: the heartbeat settings, the default timeout and secret, the cache of
+A session holds the trainer side's client state: the heartbeat settings, the default timeout and secret, the cache of
 connections (one per worker address and secret) and the keeper thread that sends
 heartbeats, flushes reference releases and expires request deadlines for them.
 
@@ -370,12 +369,18 @@ class Session:
         """
         timeout = self.timeout if timeout is None else timeout
         fut: torch.futures.Future = torch.futures.Future()
+        completing = threading.Lock()
 
         def done(ok: bool, value: Any) -> None:
-            if ok:
-                fut.set_result(value)
-            else:
-                fut.set_exception(value)
+            # the first outcome wins: a send that fails as the connection is failed by
+            # another thread reports the same loss twice
+            with completing:
+                if fut.done():
+                    return
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(value)
 
         try:
             policy = self._policy(safe_globals, trust_worker)
@@ -388,7 +393,7 @@ class Session:
                 self._send(conn, meta, buffers, args, kwargs, rref, pin_memory, timeout, done, policy)
                 return fut
         except Exception as exc:
-            fut.set_exception(exc)
+            done(False, exc)
             return fut
         start = time.monotonic()
 
@@ -400,7 +405,7 @@ class Session:
                 left = max(0.1, timeout - (time.monotonic() - start))
                 self._send(conn, meta, buffers, args, kwargs, rref, pin_memory, left, done, policy)
             except Exception as exc:
-                fut.set_exception(exc)
+                done(False, exc)
 
         self._reach(address, secret, timeout, then)
         return fut

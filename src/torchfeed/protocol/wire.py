@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from ..errors import FrameTooLarge, ProtocolError
 
 MAGIC = b"TFED"
-VERSION = 5  # 2: sealed records after the handshake; 3: modules in subpackages (pickles name them);
-# 4: the AUTH message carries (and the proofs cover) the endpoint the client dialled;
-# 5: replies' buffers may travel compressed (FLAG_PACKED; calls ask with FLAG_CODEC and aux)
+# Changes with the framing, the handshake, or the module paths pickles name (CHANGELOG.md
+# lists what each version changed): peers of other versions are refused at the header.
+VERSION = 5
 HEADER = struct.Struct("<4sBBHQIII")
 
 # message kinds

@@ -344,8 +344,7 @@ def run_bench(args) -> int:
     return 0
 
 
-# issue 12's cases (epoch boundaries, the trainer's cost per batch, shared workers) are in
-# bench_epochs.py
+# epoch boundaries, the trainer's cost per batch, shared workers: bench_epochs.py
 CASES.update(
     {
         "epochs": (
@@ -362,7 +361,7 @@ CASES.update(
         ),
     }
 )
-# issue 21's case (torchfeed.cached: decode once) is in bench_cache.py
+# torchfeed.cached (decode once): bench_cache.py
 CASES["cache"] = (
     bench_cache.case_cache,
     "600 JPEGs decoded + resized once (torchfeed.cached), random crop + flip each time: epoch 2 vs epoch 1",

@@ -1,4 +1,4 @@
-"""Issue 21's benchmark: decode once with :func:`torchfeed.cached`.
+"""The sample cache's benchmark: decode once with :func:`torchfeed.cached`.
 
 600 JPEGs (800x600, made here with Pillow and numpy) are read, decoded and resized to a
 3x224x224 float32 tensor (602 KB: ~360 MB for the set) by :class:`JpegFiles`, the cached

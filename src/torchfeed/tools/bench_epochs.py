@@ -1,4 +1,4 @@
-"""Benchmark cases of issue 12: what the loader costs the trainer, across epoch boundaries,
+"""Benchmark cases: what the loader costs the trainer, across epoch boundaries,
 and with many trainers sharing many workers (see :mod:`torchfeed.tools.bench` for the others).
 
 * ``epochs``: 4 sleep-bound workers, one 4x slower, epochs of 64 batches of 8, timed over

@@ -16,7 +16,9 @@ is downloaded.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import statistics
 import sys
 import time
 from typing import Any, TextIO
@@ -35,7 +37,8 @@ from ..util import cpu_count
 N_TEST = 300
 PIXEL_MEAN = 0.305  # of the digits scaled to [0, 1]
 PIXEL_STD = 0.376
-THROUGHPUT_SECONDS = 3.0  # loading time measured per loader
+THROUGHPUT_SECONDS = 3.0  # loading time measured per loader, in ROUNDS interleaved slices
+ROUNDS = 3
 
 # Pixel centres of an 8x8 image as (row, column) offsets from the image centre.
 _GRID = np.stack(np.meshgrid(np.arange(8.0), np.arange(8.0), indexing="ij"), -1).reshape(-1, 2) - 3.5
@@ -254,12 +257,10 @@ def _train(
 
 
 def measure_loading(loader, seconds: float) -> tuple[float, int]:
-    """Iterate whole passes of ``loader`` (after one untimed pass) for about ``seconds``.
+    """Iterate whole passes of ``loader`` for about ``seconds`` (at least one pass).
 
     Returns (samples per second, samples counted).
     """
-    for _ in loader:  # warm up: worker start, first connections, caches
-        pass
     samples = 0
     start = time.perf_counter()
     while True:
@@ -270,31 +271,67 @@ def measure_loading(loader, seconds: float) -> tuple[float, int]:
             return samples / elapsed, samples
 
 
+def compare_rates(loaders: dict[str, Any], seconds: float, rounds: int = ROUNDS) -> dict[str, float]:
+    """Each loader's median rate over ``rounds`` interleaved slices of ``seconds / rounds``
+    (after one untimed pass each), as the benchmarks measure: a load that comes and goes on
+    the machine then reaches every loader alike."""
+    for loader in loaders.values():  # warm up: worker start, first connections, caches
+        for _ in loader:
+            pass
+    rates: dict[str, list[float]] = {name: [] for name in loaders}
+    for _ in range(rounds):
+        for name, loader in loaders.items():
+            rates[name].append(measure_loading(loader, seconds / rounds)[0])
+    return {name: statistics.median(values) for name, values in rates.items()}
+
+
+def busy_note(load: float | None = None, cores: int | None = None) -> str | None:
+    """A sentence when the machine is busy (the 1-minute load average, this demo's own
+    processes included, above the number of cores), else None. Defaults: this machine's."""
+    cores = cores or cpu_count()
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:  # not available on this platform
+            return None
+    if load <= cores:
+        return None
+    return (
+        f"this machine is busy (load average {load:.1f} on {cores} cores): both loaders compete for "
+        "the same cores, so the ratio says more about the machine than about the loaders"
+    )
+
+
 def _compare_loading(
     remote: RemoteDataset, local: AugmentedDigits, args, seconds: float
 ) -> tuple[float, float]:
     n_remote = len(remote.workers)
     _say(
         f"\nloading throughput of the augmented training set (loading only, no model, batch {args.batch_size}, "
-        f"~{seconds:g} s each):"
+        f"median of {ROUNDS} interleaved rounds, ~{seconds:g} s each):"
     )
-    remote_loader: RemoteDataLoader[Any] = RemoteDataLoader(remote, batch_size=args.batch_size, shuffle=True)
-    remote_rate, _ = measure_loading(remote_loader, seconds)
     remote_label = f"torchfeed.RemoteDataLoader  ({n_remote} remote worker{'s' if n_remote != 1 else ''})"
     torch_label = f"torch DataLoader(num_workers={args.workers})"
+    loaders = {
+        remote_label: RemoteDataLoader(remote, batch_size=args.batch_size, shuffle=True),
+        torch_label: DataLoader(
+            local,
+            batch_size=args.batch_size,
+            shuffle=True,
+            num_workers=args.workers,
+            persistent_workers=args.workers > 0,
+        ),
+    }
+    rates = compare_rates(loaders, seconds)
+    del loaders  # stops torch's worker processes
+    remote_rate, torch_rate = rates[remote_label], rates[torch_label]
     pad = max(len(remote_label), len(torch_label)) + 2
     _say(f"  {remote_label:<{pad}}{remote_rate:>9,.0f} samples/s")
-    torch_loader = DataLoader(
-        local,
-        batch_size=args.batch_size,
-        shuffle=True,
-        num_workers=args.workers,
-        persistent_workers=args.workers > 0,
-    )
-    torch_rate, _ = measure_loading(torch_loader, seconds)
-    del torch_loader  # stops its worker processes
     _say(f"  {torch_label:<{pad}}{torch_rate:>9,.0f} samples/s")
     _say(f"  {'ratio torchfeed / torch':<{pad}}{remote_rate / torch_rate:>9.2f}x")
+    note = busy_note()
+    if note is not None:
+        _say(f"  note: {note}")
     return remote_rate, torch_rate
 
 
