@@ -72,7 +72,7 @@ def test_blocked_send_to_one_worker_does_not_delay_the_others(workers2):
     loader = torchfeed.RemoteDataLoader(rds, batch_size=1, prefetch_factor=2, timeout=20)
     blocked = workers2[0]
     armed, entered, gate = threading.Event(), threading.Event(), threading.Event()
-    fetchers = loader._fetchers
+    fetchers = loader._fetchers.for_pass(loader.collate_fn, loader.worker_init_fn)
     original = fetchers.get
 
     def get(address):

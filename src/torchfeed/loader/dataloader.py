@@ -9,25 +9,22 @@ map-style dataset is :class:`torchfeed.loader.passes.MapPass`; over an iterable-
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import DataLoader, Sampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 
 from .. import stats
-from ..client import building
-from ..protocol import buffers, codec, limits
-from . import cache, checks, prefetch, resume
+from ..protocol import buffers, codec
+from . import arguments, cache, checks, prefetch, resume
 from .dataset import RemoteDataset
-from .fetch import Fetcher
 from .iterable import IterablePass
 from .passes import MapPass
 from .pending import PendingPass
-from .plan import FetcherSet, LoaderConfig, PassPlan, new_pass_id
+from .plan import LoaderConfig, LoaderFetchers, PassPlan, new_pass_id
 from .sampling import mix_seed
 from .views import Source
 
@@ -37,17 +34,6 @@ T_co = TypeVar("T_co", covariant=True)
 
 # Assigning these after construction raises, as in torch.
 _FROZEN = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
-# What the worker-side fetchers are made with: read again at every pass (as torch reads them at
-# every ``iter()``), so a pass after an assignment gets new fetchers.
-_FETCHER_INPUTS = ("collate_fn", "worker_init_fn")
-
-
-class _EndlessSampler(Sampler):
-    """The sampler of an iterable-style dataset: keys do not matter (torch uses the same)."""
-
-    def __iter__(self):
-        while True:
-            yield None
 
 
 class RemoteDataLoader(DataLoader[T_co]):
@@ -175,7 +161,7 @@ class RemoteDataLoader(DataLoader[T_co]):
                 "DataLoader: pass collate_fn=... by keyword"
             )
         checks.workers_args(num_workers, timeout, prefetch_factor, persistent_workers)
-        dataset = _remote_dataset(dataset, workers, args, kwargs)
+        dataset = arguments.remote_dataset(dataset, workers, args, kwargs)
         source = Source(dataset)
         if source.iterable:
             checks.iterable_args(shuffle, sampler, batch_sampler)
@@ -208,9 +194,17 @@ class RemoteDataLoader(DataLoader[T_co]):
             pin_memory_device,
             in_order,
         )
-        batch_size, drop_last, sampler, batch_sampler = self._samplers(
-            dataset, source, batch_size, shuffle, sampler, batch_sampler, drop_last, seed, generator
+        made = arguments.samplers(
+            dataset, source.iterable, batch_size, shuffle, sampler, batch_sampler, drop_last, seed, generator
         )
+        batch_size, drop_last, sampler, batch_sampler = (
+            made.batch_size,
+            made.drop_last,
+            made.sampler,
+            made.batch_sampler,
+        )
+        self._shuffle_generator = made.shuffle_generator
+        self._own_sampling = made.own
         self.dataset = dataset
         self.batch_size = batch_size
         self.drop_last = drop_last
@@ -241,8 +235,7 @@ class RemoteDataLoader(DataLoader[T_co]):
         if collate_fn is None:
             collate_fn = default_collate if self._auto_collation else default_convert
         self.collate_fn = collate_fn
-        self._fetchers = FetcherSet(self._make_fetcher, source.timeout, source.secret)
-        self._fetcher_inputs = self._current_fetcher_inputs()
+        self._fetchers = LoaderFetchers(source, self._auto_collation, persistent_workers)
         self._epoch = 0  # epoch of the next pass
         self._progress: resume.Progress | None = None  # the latest pass
         self._resume_from: dict | None = None
@@ -256,41 +249,6 @@ class RemoteDataLoader(DataLoader[T_co]):
         self._accounting = stats.Accounting()  # [stats hook] see stats.py
         self._initialized = True
 
-    # -- construction ---------------------------------------------------------------
-    def _samplers(
-        self, dataset, source, batch_size, shuffle, sampler, batch_sampler, drop_last, seed, generator
-    ):
-        if sampler is not None and shuffle:
-            raise ValueError("sampler option is mutually exclusive with shuffle")
-        if batch_sampler is not None:
-            if batch_size != 1 or shuffle or sampler is not None or drop_last:
-                raise ValueError(
-                    "batch_sampler option is mutually exclusive with batch_size, shuffle, "
-                    "sampler, and drop_last"
-                )
-            batch_size = None
-            drop_last = False
-        elif batch_size is None and drop_last:
-            raise ValueError(
-                "batch_size=None option disables auto-batching and is mutually exclusive with drop_last"
-            )
-        self._shuffle_generator: torch.Generator | None = None
-        own_sampling = sampler is None and batch_sampler is None
-        if sampler is None:
-            if source.iterable:
-                sampler = _EndlessSampler()
-            elif shuffle:
-                if seed is not None:  # reseeded from (seed, epoch) at the start of every pass
-                    self._shuffle_generator = torch.Generator()
-                sampler = RandomSampler(dataset, generator=self._shuffle_generator or generator)
-            else:
-                sampler = SequentialSampler(dataset)
-        if batch_size is not None and batch_sampler is None:
-            batch_sampler = BatchSampler(sampler, batch_size, drop_last)
-        # the loader made its own sampling: under torch.distributed every rank loads everything
-        self._own_sampling = own_sampling
-        return batch_size, drop_last, sampler, batch_sampler
-
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _FROZEN and self.__dict__.get("_initialized"):
             raise ValueError(f"{name} attribute should not be set after {type(self).__name__} is initialized")
@@ -303,26 +261,7 @@ class RemoteDataLoader(DataLoader[T_co]):
 
     @multiprocessing_context.setter
     def multiprocessing_context(self, context) -> None:
-        if context is not None:
-            if self.num_workers == 0:
-                raise ValueError(
-                    "multiprocessing_context can only be used with multi-process loading "
-                    f"(num_workers > 0), but got num_workers={self.num_workers}"
-                )
-            if isinstance(context, str):
-                methods = multiprocessing.get_all_start_methods()
-                if context not in methods:
-                    raise ValueError(
-                        "multiprocessing_context option should specify a valid start method in "
-                        f"{methods!r}, but got multiprocessing_context={context!r}"
-                    )
-                context = multiprocessing.get_context(context)
-            if not isinstance(context, multiprocessing.context.BaseContext):
-                raise TypeError(
-                    "multiprocessing_context option should be a valid context object or a string "
-                    f"specifying the start method, but got multiprocessing_context={context}"
-                )
-        self._multiprocessing_context = context
+        self._multiprocessing_context = arguments.multiprocessing_context(context, self.num_workers)
 
     def check_worker_number_rationality(self) -> None:
         """torch warns here about too many local worker processes; remote workers need no check."""
@@ -416,7 +355,7 @@ class RemoteDataLoader(DataLoader[T_co]):
         """Begin the pass (at the first ``next()`` of the iterator ``__iter__`` returned)."""
         resume_from, self._resume_from = self._resume_from, None
         checks.warn_unsharded(self._own_sampling, self._source.iterable)
-        fetchers = self._fetchers_for_pass()
+        fetchers = self._fetchers.for_pass(self.collate_fn, self.worker_init_fn)
         sampler_iter, progress = resume.begin_pass(
             self._sampling(),
             self._epoch,
@@ -456,21 +395,6 @@ class RemoteDataLoader(DataLoader[T_co]):
             return running
         head, self._head = self._head, None
         return MapPass(plan, head)
-
-    def _current_fetcher_inputs(self) -> tuple:
-        return tuple(self.__dict__.get(name) for name in _FETCHER_INPUTS)
-
-    def _fetchers_for_pass(self) -> FetcherSet:
-        """The worker-side fetchers for a pass starting now: new ones when ``collate_fn`` or
-        ``worker_init_fn`` was assigned since they were made (a prefetched head made with the old
-        ones is then not used: ``Head.matches`` compares the fetcher set)."""
-        inputs = self._current_fetcher_inputs()
-        # persistent workers keep what they were started with, as torch's do
-        changed = any(now is not then for now, then in zip(inputs, self._fetcher_inputs))
-        if changed and not self.persistent_workers:
-            self._fetchers = FetcherSet(self._make_fetcher, self._source.timeout, self._source.secret)
-            self._fetcher_inputs = inputs
-        return self._fetchers
 
     def _sampling(self) -> resume.Sampling:
         return resume.Sampling(
@@ -535,7 +459,7 @@ class RemoteDataLoader(DataLoader[T_co]):
             return None
         base_seed = mix_seed(self.seed, epoch)
         head = prefetch.Head(
-            fetchers=self._fetchers,
+            fetchers=self._fetchers.for_pass(self.collate_fn, self.worker_init_fn),
             source=self._source,
             auto=self._auto_collation,
             pin=self.pin_memory,
@@ -556,44 +480,3 @@ class RemoteDataLoader(DataLoader[T_co]):
         if self._num_streams is None:
             return max(len(self._source.workers), 1)
         return max(self._num_streams, 1)
-
-    # -- per-worker setup ----------------------------------------------------
-    def _make_fetcher(self, address: str):
-        source = self._source
-        return source.session.rpc_async(
-            address,
-            Fetcher,
-            args=(
-                source.target(address),
-                self.collate_fn,
-                self._auto_collation,
-                self.worker_init_fn,
-                self.persistent_workers,
-                limits.reply_limits(),
-            ),
-            rref=True,
-            timeout=source.timeout,
-            secret=source.secret,
-        )
-
-
-def _remote_dataset(dataset, workers, args, kwargs):
-    """The dataset to load from; builds one with ``workers=``; says what to do with a local dataset."""
-    if workers is not None:
-        if isinstance(dataset, RemoteDataset):
-            raise TypeError("workers= builds a RemoteDataset from a dataset class; this one is already built")
-        building.check_factory(dataset, "RemoteDataLoader(workers=...)")
-        factory, kwargs = building.bind_own_keywords(dataset, kwargs or {})  # kwargs= are all the factory's
-        return RemoteDataset(workers, factory, *args, **kwargs)
-    try:
-        Source(dataset)
-    except TypeError:
-        name = type(dataset).__qualname__
-        shown = dataset.__qualname__ if isinstance(dataset, type) else name
-        raise TypeError(
-            f"RemoteDataLoader loads from remote workers and needs a RemoteDataset (or a Subset/ConcatDataset of "
-            f"them), got {'the class ' + shown if isinstance(dataset, type) else 'a ' + name}. Build the dataset "
-            f"on the workers: RemoteDataLoader(RemoteDataset(workers, {shown}, *args), ...), or "
-            f"RemoteDataLoader(workers=[...], dataset={shown}, args=(...), ...)"
-        ) from None
-    return dataset

@@ -100,6 +100,45 @@ class FetcherSet:
         return self._refs.get(address)
 
 
+class LoaderFetchers:
+    """A loader's worker-side fetchers (:class:`~torchfeed.loader.fetch.Fetcher`), one set made
+    with the loader's ``collate_fn`` and ``worker_init_fn``: a pass that starts after either was
+    assigned gets a new set (torch reads them at every ``iter()``), unless the workers are
+    persistent (torch's keep what they started with). A prefetched head made with an older set
+    is then not used (``Head.matches`` compares the set)."""
+
+    def __init__(self, source: Source, auto_collation: bool, persistent: bool):
+        self._source = source
+        self._auto = auto_collation
+        self._persistent = persistent
+        self._made_with: tuple = ()
+        self.current: FetcherSet | None = None
+
+    def for_pass(self, collate_fn: Callable, worker_init_fn: Callable | None) -> FetcherSet:
+        inputs = (collate_fn, worker_init_fn)
+        changed = any(now is not then for now, then in zip(inputs, self._made_with))
+        if self.current is None or (changed and not self._persistent):
+            source = self._source
+
+            def make(address: str):
+                from ..protocol import limits
+                from .fetch import Fetcher  # the worker side's module, sent by reference
+
+                args = (source.target(address), collate_fn, self._auto, worker_init_fn, self._persistent)
+                return source.session.rpc_async(
+                    address,
+                    Fetcher,
+                    args=(*args, limits.reply_limits()),
+                    rref=True,
+                    timeout=source.timeout,
+                    secret=source.secret,
+                )
+
+            self.current = FetcherSet(make, source.timeout, source.secret)
+            self._made_with = inputs
+        return self.current
+
+
 @dataclass(frozen=True)
 class LoaderConfig:
     """A loader's settings as a pass sees them, frozen when the pass starts (passes never
