@@ -9,6 +9,7 @@ imported and every callable are refused, each named, all at once.
 from __future__ import annotations
 
 import argparse
+import copyreg
 import collections
 import dataclasses
 import os
@@ -167,7 +168,9 @@ def test_classes_that_could_run_code_stay_refused(cls, why):
     obj = cls.__new__(cls) if cls is not Items else Items([1])
     with pytest.raises(torchfeed.UnsafeReplyError) as info:
         _load([obj])
-    assert info.value.global_name.endswith(cls.__qualname__)
+    assert any(name.endswith(cls.__qualname__) for name in info.value.global_names)
+    if cls in copyreg.dispatch_table:
+        return  # pickled through a reducer registered for it (tblib's for exceptions, once imported)
     assert type(_load([obj], replies.Policy([cls]))[0]) is cls  # allowed by name: loads
 
 
