@@ -9,8 +9,8 @@ imported and every callable are refused, each named, all at once.
 from __future__ import annotations
 
 import argparse
-import copyreg
 import collections
+import copyreg
 import dataclasses
 import os
 import typing
