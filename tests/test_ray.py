@@ -1,0 +1,249 @@
+"""torchfeed.ray.Pool on a real Ray cluster on this machine, and a Ray Train run fed by it.
+
+The cluster (module-scoped) is a head node and a second node started with ``ray start`` on
+127.0.0.9 (a loopback address); only the second offers the resource the worker actors need (``torchfeed_worker``),
+as a CPU node of a mixed cluster would. Its processes are found by the private temporary
+folder given to ``ray start`` and stopped by PID (never ``ray stop``, which would stop every
+Ray on the machine). The nodes do not inherit this process's TORCHFEED_SECRET: the workers
+get the secret only through the pool.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import RangeDataset, SleepDataset
+from torchfeed import DistributedSampler, RemoteDataLoader, RemoteDataset, autoscale
+from torchfeed.util import free_port
+
+ray = pytest.importorskip("ray", reason="the Ray tests need ray: pip install 'torchfeed[ray]'")
+psutil = pytest.importorskip("psutil")
+from torchfeed.ray import Pool  # noqa: E402
+from torchfeed.ray.transport import clear_reason  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(300)]
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+TESTS = Path(__file__).resolve().parent
+RESOURCE = {"torchfeed_worker": 1}
+N = 160
+# Ray takes "127.0.0.1" to mean "this machine" and swaps in its routable address; another
+# loopback address stays as given, so every Ray connection of these tests stays on loopback
+NODE_IP = "127.0.0.9"
+
+
+def _ray_processes(folder: str) -> list:
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if p.pid == os.getpid():
+            continue
+        try:
+            if any(folder in part for part in (p.info["cmdline"] or [])):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _stop(folder: str) -> None:
+    """Stop the processes of the cluster whose temporary folder is ``folder`` (by PID)."""
+    procs = _ray_processes(folder)
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=15)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=10)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    if shutil.which("ray") is None and not (Path(sys.executable).parent / "ray").exists():
+        pytest.skip("the ray command is not installed (pip install 'torchfeed[ray]')")
+    ray_cmd = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
+    folder = tempfile.mkdtemp(prefix="tfray", dir="/tmp")  # short: Ray's socket paths must fit
+    port = free_port()
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TORCHFEED_SECRET", "TORCHFEED_SECRET_FILE", "RAY_ADDRESS")
+    }
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(SRC), str(TESTS)]),
+        RAY_USAGE_STATS_ENABLED="0",
+        RAY_memory_monitor_refresh_ms="0",
+    )
+    common = [
+        f"--node-ip-address={NODE_IP}",
+        "--object-store-memory=80000000",
+        "--num-gpus=0",
+        "--disable-usage-stats",
+    ]
+
+    def agent_ports() -> list[str]:  # Ray's defaults are fixed ports another Ray here may hold
+        return [f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}"]
+    try:
+        subprocess.run(
+            [ray_cmd, "start", "--head", f"--port={port}", f"--temp-dir={folder}", "--num-cpus=2",
+             "--include-dashboard=false", *agent_ports(), *common],
+            env=env, check=True, capture_output=True, timeout=120,
+        )  # fmt: skip
+        subprocess.run(
+            [ray_cmd, "start", f"--address={NODE_IP}:{port}", "--num-cpus=3",
+             "--resources=" + json.dumps({"torchfeed_worker": 3}), *agent_ports(), *common],
+            env=env, check=True, capture_output=True, timeout=120,
+        )  # fmt: skip
+        ray.init(address=f"{NODE_IP}:{port}", _node_ip_address=NODE_IP, logging_level=logging.WARNING, log_to_driver=False)
+        deadline = time.monotonic() + 60
+        while ray.cluster_resources().get("torchfeed_worker", 0) < 3:
+            assert time.monotonic() < deadline, f"the second node did not join: {ray.cluster_resources()}"
+            time.sleep(0.2)
+        yield port
+    except subprocess.CalledProcessError as exc:
+        pytest.fail(f"ray start failed: {exc.stderr.decode()[-2000:]}")
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        _stop(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _until(condition, what: str, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what}")
+        time.sleep(0.1)
+
+
+def _placed_on_the_cpu_node(pool: Pool) -> bool:
+    """Every actor runs on the node offering the workers' resource (not on the head)."""
+    offering = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("torchfeed_worker")}
+    placed = set(ray.get([h.node_id.remote() for h in pool.actors().values()], timeout=30))
+    return bool(placed) and placed <= offering
+
+
+def test_the_secret_stays_off_clear_networks(monkeypatch):
+    assert clear_reason("127.0.0.1", "127.0.0.1") is None
+    assert "not encrypted" in clear_reason("127.0.0.1", "192.0.2.7")
+    assert clear_reason("192.0.2.1", "127.0.0.1")
+    assert clear_reason("127.0.0.1", "127.0.0.1") is None
+    monkeypatch.setenv("RAY_USE_TLS", "1")
+    assert clear_reason("192.0.2.1", "192.0.2.7") is None
+
+
+def test_scale_up_kill_mid_epoch_and_drain(ray_cluster):
+    with Pool(resources=RESOURCE, start_timeout=60) as pool:
+        pool.scale(2)
+        first = pool.wait(2, timeout=120)
+        assert all(a.startswith(NODE_IP + ":") for a in first)
+        assert _placed_on_the_cpu_node(pool)
+        ds = RemoteDataset(first, SleepDataset, N, 0.005)
+        loader = RemoteDataLoader(ds, batch_size=8, shuffle=True)
+        # an actor killed mid-epoch: its batches are requeued, every index exactly once
+        seen = []
+        for i, (_, idx) in enumerate(loader):
+            seen += idx.tolist()
+            if i == 3:
+                ray.kill(pool.actors()[first[0]])
+        assert sorted(seen) == list(range(N))
+        # the pool replaces it (its target holds): a new worker joins the dataset
+        _until(lambda: len(pool.addresses()) == 2 and first[0] not in pool.addresses(), "a replacement")
+        fresh = [a for a in pool.addresses() if a not in ds.workers]
+        ds.remove_workers([first[0]])
+        ds.add_workers(fresh)
+        assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(N))
+        # grow to 3, then drain one and retire it
+        pool.scale(3)
+        three = pool.wait(3, timeout=120)
+        ds.add_workers([a for a in three if a not in ds.workers])
+        assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(N))
+        going = three[0]
+        ds.remove_workers([going])
+        pool.retire([going])
+        _until(lambda: going not in pool.addresses() and len(pool.addresses()) == 2, "retired")
+        assert pool.requested() == 2
+        assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(N))
+        # a fourth would need a fourth torchfeed_worker: Ray has 3, and the pool says so once
+    _until(lambda: ray.available_resources().get("torchfeed_worker", 0) == 3, "the actors' resources freed")
+
+
+def test_autoscale_grows_a_ray_pool_and_unplaceable_actors_are_reported(ray_cluster, caplog):
+    with Pool(1, resources=RESOURCE, start_timeout=5) as pool:
+        ds = RemoteDataset(pool.wait(1, timeout=120), SleepDataset, N, 0.01)
+        loader = RemoteDataLoader(ds, batch_size=4)
+        with caplog.at_level(logging.WARNING, logger="torchfeed.ray"):
+            with autoscale(loader, pool, max_workers=5, interval=0.5, window=2.0, up_cooldown=1.0) as scaler:
+                for _ in range(6):
+                    assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(N))
+                    if len(ds.workers) >= 3 and pool.requested() > 3:
+                        break
+                assert pool.requested() > 1, scaler.stats()
+                _until(lambda: len(pool.addresses()) == 3, "three workers (all the resource offers)")
+                _until(lambda: any("not placed" in r.getMessage() for r in caplog.records), "the report", 60)
+        said = [r.getMessage() for r in caplog.records if "not placed" in r.getMessage()]
+        assert len(said) == 1 and "torchfeed_worker" in said[0]
+
+
+def _train_loop(config):
+    import ray.train
+
+    os.environ["TORCHFEED_SECRET_FILE"] = config["secret_file"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    ds = RemoteDataset(config["addresses"], RangeDataset, config["n"])
+    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=7)
+    loader = RemoteDataLoader(ds, batch_size=8, sampler=sampler)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        seen = [i for _, idx in loader for i in idx.tolist()]
+        Path(config["out"], f"epoch{epoch}-rank{rank}.json").write_text(json.dumps(seen))
+    ray.train.report({"rank": rank, "world": world})
+
+
+def test_ray_train_ranks_fed_from_the_pool(ray_cluster, tmp_path):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    private = tmp_path / "secret"
+    private.mkdir(mode=0o700)
+    secret_file = private / "secret"
+    secret_file.write_text(secrets.token_hex(32))
+    secret_file.chmod(0o600)
+    out = tmp_path / "out"
+    out.mkdir()
+    with Pool(2, resources=RESOURCE, secret_file=secret_file) as pool:
+        trainer = TorchTrainer(
+            _train_loop,
+            train_loop_config={
+                "addresses": pool.wait(2, 120),
+                "secret_file": str(secret_file),
+                "n": N,
+                "out": str(out),
+            },
+            scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 0.5}),
+            run_config=RunConfig(name="torchfeed", storage_path=str(tmp_path / "runs")),
+        )
+        trainer.fit()
+    for epoch in range(2):
+        shards = [json.loads((out / f"epoch{epoch}-rank{r}.json").read_text()) for r in range(2)]
+        assert not set(shards[0]) & set(shards[1]), "the ranks' shards are disjoint"
+        assert sorted(shards[0] + shards[1]) == list(range(N)), f"epoch {epoch}: every index exactly once"
