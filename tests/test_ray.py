@@ -100,6 +100,7 @@ def ray_cluster():
 
     def agent_ports() -> list[str]:  # Ray's defaults are fixed ports another Ray here may hold
         return [f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}"]
+
     try:
         subprocess.run(
             [ray_cmd, "start", "--head", f"--port={port}", f"--temp-dir={folder}", "--num-cpus=2",
@@ -111,7 +112,12 @@ def ray_cluster():
              "--resources=" + json.dumps({"torchfeed_worker": 3}), *agent_ports(), *common],
             env=env, check=True, capture_output=True, timeout=120,
         )  # fmt: skip
-        ray.init(address=f"{NODE_IP}:{port}", _node_ip_address=NODE_IP, logging_level=logging.WARNING, log_to_driver=False)
+        ray.init(
+            address=f"{NODE_IP}:{port}",
+            _node_ip_address=NODE_IP,
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+        )
         deadline = time.monotonic() + 60
         while ray.cluster_resources().get("torchfeed_worker", 0) < 3:
             assert time.monotonic() < deadline, f"the second node did not join: {ray.cluster_resources()}"
