@@ -9,14 +9,11 @@ the tests that need it skip and say so.
 from __future__ import annotations
 
 import logging
-import shutil
-import signal
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
+from dnsserver import Dnsmasq, Unavailable
 from helpers import SleepDataset
 from torchfeed import LocalWorkers, RemoteDataLoader, RemoteDataset
 from torchfeed.loader.dnsnames import DNSName, WatchedName
@@ -61,67 +58,12 @@ def test_a_failing_server_changes_nothing(caplog):
     assert len(said) == 1  # once until it resolves again
 
 
-class Dnsmasq:
-    """dnsmasq on 127.0.0.1:port answering ``NAME`` from a hosts file (TTL 0)."""
-
-    def __init__(self, folder: Path):
-        binary = shutil.which("dnsmasq")
-        if binary is None:
-            pytest.skip("dnsmasq is not installed (Debian: apt-get install dnsmasq)")
-        self.hosts = folder / "hosts"
-        self.port = free_port()
-        self.log = open(folder / "dnsmasq.log", "w")  # noqa: SIM115 - closed in close()
-        self.set([])
-        self.proc = subprocess.Popen(
-            [
-                binary,
-                "--keep-in-foreground",
-                "--conf-file=/dev/null",
-                f"--port={self.port}",
-                "--listen-address=127.0.0.1",
-                "--bind-interfaces",
-                "--no-resolv",
-                "--no-hosts",
-                f"--addn-hosts={self.hosts}",
-                "--local=/test/",  # answer AAAA queries (no records) instead of refusing them
-                "--user=root",  # reads the hosts file again after SIGHUP (the test's folder is private)
-                "--pid-file=",
-                "--log-facility=-",
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        self.name = DNSName(NAME, 1, server="127.0.0.1", server_port=self.port, timeout=1.0)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                self.name.resolve()
-                break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.close()
-                    pytest.fail(f"dnsmasq did not start: {(folder / 'dnsmasq.log').read_text()[-2000:]}")
-                time.sleep(0.1)
-
-    def set(self, ips) -> None:
-        """Serve these records from now on."""
-        self.hosts.write_text("".join(f"{ip} {NAME}\n" for ip in ips))
-        if hasattr(self, "proc"):
-            self.proc.send_signal(signal.SIGHUP)
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.log.close()
-
-
 @pytest.fixture
 def dnsmasq(tmp_path):
-    server = Dnsmasq(tmp_path)
+    try:
+        server = Dnsmasq(tmp_path, NAME)
+    except Unavailable as exc:
+        pytest.skip(str(exc))
     yield server
     server.close()
 

@@ -1,11 +1,8 @@
-"""torchfeed.ray.Pool on a real Ray cluster on this machine, and a Ray Train run fed by it.
+"""torchfeed.ray.Pool on a real Ray cluster on this machine (tests/raycluster.py), and a Ray
+Train run fed by it.
 
-The cluster (module-scoped) is a head node and a second node started with ``ray start`` on
-127.0.0.9 (a loopback address); only the second offers the resource the worker actors need (``torchfeed_worker``),
-as a CPU node of a mixed cluster would. Its processes are found by the private temporary
-folder given to ``ray start`` and stopped by PID (never ``ray stop``, which would stop every
-Ray on the machine). The nodes do not inherit this process's TORCHFEED_SECRET: the workers
-get the secret only through the pool.
+The cluster (module-scoped) is a head node and a second node offering the workers' resource,
+as a CPU node of a mixed cluster would; see tests/raycluster.py.
 """
 
 from __future__ import annotations
@@ -14,19 +11,15 @@ import json
 import logging
 import os
 import secrets
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from helpers import RangeDataset, SleepDataset
+from raycluster import NODE_IP, RayCluster, Unavailable
+from raycluster import RESOURCE as RESOURCE_NAME
 from torchfeed import DistributedSampler, RemoteDataLoader, RemoteDataset, autoscale
-from torchfeed.util import free_port
 
 ray = pytest.importorskip("ray", reason="the Ray tests need ray: pip install 'torchfeed[ray]'")
 psutil = pytest.importorskip("psutil")
@@ -35,101 +28,29 @@ from torchfeed.ray.transport import clear_reason  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(300)]
 
-SRC = Path(__file__).resolve().parent.parent / "src"
-TESTS = Path(__file__).resolve().parent
-RESOURCE = {"torchfeed_worker": 1}
+RESOURCE = {RESOURCE_NAME: 1}
 N = 160
-# Ray takes "127.0.0.1" to mean "this machine" and swaps in its routable address; another
-# loopback address stays as given, so every Ray connection of these tests stays on loopback
-NODE_IP = "127.0.0.9"
-
-
-def _ray_processes(folder: str) -> list:
-    found = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        if p.pid == os.getpid():
-            continue
-        try:
-            if any(folder in part for part in (p.info["cmdline"] or [])):
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
-
-
-def _stop(folder: str) -> None:
-    """Stop the processes of the cluster whose temporary folder is ``folder`` (by PID)."""
-    procs = _ray_processes(folder)
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=15)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=10)
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    if shutil.which("ray") is None and not (Path(sys.executable).parent / "ray").exists():
-        pytest.skip("the ray command is not installed (pip install 'torchfeed[ray]')")
-    ray_cmd = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
-    folder = tempfile.mkdtemp(prefix="tfray", dir="/tmp")  # short: Ray's socket paths must fit
-    port = free_port()
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("TORCHFEED_SECRET", "TORCHFEED_SECRET_FILE", "RAY_ADDRESS")
-    }
-    env.update(
-        PYTHONPATH=os.pathsep.join([str(SRC), str(TESTS)]),
-        RAY_USAGE_STATS_ENABLED="0",
-        RAY_memory_monitor_refresh_ms="0",
-    )
-    common = [
-        f"--node-ip-address={NODE_IP}",
-        "--object-store-memory=80000000",
-        "--num-gpus=0",
-        "--disable-usage-stats",
-    ]
-
-    def agent_ports() -> list[str]:  # Ray's defaults are fixed ports another Ray here may hold
-        return [f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}"]
-
     try:
-        subprocess.run(
-            [ray_cmd, "start", "--head", f"--port={port}", f"--temp-dir={folder}", "--num-cpus=2",
-             "--include-dashboard=false", *agent_ports(), *common],
-            env=env, check=True, capture_output=True, timeout=120,
-        )  # fmt: skip
-        subprocess.run(
-            [ray_cmd, "start", f"--address={NODE_IP}:{port}", "--num-cpus=3",
-             "--resources=" + json.dumps({"torchfeed_worker": 3}), *agent_ports(), *common],
-            env=env, check=True, capture_output=True, timeout=120,
-        )  # fmt: skip
+        cluster = RayCluster()
+    except Unavailable as exc:
+        pytest.skip(str(exc))
+    try:
         ray.init(
-            address=f"{NODE_IP}:{port}",
+            address=cluster.address,
             _node_ip_address=NODE_IP,
             logging_level=logging.WARNING,
             log_to_driver=False,
         )
-        deadline = time.monotonic() + 60
-        while ray.cluster_resources().get("torchfeed_worker", 0) < 3:
-            assert time.monotonic() < deadline, f"the second node did not join: {ray.cluster_resources()}"
-            time.sleep(0.2)
-        yield port
-    except subprocess.CalledProcessError as exc:
-        pytest.fail(f"ray start failed: {exc.stderr.decode()[-2000:]}")
+        cluster.wait_for_resource(ray, 3)
+        yield cluster
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        _stop(folder)
-        shutil.rmtree(folder, ignore_errors=True)
+        cluster.close()
 
 
 def _until(condition, what: str, timeout: float = 90.0) -> None:
