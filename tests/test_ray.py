@@ -130,6 +130,18 @@ def test_autoscale_grows_a_ray_pool_and_unplaceable_actors_are_reported(ray_clus
         assert len(said) == 1 and "torchfeed_worker" in said[0]
 
 
+def test_a_worker_that_cannot_start_is_reported_once_and_retried_later(ray_cluster, caplog):
+    with caplog.at_level(logging.WARNING, logger="torchfeed.ray"):
+        with Pool(1, resources=RESOURCE, worker_args=["--no-such-option"], start_timeout=30) as pool:
+            _until(
+                lambda: sum("could not start" in r.getMessage() for r in caplog.records) >= 1, "the report"
+            )
+            time.sleep(4.0)  # tries again after 1 s, then 2 s: the same reason, not said again
+            assert pool.addresses() == [] and pool.requested() == 1
+    said = [r.getMessage() for r in caplog.records if "could not start" in r.getMessage()]
+    assert len(said) == 1 and "--no-such-option" in said[0] and "trying again in 1 s" in said[0]
+
+
 def _train_loop(config):
     import ray.train
 

@@ -37,6 +37,8 @@ from .actor import WorkerActor
 
 log = logging.getLogger("torchfeed.ray")
 
+BACKOFF_MAX = 30.0  # seconds between two tries to start a worker that keeps failing
+
 _actor_class: Any = None
 
 
@@ -46,6 +48,15 @@ def actor_class() -> Any:
     if _actor_class is None:
         _actor_class = ray.remote(WorkerActor)
     return _actor_class
+
+
+def _reason(exc: BaseException) -> str:
+    """What went wrong in an actor's call, without Ray's per-actor details (pids, ids): the
+    exception the method raised, or Ray's own error for a dead actor."""
+    cause = getattr(exc, "cause", None)
+    shown = cause if isinstance(cause, BaseException) else exc
+    text = str(shown).strip()
+    return f"{type(shown).__name__}: {text}" if text else type(shown).__name__
 
 
 def node_address(node_id: str) -> str:
@@ -151,6 +162,8 @@ class Pool:
         self._ops: queue.Queue = queue.Queue()  # ("scale", n) | ("retire", [addresses]) | None
         self._said: set[str] = set()  # what was logged once (unplaced actors, refusals)
         self._closed = False
+        self._backoff = 0.0  # seconds the last failed start made the next one wait
+        self._grow_after = 0.0  # monotonic time before which no actor is created
         self._thread = threading.Thread(target=self._run, name="torchfeed-ray-pool", daemon=True)
         self._thread.start()
         if n:
@@ -243,7 +256,7 @@ class Pool:
         """Grow to the target, move each actor along, notice dead ones, report stuck ones."""
         with self._lock:
             missing = self._target - len(self._members)
-        if missing > 0:
+        if missing > 0 and time.monotonic() >= self._grow_after:
             self._grow(missing)
         with self._lock:
             members = list(self._members.items())
@@ -287,9 +300,7 @@ class Pool:
         try:
             value = ray.get(ref, timeout=10)
         except Exception as exc:  # noqa: BLE001 - the actor died or its call failed
-            self._lost(
-                key, m, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
-            )
+            self._lost(key, m, _reason(exc))
             return
         if m.state == "placing":
             m.node = value = node_address(value)
@@ -315,6 +326,7 @@ class Pool:
                 self.start_timeout,
             )
         elif m.state == "starting":
+            self._backoff = 0.0
             m.address = value
             m.pending = m.handle.watch.remote()
             with self._lock:
@@ -324,10 +336,22 @@ class Pool:
             self._lost(key, m, value)
 
     def _lost(self, key: str, m: _Member, why: str) -> None:
-        was = m.address or f"an actor ({m.state})"
-        if not self._closed:
-            log.warning("torchfeed.ray.Pool: worker %s is gone (%s); starting another", was, why)
         self._drop(key, m)
+        if self._closed:
+            return
+        if m.state == "ready":
+            first = why.splitlines()[0][:300] if why else "no reason given"
+            log.warning("torchfeed.ray.Pool: worker %s is gone (%s); starting another", m.address, first)
+            return
+        # a worker that did not start: the next try waits (doubling up to BACKOFF_MAX), and
+        # the same reason is said once, not at every try
+        self._backoff = min(max(2 * self._backoff, 1.0), BACKOFF_MAX)
+        self._grow_after = time.monotonic() + self._backoff
+        self._say_once(
+            f"start:{why}",
+            f"torchfeed.ray.Pool: a worker actor{' on ' + m.node if m.node else ''} could not start its "
+            f"torchfeed worker: {why}; trying again in {self._backoff:g} s",
+        )
 
     def _drop(self, key: str, m: _Member) -> None:
         with self._lock:
