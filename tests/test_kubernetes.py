@@ -120,3 +120,21 @@ def test_init_command_is_plain_sh():
     init = _objects()[("Deployment", "torchfeed-workers")]["spec"]["template"]["spec"]["initContainers"][0]
     assert init["command"][:2] == ["sh", "-c"]
     shlex.split(init["command"][2])  # well-formed
+
+
+def test_tcp_probes_on_the_data_port_are_not_failed_handshakes(capfd):
+    """A kubelet's TCP probe connects and closes: silently dropped, never a failure or a block."""
+    import socket
+
+    from helpers import RangeDataset
+    from torchfeed import LocalWorkers, RemoteDataLoader, RemoteDataset
+
+    with LocalWorkers(1, extra_args=["--log-level", "INFO"]) as workers:
+        host, port = workers.addresses[0].rsplit(":", 1)
+        for _ in range(40):  # beyond the doorman's burst of failed handshakes per source
+            socket.create_connection((host, int(port)), timeout=10).close()
+        loader = RemoteDataLoader(RemoteDataset(workers.addresses, RangeDataset, 20), batch_size=5)
+        assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(20))
+    err = capfd.readouterr().err
+    assert "listening on" in err  # the worker's log is seen here
+    assert "rejected client" not in err and "dropping" not in err
