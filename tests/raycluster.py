@@ -1,5 +1,6 @@
 """A private Ray cluster on this machine, on loopback: a head node and a second node offering
-the resource the torchfeed worker actors need (``torchfeed_worker``), as a CPU node would.
+the resource the torchfeed worker actors need (``torchfeed_worker``) and a label
+(``torchfeed-pool=cpu``), as a CPU node would.
 
 Ray takes "127.0.0.1" to mean "this machine" and swaps in its routable address; another loopback
 address stays as given, so every Ray connection stays on loopback (``NODE_IP``). The nodes do
@@ -26,6 +27,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 TESTS = Path(__file__).resolve().parent
 NODE_IP = "127.0.0.9"
 RESOURCE = "torchfeed_worker"
+LABELS = {"torchfeed-pool": "cpu"}  # the second node's labels (Ray's label_selector)
 START_TIMEOUT = 120  # seconds for each `ray start`
 
 
@@ -73,7 +75,7 @@ class RayCluster:
         head = [ray, "start", "--head", f"--port={port}", f"--temp-dir={self.folder}", f"--num-cpus={head_cpus}",
                 "--include-dashboard=false"]  # fmt: skip
         second = [ray, "start", f"--address={self.address}", f"--num-cpus={worker_cpus}",
-                  "--resources=" + json.dumps({RESOURCE: worker_cpus})]  # fmt: skip
+                  "--resources=" + json.dumps({RESOURCE: worker_cpus}), "--labels=" + json.dumps(LABELS)]  # fmt: skip
         try:
             for cmd in (head, second):
                 done = subprocess.run(

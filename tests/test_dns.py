@@ -90,6 +90,12 @@ def _until(condition, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def test_a_and_aaaa_records_are_workers(dnsmasq):
+    dnsmasq.set(["127.0.0.2", "::1", "127.0.0.3"])
+    name = DNSName(NAME, 6543, server="127.0.0.1", server_port=dnsmasq.port)
+    assert name.resolve() == ["127.0.0.2:6543", "127.0.0.3:6543", "[::1]:6543"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_records_that_change_during_an_epoch(dnsmasq):

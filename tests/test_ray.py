@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from helpers import RangeDataset, SleepDataset
-from raycluster import NODE_IP, RayCluster, Unavailable
+from raycluster import LABELS, NODE_IP, RayCluster, Unavailable
 from raycluster import RESOURCE as RESOURCE_NAME
 from torchfeed import DistributedSampler, RemoteDataLoader, RemoteDataset, autoscale
 
@@ -111,6 +111,12 @@ def test_scale_up_kill_mid_epoch_and_drain(ray_cluster):
         assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(N))
         # a fourth would need a fourth torchfeed_worker: Ray has 3, and the pool says so once
     _until(lambda: ray.available_resources().get("torchfeed_worker", 0) == 3, "the actors' resources freed")
+
+
+def test_actors_placed_by_node_labels(ray_cluster):
+    with Pool(1, label_selector=LABELS) as pool:  # no resource asked: the head has CPUs too
+        pool.wait(1, timeout=120)
+        assert _placed_on_the_cpu_node(pool)
 
 
 def test_autoscale_grows_a_ray_pool_and_unplaceable_actors_are_reported(ray_cluster, caplog):

@@ -386,8 +386,10 @@ class Pool:
                 if m.state == "placing" and now - m.asked > self.start_timeout
             ]
         if not stuck:
-            self._said.discard("unplaced")
+            self._said.discard("unplaced")  # said again if it happens again
             return
+        if "unplaced" in self._said:
+            return  # said already: no more questions to Ray until it changes
         need = {"CPU": self.num_cpus, **self.resources}
         free = {k: ray.available_resources().get(k, 0.0) for k in need}
         total = {k: ray.cluster_resources().get(k, 0.0) for k in need}
