@@ -6,7 +6,7 @@ nodes the trainers use. Ray schedules; the pool only asks:
 
 * ``scale(n)`` creates actors up to ``n`` and tells Ray's autoscaler what they need
   (``ray.autoscaler.sdk.request_resources``); actors that stay unplaced for
-  ``start_timeout`` seconds are reported once, with what Ray says it has;
+  ``place_timeout`` seconds are reported once per request, with what Ray says it has;
 * an actor is started in two steps: it is placed and says on which node; the pool checks
   that the secret may travel there (:mod:`torchfeed.ray.transport`) and only then sends it
   (or a secret file's path) with the call that starts the worker;
@@ -103,7 +103,10 @@ class Pool:
     parallel, threads, worker_args
         ``torchfeed worker``'s ``--parallel``, ``--threads`` and any other arguments.
     start_timeout : float
-        Seconds an actor may take to be placed and start its worker before it is reported.
+        Seconds a placed actor's torchfeed worker may take to start (a failed start is
+        reported once per reason and tried again later).
+    place_timeout : float
+        Seconds after which actors Ray has not placed are reported (once per request).
     poll : float
         Seconds between two looks at the actors.
     """
@@ -123,6 +126,7 @@ class Pool:
         threads: int = 1,
         worker_args: Sequence[str] = (),
         start_timeout: float = 120.0,
+        place_timeout: float = 60.0,
         poll: float = 0.5,
     ):
         if not ray.is_initialized():
@@ -154,6 +158,7 @@ class Pool:
         self.host = host
         self.args = ["--parallel", str(parallel), "--threads", str(threads), *worker_args]
         self.start_timeout = start_timeout
+        self.place_timeout = place_timeout
         self.poll = poll
         self.driver_ip = node_address(ray.get_runtime_context().get_node_id())
         self._lock = threading.Lock()
@@ -164,6 +169,7 @@ class Pool:
         self._closed = False
         self._backoff = 0.0  # seconds the last failed start made the next one wait
         self._grow_after = 0.0  # monotonic time before which no actor is created
+        self._next_look = 0.0  # monotonic time of the next look at Ray's free resources
         self._thread = threading.Thread(target=self._run, name="torchfeed-ray-pool", daemon=True)
         self._thread.start()
         if n:
@@ -186,6 +192,7 @@ class Pool:
             if n <= self._target or self._closed:
                 return
             self._target = n
+            self._said.discard("unplaced")  # a new request: said again if it is not met either
         self._ops.put(("scale", n))
 
     def retire(self, addresses: Sequence[str]) -> None:
@@ -379,33 +386,39 @@ class Pool:
                 pass
 
     def _report_unplaced(self, now: float) -> None:
+        """Say once per request when actors wait past ``place_timeout`` and Ray has no room for
+        one (actors whose processes are merely slow to start are not reported)."""
         with self._lock:
-            stuck = [
-                m
+            said = "unplaced" in self._said
+            waiting = sum(
+                1
                 for m in self._members.values()
-                if m.state == "placing" and now - m.asked > self.start_timeout
-            ]
-        if not stuck:
-            self._said.discard("unplaced")  # said again if it happens again
+                if m.state == "placing" and now - m.asked > self.place_timeout
+            )
+        if not waiting or said or now < self._next_look:
             return
-        if "unplaced" in self._said:
-            return  # said already: no more questions to Ray until it changes
+        self._next_look = now + 5.0  # at most one look at Ray's resources per 5 s
         need = {"CPU": self.num_cpus, **self.resources}
-        free = {k: ray.available_resources().get(k, 0.0) for k in need}
-        total = {k: ray.cluster_resources().get(k, 0.0) for k in need}
+        available, cluster = ray.available_resources(), ray.cluster_resources()
+        free = {k: available.get(k, 0.0) for k in need}
+        total = {k: cluster.get(k, 0.0) for k in need}
+        if not self.label_selector and all(free[k] >= v for k, v in need.items()):
+            return  # room for one more: they are being started (free is cluster-wide, labels per node)
         where = f" on nodes labelled {self.label_selector}" if self.label_selector else ""
         self._say_once(
             "unplaced",
-            f"torchfeed.ray.Pool: {len(stuck)} worker actor(s) asked for {self.start_timeout:g} s ago are not "
-            f"placed: each needs {need}{where}; Ray reports {free} free of {total} in the cluster (the "
+            f"torchfeed.ray.Pool: {waiting} worker actor(s) asked for over {self.place_timeout:g} s are not "
+            f"running: each needs {need}{where}; Ray reports {free} free of {total} in the cluster (the "
             "autoscaler was asked for them; see `ray status` for why no node came). Training goes on with "
             f"{len(self.addresses())} worker(s)",
         )
 
     def _say_once(self, key: str, text: str) -> None:
-        if key not in self._said:
+        with self._lock:
+            if key in self._said:
+                return
             self._said.add(key)
-            log.warning(text)
+        log.warning(text)
 
 
 __all__ = ["Pool", "actor_class"]
