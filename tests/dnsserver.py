@@ -63,8 +63,10 @@ class Dnsmasq:
                 time.sleep(0.1)
 
     def set(self, ips) -> None:
-        """Serve these records from now on."""
-        self.hosts.write_text("".join(f"{ip} {self.record}\n" for ip in ips))
+        """Serve these records from now on (once dnsmasq has read the file again: callers poll)."""
+        fresh = self.hosts.with_suffix(".new")
+        fresh.write_text("".join(f"{ip} {self.record}\n" for ip in ips))
+        fresh.replace(self.hosts)  # whole: dnsmasq never reads half a file
         if hasattr(self, "proc"):
             self.proc.send_signal(signal.SIGHUP)
 
