@@ -12,6 +12,12 @@ fence says how to run it:
 - ``<!-- docs-test: s3 -->``: needs an S3 server: a SeaweedFS one is started first
   (``tests/s3server.py``) and its endpoint passed in ``S3_ENDPOINT_URL``; skipped when it
   cannot start.
+- ``<!-- docs-test: ray -->``: needs a Ray cluster: one is started on loopback
+  (``tests/raycluster.py``, a second node offering the ``torchfeed_worker`` resource) and its
+  address passed in ``RAY_ADDRESS``; skipped where Ray is not installed (marked ``ray``).
+- ``<!-- docs-test: dns -->``: needs a DNS server: dnsmasq is started (``tests/dnsserver.py``)
+  answering ``torchfeed-workers.test`` with 127.0.0.2 and 127.0.0.3, and its address passed in
+  ``TORCHFEED_DNS_SERVER``; skipped where dnsmasq is missing.
 
 Blocks without a marker just run. Every block that runs is marked ``slow`` (a process that
 imports torch and starts workers takes seconds); compile-only ones are fast.
@@ -36,8 +42,8 @@ SRC = ROOT / "src"
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 MARKER = re.compile(r"<!--\s*docs-test:\s*(?P<kind>[\w-]+)\s*(?:\((?P<reason>.*)\))?\s*-->")
-KINDS = {"skip", "dask", "s3"}
-RUN_TIMEOUT = {None: 100, "s3": 100, "dask": 170}  # seconds for the block's process
+KINDS = {"skip", "dask", "s3", "ray", "dns"}
+RUN_TIMEOUT = {None: 100, "s3": 100, "dask": 170, "ray": 200, "dns": 100}  # seconds for the block's process
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,8 @@ def _params() -> list:
             marks.append(pytest.mark.slow)
         if block.kind == "dask":
             marks += [pytest.mark.dask, pytest.mark.timeout(RUN_TIMEOUT["dask"] + 30)]
+        if block.kind == "ray":  # the cluster's start counts too
+            marks += [pytest.mark.ray, pytest.mark.timeout(RUN_TIMEOUT["ray"] + 300)]
         params.append(pytest.param(block, id=block.name, marks=marks))
     return params
 
@@ -127,6 +135,35 @@ def s3_endpoint():
         return S3Server.shared().endpoint
     except RuntimeError as exc:
         pytest.skip(f"no S3 server: {exc}")
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    pytest.importorskip("ray")
+    from raycluster import RayCluster, Unavailable
+
+    try:
+        cluster = RayCluster()
+    except Unavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        yield cluster.address
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def dns_server(tmp_path_factory):
+    pytest.importorskip("dns.resolver")
+    from dnsserver import Dnsmasq, Unavailable
+
+    try:
+        server = Dnsmasq(tmp_path_factory.mktemp("dns"), "torchfeed-workers.test")
+    except Unavailable as exc:
+        pytest.skip(str(exc))
+    server.set(["127.0.0.2", "127.0.0.3"])
+    yield f"127.0.0.1:{server.port}"
+    server.close()
 
 
 def run_script(code: str, cwd: Path, env: dict[str, str], timeout: float) -> tuple[int | None, str]:
@@ -163,6 +200,10 @@ def test_block(block: Block, tmp_path, request):
         pytest.importorskip("distributed")
     if block.kind == "s3":
         env["S3_ENDPOINT_URL"] = request.getfixturevalue("s3_endpoint")
+    if block.kind == "ray":
+        env["RAY_ADDRESS"] = request.getfixturevalue("ray_address")
+    if block.kind == "dns":
+        env["TORCHFEED_DNS_SERVER"] = request.getfixturevalue("dns_server")
     timeout = RUN_TIMEOUT[block.kind]
     code, out = run_script(block.code, tmp_path, env, timeout)
     print(out)  # shown with -rP

@@ -119,6 +119,20 @@ def _add_worker_parser(sub) -> None:
         "0: no cache; default 1GiB); past it the cache keeps what it has",
     )
     p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="also serve this worker's figures to Prometheus on this port (HTTP, /metrics; needs "
+        "prometheus_client: pip install 'torchfeed[metrics]'); with --procs N, process i uses PORT+i",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default=None,
+        metavar="HOST",
+        help="interface the metrics port binds (default: --host)",
+    )
+    p.add_argument(
         "--handshake-timeout",
         type=float,
         default=10.0,
@@ -303,7 +317,12 @@ def _run_workers(args) -> int:
             integrity_only=True if args.trusted_network_no_encryption else None,
             reachable_at=args.reachable_at,
             cache_size=args.cache_size,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
         )
+    except ImportError as exc:  # --metrics-port without prometheus_client
+        print(f"torchfeed worker: error: {exc}", file=sys.stderr, flush=True)
+        os._exit(2)
     except ValueError as exc:  # a --reachable-at host that does not resolve
         print(f"torchfeed worker: error: {exc}", file=sys.stderr, flush=True)
         os._exit(2)
@@ -372,7 +391,18 @@ def _child_command(args, i: int) -> list[str]:
         "--secret-on-stdin",
         *_limit_args(args),
         *([] if args.cache_size is None else ["--cache-size", str(args.cache_size)]),
+        *_metrics_args(args, i),
     ]
+
+
+def _metrics_args(args, i: int) -> list[str]:
+    """--metrics-port for process ``i`` of --procs N (PORT+i; 0 stays 0: a free one each)."""
+    if args.metrics_port is None:
+        return []
+    port = args.metrics_port + i if args.metrics_port else 0
+    return ["--metrics-port", str(port)] + (
+        ["--metrics-host", args.metrics_host] if args.metrics_host else []
+    )
 
 
 def _run_many(args, secret) -> int:

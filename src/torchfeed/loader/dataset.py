@@ -23,7 +23,7 @@ from .. import client, events
 from ..client import building, wait_all
 from ..errors import AuthenticationError, RemoteError, SerializationError, Timeout, WorkerLost
 from ..protocol.auth import SecretLike
-from . import cache, reported
+from . import cache, dnsnames, reported
 from .membership import Listeners, LostWorkers, MembershipListener, WatchedFile, read_workers_file
 
 if TYPE_CHECKING:
@@ -73,7 +73,9 @@ class RemoteDataset(Dataset[T_co]):
     Parameters
     ----------
     workers : list of str
-        Worker addresses ``host:port`` (or one space-separated string).
+        Worker addresses ``host:port`` (or one space-separated string), or a DNS name
+        ``dns://NAME:PORT`` whose A/AAAA records are the workers, followed as they change
+        (:mod:`torchfeed.loader.dnsnames`: a Kubernetes headless Service).
     dataset : callable
         Dataset class or factory.
     *args, **kwargs
@@ -113,6 +115,8 @@ class RemoteDataset(Dataset[T_co]):
         timeout: float | None = None,
         **kwargs,
     ):
+        own = session if session is not None else client.default_session()
+        workers, named = dnsnames.watch(workers, own.timeout if timeout is None else timeout)  # dns://
         if isinstance(workers, str):
             workers = workers.split()
         workers = [client.format_address(w) for w in workers]
@@ -140,12 +144,14 @@ class RemoteDataset(Dataset[T_co]):
         self._lock = threading.RLock()
         self._listeners = Listeners()
         self._lost = LostWorkers()
-        self._watched: WatchedFile | None = None
+        self._watched: WatchedFile | dnsnames.WatchedName | None = named
         self._thread: threading.Thread | None = None
         self._closed = False
         self._pid = os.getpid()  # the process whose connections own the built datasets
         self._build_on(workers, strict=True, wait=True)
         self.workers = list(workers)
+        if named is not None:
+            self._ensure_thread()  # follows the name's records
 
     def __getstate__(self) -> dict:
         """A pickled RemoteDataset (torch's DataLoader workers started with ``spawn``) carries

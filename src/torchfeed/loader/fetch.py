@@ -18,6 +18,7 @@ from torch.utils.data._utils.collate import (
 from .. import seeding
 from ..protocol import buffers
 from ..seeding import extend_seed, mix_seed, seed_all
+from ..worker import stats as workerstats
 from .context import WorkerSetup, worker_context
 
 # seed tags that keep the collate's and a __getitems__ call's streams apart from samples'
@@ -110,7 +111,9 @@ class Fetcher:
         if seed is not None and self.collate_fn not in _RANDOM_FREE_COLLATES:
             first = index_key(index[0]) if self.auto_collation and len(index) else index_key(index)
             seed_all(mix_seed(seed, _COLLATE_TAG, first))
-        return self.collate_fn(data)
+        batch = self.collate_fn(data)
+        workerstats.served.add(len(index) if self.auto_collation else 1)  # [stats hook] the worker's metrics
+        return batch
 
     def _samples(self, dataset, index, seed: int | None):
         """The samples of ``index`` (a list of them with auto-collation)."""

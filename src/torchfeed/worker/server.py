@@ -191,10 +191,12 @@ class WorkerServer:
             if item is None:
                 return
             conn, frame, buffers = item
+            started = time.monotonic()
             try:
                 conn.execute(frame, buffers)
             except Exception:
                 log.exception("unexpected error executing a request from %s", conn.peer)
+            self.counters.ran(time.monotonic() - started)  # [stats hook] busy share of the metrics
             del item, conn, frame, buffers
 
     def _keeper(self) -> None:
@@ -244,6 +246,8 @@ def run_worker(
     integrity_only: bool | None = None,
     reachable_at: Sequence[str] = (),
     cache_size: int | None = None,
+    metrics_port: int | None = None,
+    metrics_host: str | None = None,
 ) -> None:
     """Start listening and serving remote calls until SIGTERM/SIGINT.
 
@@ -282,6 +286,9 @@ def run_worker(
     cache_size : int, optional
         Bytes of decoded samples :func:`torchfeed.cached` datasets may keep in this process
         (:data:`torchfeed.worker.cache.DEFAULT_SIZE` by default; 0: none).
+    metrics_port : int, optional
+        Also serve this worker's figures to Prometheus on this port (0: a free one; see
+        :mod:`torchfeed.worker.metrics`), on ``metrics_host`` (default: ``host``).
     """
     raise_fd_limit()
     if torch_threads is not None:
@@ -313,6 +320,18 @@ def run_worker(
             reachable_at=tuple(reachable_at),
         ),
     )
+    metrics = None
+    if metrics_port is not None:
+        from .metrics import serve_worker
+
+        try:
+            metrics = serve_worker(server, metrics_port, host if metrics_host is None else metrics_host)
+        except OSError as exc:
+            server.stop()
+            raise OSError(exc.errno, f"--metrics-port {metrics_port}: {exc.strerror or exc}") from exc
+        except BaseException:
+            server.stop()
+            raise
     in_main = threading.current_thread() is threading.main_thread()
     if in_main:
 
@@ -330,3 +349,5 @@ def run_worker(
     finally:
         server.stop()
         server.join(timeout=5.0)
+        if metrics is not None:
+            metrics.close()

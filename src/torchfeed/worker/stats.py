@@ -47,6 +47,7 @@ class Counters:
         self.bytes_sent = 0
         self.wire_bytes_sent = 0  # the same after compression (protocol.codec)
         self.errors = 0
+        self.busy_seconds = 0.0  # executor time spent running calls (all executors together)
         sample = (self.started, _cpu_seconds(), 0, 0, 0)
         self._older = self._newer = sample  # (time, cpu seconds, requests, bytes, wire bytes) for the rates
 
@@ -59,6 +60,11 @@ class Counters:
             self.wire_bytes_sent += size if wire_bytes is None else len(meta) + wire_bytes
             if kind == wire.ERROR:
                 self.errors += 1
+
+    def ran(self, seconds: float) -> None:
+        """An executor spent ``seconds`` running one call."""
+        with self._lock:
+            self.busy_seconds += seconds
 
     def refused(self) -> None:
         with self._lock:
@@ -78,6 +84,7 @@ class Counters:
         now, cpu = time.monotonic(), _cpu_seconds()
         with self._lock:
             requests, sent, wired, errors = self.requests, self.bytes_sent, self.wire_bytes_sent, self.errors
+            busy = self.busy_seconds
             t0, cpu0, req0, sent0, wired0 = self._older
         span = max(now - t0, 1e-6)
         conns = server.connections()
@@ -97,8 +104,32 @@ class Counters:
             "wire_bytes_sent": wired,
             "parallel": server.parallel,
             "uptime_s": now - self.started,
+            "busy_seconds": busy,
             **workercache.figures(),  # [cache] decoded samples kept for torchfeed.cached datasets
         }
+
+
+class Served:
+    """Batches and samples this process's fetchers loaded (process-wide: every fetcher of
+    every connection counts here; read by the worker's metrics)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.batches = 0
+        self.samples = 0
+
+    def add(self, samples: int) -> None:
+        with self._lock:
+            self.batches += 1
+            self.samples += samples
+
+    def read(self) -> tuple[int, int]:
+        """(batches, samples) so far."""
+        with self._lock:
+            return self.batches, self.samples
+
+
+served = Served()  # this process's
 
 
 def reply(server) -> bytes:

@@ -1,0 +1,10 @@
+"""torchfeed on Ray: :class:`Pool`, torchfeed workers as Ray actors for :func:`torchfeed.autoscale`.
+
+Importing this package imports Ray (``pip install 'torchfeed[ray]'``).
+"""
+
+from __future__ import annotations
+
+from .pool import Pool
+
+__all__ = ["Pool"]

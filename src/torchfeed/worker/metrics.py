@@ -1,0 +1,159 @@
+"""A worker's figures for Prometheus: ``torchfeed worker --metrics-port PORT``.
+
+Nothing here counts anything: :class:`WorkerCollector` reads, at each scrape, what the
+worker already keeps for ``torchfeed top`` (:class:`~torchfeed.worker.stats.Counters`,
+the process-wide :data:`~torchfeed.worker.stats.served`, the sample cache's figures) and
+turns it into metric families named after Prometheus' conventions (base units in the
+names, ``_total`` on counters). :class:`MetricsServer` serves a registry over HTTP
+(Prometheus text or OpenMetrics, as the scraper asks) from one thread it owns and stops.
+
+``prometheus_client`` is imported only here and only when metrics are asked for
+(``pip install 'torchfeed[metrics]'``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from . import cache as workercache
+from . import stats as workerstats
+
+log = logging.getLogger("torchfeed.metrics")
+
+PREFIX = "torchfeed_worker_"
+
+
+def require_client() -> Any:
+    """The ``prometheus_client`` module, or ImportError saying how to install it."""
+    try:
+        import prometheus_client
+    except ImportError:
+        raise ImportError(
+            "Prometheus metrics need the prometheus_client package: pip install 'torchfeed[metrics]' "
+            "(or pip install prometheus_client)"
+        ) from None
+    return prometheus_client
+
+
+class WorkerCollector:
+    """The families of one worker process, read from ``server`` at each scrape.
+
+    ``server`` is what :class:`~torchfeed.worker.server.WorkerServer` offers: ``counters``,
+    ``connections()``, ``parallel`` and ``address``.
+    """
+
+    def __init__(self, server: Any):
+        self.server = server
+
+    def describe(self) -> list:
+        return []  # families are only known at collect time; registering must not scrape
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        figures = self.server.counters.snapshot(self.server)
+        batches, samples = workerstats.served.read()
+        cache = workercache.figures()
+        labels = ["worker"]
+        who = [self.server.address]
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            family.add_metric(who, value)
+            return family
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            family.add_metric(who, value)
+            return family
+
+        yield counter("batches", "Batches this worker loaded and collated for loaders", batches)
+        yield counter("samples", "Samples in those batches", samples)
+        yield counter("requests", "Calls answered (batches, builds, statistics, errors)", figures["requests"])
+        yield counter("errors", "Calls answered with an error", figures["errors"])
+        yield counter(
+            "busy_seconds",
+            "Seconds the executors spent running calls (divide its rate by torchfeed_worker_executors "
+            "for the busy share)",
+            figures["busy_seconds"],
+        )
+        yield gauge("executors", "Calls this worker runs at once (--parallel)", figures["parallel"])
+        yield gauge("queued_requests", "Calls received and waiting for an executor", figures["queued"])
+        yield gauge("clients", "Authenticated connections", figures["clients"])
+        yield counter("sent_bytes", "Reply bytes before compression (logical)", figures["bytes_sent"])
+        yield counter(
+            "wire_sent_bytes", "Reply bytes as they left (after compression)", figures["wire_bytes_sent"]
+        )
+        yield counter("cpu_seconds", "CPU time of this worker process (user + system)", _cpu_seconds())
+        yield gauge("resident_memory_bytes", "Resident memory of this worker process", figures["rss_bytes"])
+        yield gauge("cache_bytes", "Decoded samples the sample cache holds", cache["cache_bytes"])
+        yield gauge("cache_budget_bytes", "The sample cache's budget (--cache-size)", cache["cache_budget"])
+        yield gauge("cache_entries", "Samples the sample cache holds", cache["cache_entries"])
+        yield counter("cache_hits", "Samples found in the sample cache", cache["cache_hits"])
+        yield counter(
+            "cache_misses", "Samples looked for and not found in the sample cache", cache["cache_misses"]
+        )
+        looked = cache["cache_hits"] + cache["cache_misses"]
+        yield gauge(
+            "cache_hit_ratio",
+            "Share of the samples looked for that the cache held, since the worker started (0 before any)",
+            cache["cache_hits"] / looked if looked else 0.0,
+        )
+
+
+def _cpu_seconds() -> float:
+    import os
+
+    t = os.times()
+    return t.user + t.system
+
+
+class MetricsServer:
+    """A registry served over HTTP on ``host:port`` (port 0: a free one) from one thread.
+
+    Every path answers the metrics (``/metrics`` by convention). :meth:`close` stops the
+    thread and frees the port; it is also a context manager.
+    """
+
+    def __init__(self, registry: Any, port: int = 0, host: str = "127.0.0.1"):
+        client = require_client()
+        self.registry = registry
+        self._httpd, self._thread = client.start_http_server(port, addr=host, registry=registry)
+        self._thread.name = "torchfeed-metrics"
+        self.host = host
+        self.port = self._httpd.server_address[1]
+        shown = f"[{host}]" if ":" in host else host
+        self.url = f"http://{shown}:{self.port}/metrics"
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop serving (idempotent)."""
+        if self._thread is None:
+            return
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout)
+        self._thread = None
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"MetricsServer({self.url})"
+
+
+def serve_worker(server: Any, port: int, host: str = "0.0.0.0") -> MetricsServer:
+    """Serve ``server``'s figures (and none of prometheus_client's default collectors)."""
+    client = require_client()
+    registry = client.CollectorRegistry(auto_describe=False)
+    registry.register(WorkerCollector(server))
+    metrics = MetricsServer(registry, port, host)
+    log.info("torchfeed worker metrics on %s", metrics.url)
+    return metrics
+
+
+__all__ = ["MetricsServer", "WorkerCollector", "serve_worker"]

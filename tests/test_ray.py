@@ -1,0 +1,259 @@
+"""torchfeed.ray.Pool on a real Ray cluster on this machine (tests/raycluster.py), and a Ray
+Train run fed by it.
+
+The cluster (module-scoped) is a head node and a second node offering the workers' resource,
+as a CPU node of a mixed cluster would; see tests/raycluster.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import RangeDataset, SleepDataset
+from raycluster import LABELS, NODE_IP, RayCluster, Unavailable
+from raycluster import RESOURCE as RESOURCE_NAME
+from torchfeed import DistributedSampler, RemoteDataLoader, RemoteDataset, autoscale
+
+ray = pytest.importorskip("ray", reason="the Ray tests need ray: pip install 'torchfeed[ray]'")
+psutil = pytest.importorskip("psutil")
+from torchfeed.ray import Pool  # noqa: E402
+from torchfeed.ray.transport import clear_reason  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(300)]
+
+RESOURCE = {RESOURCE_NAME: 1}
+N = 160
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    try:
+        cluster = RayCluster()
+    except Unavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        ray.init(
+            address=cluster.address,
+            _node_ip_address=NODE_IP,
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+        )
+        cluster.wait_for_resource(ray, 3)
+        yield cluster
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.close()
+
+
+def _until(condition, what: str, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what}")
+        time.sleep(0.1)
+
+
+def _placed_on_the_cpu_node(pool: Pool) -> bool:
+    """Every actor runs on the node offering the workers' resource (not on the head)."""
+    offering = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("torchfeed_worker")}
+    placed = set(ray.get([h.node_id.remote() for h in pool.actors().values()], timeout=30))
+    return bool(placed) and placed <= offering
+
+
+def test_the_secret_stays_off_clear_networks(monkeypatch):
+    assert clear_reason("127.0.0.1", "127.0.0.1") is None
+    assert "not encrypted" in clear_reason("127.0.0.1", "192.0.2.7")
+    assert clear_reason("192.0.2.1", "127.0.0.1")
+    assert clear_reason("127.0.0.1", "127.0.0.1") is None
+    monkeypatch.setenv("RAY_USE_TLS", "1")
+    assert clear_reason("192.0.2.1", "192.0.2.7") is None
+
+
+def test_scale_up_kill_mid_epoch_and_drain(ray_cluster):
+    with Pool(resources=RESOURCE, start_timeout=60) as pool:
+        pool.scale(2)
+        first = pool.wait(2, timeout=120)
+        assert all(a.startswith(NODE_IP + ":") for a in first)
+        assert _placed_on_the_cpu_node(pool)
+        ds = RemoteDataset(first, SleepDataset, N, 0.005)
+        loader = RemoteDataLoader(ds, batch_size=8, shuffle=True)
+        # an actor killed mid-epoch: its batches are requeued, every index exactly once
+        seen = []
+        for i, (_, idx) in enumerate(loader):
+            seen += idx.tolist()
+            if i == 3:
+                ray.kill(pool.actors()[first[0]])
+        assert sorted(seen) == list(range(N))
+        # the pool replaces it (its target holds): a new worker joins the dataset
+        _until(lambda: len(pool.addresses()) == 2 and first[0] not in pool.addresses(), "a replacement")
+        fresh = [a for a in pool.addresses() if a not in ds.workers]
+        ds.remove_workers([first[0]])
+        ds.add_workers(fresh)
+        assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(N))
+        # grow to 3, then drain one and retire it
+        pool.scale(3)
+        three = pool.wait(3, timeout=120)
+        ds.add_workers([a for a in three if a not in ds.workers])
+        assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(N))
+        going = three[0]
+        ds.remove_workers([going])
+        pool.retire([going])
+        _until(lambda: going not in pool.addresses() and len(pool.addresses()) == 2, "retired")
+        assert pool.requested() == 2
+        assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(N))
+        # a fourth would need a fourth torchfeed_worker: Ray has 3, and the pool says so once
+    _until(lambda: ray.available_resources().get("torchfeed_worker", 0) == 3, "the actors' resources freed")
+
+
+def test_actors_placed_by_node_labels(ray_cluster):
+    with Pool(1, label_selector=LABELS) as pool:  # no resource asked: the head has CPUs too
+        pool.wait(1, timeout=120)
+        assert _placed_on_the_cpu_node(pool)
+
+
+def test_autoscale_grows_a_ray_pool(ray_cluster):
+    with Pool(1, resources=RESOURCE) as pool:
+        ds = RemoteDataset(pool.wait(1, timeout=120), SleepDataset, N, 0.01)
+        loader = RemoteDataLoader(ds, batch_size=4)
+        with autoscale(loader, pool, max_workers=3, interval=0.5, window=2.0, up_cooldown=1.0) as scaler:
+            for _ in range(8):  # input-bound: the controller asks the pool for more
+                assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(N))
+                if len(ds.workers) == 3:
+                    break
+            assert pool.requested() == 3, scaler.stats()
+            _until(lambda: len(ds.workers) == 3, "three workers in the dataset")
+            assert sorted(ds.workers) == pool.addresses()
+            assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(N))
+
+
+def test_actors_ray_cannot_place_are_reported_once_per_request(ray_cluster, caplog):
+    def reports() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "are not running" in r.getMessage()]
+
+    with caplog.at_level(logging.WARNING, logger="torchfeed.ray"):
+        with Pool(4, resources=RESOURCE, place_timeout=2) as pool:  # the cluster offers 3
+            assert len(pool.wait(3, timeout=120)) == 3
+            _until(lambda: len(reports()) == 1, "the report")
+            time.sleep(3.0)
+            assert len(reports()) == 1, "said once"
+            said = reports()[0]
+            assert "'torchfeed_worker': 0.0" in said and "'torchfeed_worker': 3.0" in said, said
+            pool.scale(5)  # a new request that cannot be met either: said again, once
+            _until(lambda: len(reports()) == 2, "the second report")
+            time.sleep(3.0)
+            assert len(reports()) == 2
+            assert len(pool.addresses()) == 3 and pool.requested() == 5
+
+
+def _train_loop(config):
+    import ray.train
+
+    os.environ["TORCHFEED_SECRET_FILE"] = config["secret_file"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    ds = RemoteDataset(config["addresses"], RangeDataset, config["n"])
+    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=7)
+    loader = RemoteDataLoader(ds, batch_size=8, sampler=sampler)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        seen = [i for _, idx in loader for i in idx.tolist()]
+        Path(config["out"], f"epoch{epoch}-rank{rank}.json").write_text(json.dumps(seen))
+    ray.train.report({"rank": rank, "world": world})
+
+
+def test_ray_train_ranks_fed_from_the_pool(ray_cluster, tmp_path):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    private = tmp_path / "secret"
+    private.mkdir(mode=0o700)
+    secret_file = private / "secret"
+    secret_file.write_text(secrets.token_hex(32))
+    secret_file.chmod(0o600)
+    out = tmp_path / "out"
+    out.mkdir()
+    with Pool(2, resources=RESOURCE, secret_file=secret_file) as pool:
+        trainer = TorchTrainer(
+            _train_loop,
+            train_loop_config={
+                "addresses": pool.wait(2, 120),
+                "secret_file": str(secret_file),
+                "n": N,
+                "out": str(out),
+            },
+            scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 0.5}),
+            run_config=RunConfig(name="torchfeed", storage_path=str(tmp_path / "runs")),
+        )
+        trainer.fit()
+    for epoch in range(2):
+        shards = [json.loads((out / f"epoch{epoch}-rank{r}.json").read_text()) for r in range(2)]
+        assert not set(shards[0]) & set(shards[1]), "the ranks' shards are disjoint"
+        assert sorted(shards[0] + shards[1]) == list(range(N)), f"epoch {epoch}: every index exactly once"
+
+
+def _resume_loop(config):
+    import tempfile
+
+    import ray.train
+    import torch
+    from ray.train import Checkpoint
+
+    os.environ["TORCHFEED_SECRET_FILE"] = config["secret_file"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    ds = RemoteDataset(config["addresses"], RangeDataset, config["n"])
+    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=11)
+    loader = RemoteDataLoader(ds, batch_size=4, sampler=sampler)
+    seen: list[int] = []
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:  # the second attempt: exactly where the checkpoint was taken
+        with checkpoint.as_directory() as d:
+            state = torch.load(Path(d, f"rank{rank}.pt"))
+        loader.load_state_dict(state["loader"])
+        seen = state["seen"]
+    for step, (_, idx) in enumerate(loader):
+        seen += idx.tolist()
+        if checkpoint is None and step == 2:
+            with tempfile.TemporaryDirectory() as d:
+                torch.save({"loader": loader.state_dict(), "seen": seen}, Path(d, f"rank{rank}.pt"))
+                ray.train.report({"step": step}, checkpoint=Checkpoint.from_directory(d))
+            seen += [-1]  # consumed after the checkpoint: must not survive the restart
+            raise RuntimeError("a simulated failure after the checkpoint")
+    Path(config["out"], f"rank{rank}.json").write_text(json.dumps(seen))
+    ray.train.report({"done": 1})
+
+
+def test_ray_train_resumes_exactly_from_its_checkpoint(ray_cluster, tmp_path):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    private = tmp_path / "secret"
+    private.mkdir(mode=0o700)
+    secret_file = private / "secret"
+    secret_file.write_text(secrets.token_hex(32))
+    secret_file.chmod(0o600)
+    out = tmp_path / "out"
+    out.mkdir()
+    with Pool(2, resources=RESOURCE, secret_file=secret_file) as pool:
+        config = {"addresses": pool.wait(2, 120), "secret_file": str(secret_file), "n": 64, "out": str(out)}
+        TorchTrainer(
+            _resume_loop,
+            train_loop_config=config,
+            scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 0.5}),
+            run_config=RunConfig(
+                name="resume",
+                storage_path=str(tmp_path / "runs"),
+                failure_config=FailureConfig(max_failures=1),
+            ),
+        ).fit()
+    shards = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert not set(shards[0]) & set(shards[1])
+    assert sorted(shards[0] + shards[1]) == list(range(64)), "every index exactly once across the restart"
