@@ -102,7 +102,7 @@ class DNSName:
             except dns.exception.DNSException as exc:
                 failures.append(f"{rdtype}: {exc}")  # e.g. a server that refuses AAAA
                 continue
-            found += [format_address(f"{r.address}:{self.port}") for r in answer]
+            found += [format_address((r.address, self.port)) for r in answer]
         if len(failures) == 2:
             raise OSError(f"could not resolve {self.name}: " + "; ".join(failures))
         return sorted(set(found))
