@@ -288,7 +288,7 @@ def test_shard_plans_out_of_range_are_refused(workers2, plan, match):
     ds = torchfeed.RemoteDataset(workers2, PlannedShards, plan)
     start = time.monotonic()
     with pytest.raises(torchfeed.TorchfeedError, match=f"worker {workers2[0]} .*{match}"):
-        iter(torchfeed.RemoteDataLoader(ds, batch_size=None, timeout=PROMPT))
+        next(iter(torchfeed.RemoteDataLoader(ds, batch_size=None, timeout=PROMPT)))  # a pass starts at next()
     assert time.monotonic() - start < PROMPT
 
 
