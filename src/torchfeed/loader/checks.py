@@ -104,10 +104,6 @@ def job_ranks() -> tuple[int, int]:
     return (rank, world) if 0 <= rank < world else (0, 1)
 
 
-def _world_size() -> int:
-    return job_ranks()[1]
-
-
 def stream_ranks(rank_streams: bool | None, streams: int) -> tuple[int, int]:
     """(rank, ranks) to number an iterable-style pass's streams across: the job's with
     ``rank_streams=True``, else (0, 1): every rank reads every stream, as torch's DataLoader
@@ -131,11 +127,14 @@ def stream_ranks(rank_streams: bool | None, streams: int) -> tuple[int, int]:
 def warn_unsharded(own_sampling: bool, iterable: bool) -> None:
     """Say once, at WARNING, that every rank loads the whole dataset: a loader that made its own
     sampler (none given) in a job of several ranks, as torch's DataLoader does under torchrun."""
-    if not own_sampling or iterable or _world_size() <= 1:
+    if not own_sampling or iterable:
+        return
+    world = job_ranks()[1]
+    if world <= 1:
         return
     log_once(
         "unsharded",
-        f"this job has {_world_size()} ranks and RemoteDataLoader was given no sampler: every rank "
+        f"this job has {world} ranks and RemoteDataLoader was given no sampler: every rank "
         "loads the whole dataset (as torch's DataLoader does). To give each rank its share, pass "
         "sampler=torch.utils.data.DistributedSampler(dataset) or torchfeed.DistributedSampler(dataset) "
         "(and call loader.set_epoch(epoch) every epoch), or let a framework shard it (Lightning and "
