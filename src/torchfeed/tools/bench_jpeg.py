@@ -1,0 +1,261 @@
+"""The first-epoch benchmark: a JPEG pipeline from a cold start, torchfeed against torch.
+
+600 JPEGs (800x600, made here) are decoded with Pillow (DCT-scaled to 400x300, ~360 KB a
+decoded image), random-resized-cropped to 224x224 and flipped (:class:`JpegPipeline`), batch
+32, 2 loading processes on each side, shuffled; the consumer touches every page of every batch.
+Rounds interleave the two sides; every round starts cold:
+
+* torch: a new ``DataLoader(num_workers=2, persistent_workers=True)``; epoch 1 includes forking
+  its workers, as a user's first epoch does;
+* torchfeed: new worker processes (:class:`~torchfeed.LocalWorkers`, started before the clock
+  starts), then the ``RemoteDataset`` is built inside the clock: epoch 1 pays every first-use
+  cost of the workers (imports, buffers, connections);
+* cached: ``torchfeed.cached`` over the decode (:class:`JpegDecoded`), the crop and flip in
+  ``then``, on fresh workers: its epoch 1 decodes and hands every image to its owner.
+
+Also measured: the time to the first batch (from entering ``LocalWorkers(2)``; from building a
+``RemoteDataset`` on running workers; from building torch's DataLoader), the trainer's CPU per
+batch, and minor page faults per batch of all the processes (memory mapped and unmapped per
+batch: what slows a loader most when something else on the machine stalls page faults).
+``benchmarks/jpeg.py`` runs it; numbers in benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .bench_cache import make_jpegs
+from .measure import own_cpu_seconds, touch
+
+SIDE = 224
+DRAFT = (400, 300)
+BATCH = 32
+WORKERS = 2
+
+
+def decode(path: str) -> np.ndarray:
+    """A JPEG file as an HxWx3 uint8 array, DCT-scaled by the decoder to about :data:`DRAFT`."""
+    from PIL import Image
+
+    with Image.open(path) as img:
+        img.draft("RGB", DRAFT)
+        return np.asarray(img.convert("RGB"))
+
+
+def crop_flip(image: np.ndarray) -> torch.Tensor:
+    """A random resized crop (8-100% of the area, aspect 3/4-4/3) to 224x224 and a random flip.
+
+    Draws from torch's generator, which both loaders seed per worker alike."""
+    from PIL import Image
+
+    h, w = image.shape[:2]
+    area = h * w
+    for _ in range(10):
+        target = area * float(torch.empty(()).uniform_(0.08, 1.0))
+        aspect = math.exp(float(torch.empty(()).uniform_(math.log(3 / 4), math.log(4 / 3))))
+        cw, ch = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
+        if 0 < cw <= w and 0 < ch <= h:
+            top = int(torch.randint(0, h - ch + 1, ()))
+            left = int(torch.randint(0, w - cw + 1, ()))
+            break
+    else:  # the whole image
+        top, left, ch, cw = 0, 0, h, w
+    crop = Image.fromarray(image[top : top + ch, left : left + cw]).resize(
+        (SIDE, SIDE), Image.Resampling.BILINEAR
+    )
+    out = torch.from_numpy(np.asarray(crop).copy()).permute(2, 0, 1)
+    return out.flip(-1) if torch.rand(()) < 0.5 else out
+
+
+class JpegDecoded(Dataset):
+    """``root/000123.jpg`` -> the decoded image (the part :func:`torchfeed.cached` keeps)."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.files = sorted(f for f in os.listdir(root) if f.endswith(".jpg"))
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return decode(os.path.join(self.root, self.files[i]))
+
+
+class JpegPipeline(JpegDecoded):
+    """Decode, crop and flip every time: a 3x224x224 uint8 tensor."""
+
+    def __getitem__(self, i: int) -> Any:
+        return crop_flip(super().__getitem__(i))
+
+
+def minor_faults(pid: int) -> int:
+    """Minor page faults of a process so far (Linux /proc; 0 where unavailable)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[7])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+class Epochs:
+    """Times consecutive passes of one loader: samples/s, trainer CPU and page faults per batch."""
+
+    def __init__(self, loader, pids: Callable[[], list[int]]):
+        self.loader, self.pids = loader, pids
+        self.rates: list[float] = []
+        self.cpu_ms: list[float] = []
+        self.faults: list[float] = []
+
+    def run(self, start: float | None = None) -> float:
+        """One pass; ``start`` is when the clock started (set-up before the pass counted)."""
+        pids = [os.getpid(), *self.pids()]
+        faults = sum(map(minor_faults, pids))
+        cpu = own_cpu_seconds()
+        start = time.perf_counter() if start is None else start
+        n = batches = 0
+        for batch in self.loader:
+            touch(batch)
+            n += len(batch)
+            batches += 1
+        rate = n / (time.perf_counter() - start)
+        pids = [os.getpid(), *self.pids()]  # torch's workers exist only once the pass started
+        self.rates.append(rate)
+        self.cpu_ms.append((own_cpu_seconds() - cpu) * 1e3 / batches)
+        self.faults.append((sum(map(minor_faults, pids)) - faults) / batches)
+        return rate
+
+
+def children() -> list[int]:
+    """This process's child processes (Linux /proc): torch's forked workers while a pass runs."""
+    found: list[int] = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                found += [int(p) for p in f.read().split()]
+        except OSError:
+            continue
+    return found
+
+
+def _first_batch(make: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    loader = make()
+    next(iter(loader))
+    return time.perf_counter() - start
+
+
+def run(
+    log: Callable[[str], Any] = print, rounds: int = 3, epochs: int = 3, count: int = 600
+) -> dict[str, Any]:
+    """Every measurement; returns JSON-friendly numbers (medians over ``rounds``)."""
+    import torchfeed
+    from torchfeed import LocalWorkers, RemoteDataLoader, RemoteDataset
+
+    torch.manual_seed(0)
+    out: dict[str, Any] = {"images": count, "workers": WORKERS, "batch_size": BATCH, "rounds": rounds}
+    runs: dict[str, list[Epochs]] = {"torch": [], "torchfeed": [], "cached": []}
+    first: dict[str, list[float]] = {"local_workers": [], "running_workers": [], "torch": []}
+    with tempfile.TemporaryDirectory(prefix="torchfeed-jpeg-bench-") as root:
+        make_jpegs(root, count)
+        for r in range(rounds):
+            # torch: workers forked inside epoch 1
+            start = time.perf_counter()
+            loader: Any = DataLoader(
+                JpegPipeline(root),
+                batch_size=BATCH,
+                shuffle=True,
+                num_workers=WORKERS,
+                persistent_workers=True,
+            )
+            t = Epochs(loader, children)
+            t.run(start)
+            for _ in range(epochs - 1):
+                t.run()
+            del loader, t.loader  # its persistent workers end with its iterator
+            runs["torch"].append(t)
+            # torchfeed: fresh workers, the dataset built inside the clock
+            for kind in ("torchfeed", "cached"):
+                with LocalWorkers(WORKERS, cache_size="1GiB") as w:
+                    pids = [p.pid for p in w.processes]
+                    start = time.perf_counter()
+                    factory: Any = (
+                        JpegPipeline if kind == "torchfeed" else torchfeed.cached(JpegDecoded, then=crop_flip)
+                    )
+                    ours: Any = RemoteDataLoader(
+                        RemoteDataset(w.addresses, factory, root), batch_size=BATCH, shuffle=True
+                    )
+                    e = Epochs(ours, pids.copy)
+                    e.run(start)
+                    for _ in range(epochs - 1):
+                        e.run()
+                    runs[kind].append(e)
+            # time to the first batch, three ways
+            start = time.perf_counter()
+            with LocalWorkers(WORKERS) as w:
+                ds: Any = RemoteDataset(w.addresses, JpegPipeline, root)
+                next(iter(RemoteDataLoader(ds, batch_size=BATCH, shuffle=True)))
+                first["local_workers"].append(time.perf_counter() - start)
+                first["running_workers"].append(
+                    _first_batch(
+                        lambda: RemoteDataLoader(
+                            RemoteDataset(w.addresses, JpegPipeline, root), batch_size=BATCH, shuffle=True
+                        )
+                    )
+                )
+            first["torch"].append(
+                _first_batch(
+                    lambda: DataLoader(
+                        JpegPipeline(root), batch_size=BATCH, shuffle=True, num_workers=WORKERS
+                    )
+                )
+            )
+            log(
+                f"round {r + 1}: epoch 1 torch {runs['torch'][-1].rates[0]:.0f}/s, torchfeed "
+                f"{runs['torchfeed'][-1].rates[0]:.0f}/s, cached {runs['cached'][-1].rates[0]:.0f}/s; later epochs "
+                f"torch {statistics.median(runs['torch'][-1].rates[1:]):.0f}/s, torchfeed "
+                f"{statistics.median(runs['torchfeed'][-1].rates[1:]):.0f}/s; first batch: LocalWorkers "
+                f"{first['local_workers'][-1]:.2f} s, running workers {first['running_workers'][-1]:.3f} s, torch "
+                f"{first['torch'][-1]:.3f} s"
+            )
+    med = statistics.median
+    for kind, es in runs.items():
+        out[kind] = {
+            "epoch1": med(e.rates[0] for e in es),
+            "later": med(x for e in es for x in e.rates[1:]),
+            "trainer_cpu_ms_per_batch": med(x for e in es for x in e.cpu_ms[1:]),
+            "minor_faults_per_batch": med(x for e in es for x in e.faults[1:]),
+            "epoch1_minor_faults_per_batch": med(e.faults[0] for e in es),
+            "runs": [e.rates for e in es],
+        }
+    out["first_batch_s"] = {k: med(v) for k, v in first.items()}
+    out["first_batch_runs"] = first
+    out["epoch1_ratio"] = out["torchfeed"]["epoch1"] / out["torch"]["epoch1"]
+    out["later_ratio"] = out["torchfeed"]["later"] / out["torch"]["later"]
+    out["cached_epoch1_over_uncached"] = out["cached"]["epoch1"] / out["torchfeed"]["epoch1"]
+    return out
+
+
+def iter_summary(result: dict[str, Any]) -> Iterator[str]:
+    """Lines for a person: the ratios and what they are measured against."""
+    fb = result["first_batch_s"]
+    yield f"epoch 1: torchfeed {result['epoch1_ratio']:.2f}x torch's DataLoader (target >= 1.00)"
+    yield f"later epochs: {result['later_ratio']:.2f}x torch"
+    yield f"cached epoch 1: {result['cached_epoch1_over_uncached']:.2f}x the uncached epoch 1 (target >= 0.95)"
+    yield f"first batch: {fb['local_workers']:.2f} s from entering LocalWorkers(2) (target <= 1)"
+    yield f"first batch: {fb['running_workers']:.3f} s on running workers (target <= 0.25); torch {fb['torch']:.3f} s"
+    for side in ("torch", "torchfeed"):
+        s = result[side]
+        yield (
+            f"{side}: trainer CPU {s['trainer_cpu_ms_per_batch']:.2f} ms/batch, minor faults "
+            f"{s['minor_faults_per_batch']:.0f}/batch (epoch 1: {s['epoch1_minor_faults_per_batch']:.0f})"
+        )
