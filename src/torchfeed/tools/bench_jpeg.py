@@ -70,11 +70,14 @@ def crop_flip(image: np.ndarray) -> torch.Tensor:
             break
     else:  # the whole image
         top, left, ch, cw = 0, 0, h, w
-    crop = Image.fromarray(image[top : top + ch, left : left + cw]).resize(
-        (SIDE, SIDE), Image.Resampling.BILINEAR
+    crop = np.asarray(
+        Image.fromarray(image[top : top + ch, left : left + cw]).resize(
+            (SIDE, SIDE), Image.Resampling.BILINEAR
+        )
     )
-    out = torch.from_numpy(np.asarray(crop).copy()).permute(2, 0, 1)
-    return out.flip(-1) if torch.rand(()) < 0.5 else out
+    if torch.rand(()) < 0.5:
+        crop = crop[:, ::-1]
+    return torch.from_numpy(np.ascontiguousarray(crop.transpose(2, 0, 1)))
 
 
 class JpegDecoded(Dataset):
