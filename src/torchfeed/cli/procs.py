@@ -37,7 +37,7 @@ POLL = 0.2  # seconds between two looks at the processes
 FIRST_DELAY = 0.5  # seconds before the first restart of a process
 MOST_DELAY = 30.0  # the longest wait before a restart
 CRASH_LOOP_DEATHS = 5  # ends of one process within CRASH_LOOP_WINDOW that stop everything
-CRASH_LOOP_WINDOW = 60.0
+CRASH_LOOP_WINDOW = 120.0
 
 
 def say(text: str) -> None:

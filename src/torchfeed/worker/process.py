@@ -154,7 +154,7 @@ class WorkerProcess:
             if interrupted is not None and interrupted():
                 raise InterruptedError(f"{self.name}: interrupted before it was ready")
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"{self.name} did not print its address within {timeout:g} s")
+                raise TimeoutError(f"{self.name} did not print its address in time ({timeout:g} s)")
 
     def label(self, prefix: str) -> None:
         """Prefix its output lines from now on with ``prefix``."""
