@@ -342,7 +342,7 @@ def test_procs_restart_a_killed_process_and_keep_the_address_file_true(run, tmp_
     address file and started again: the file then lists only live processes that answer."""
     path = tmp_path / "workers"
     cmd = run(WORKER + ["--procs", "2", "--address-file", str(path)])
-    first = cmd.read_lines(2)
+    first = cmd.read_lines(2, timeout=90)
     check_addresses(first, 2)
     assert read_address_file(str(path)) == first
     victim = serving_pid(first[0])
@@ -356,7 +356,7 @@ def test_procs_restart_a_killed_process_and_keep_the_address_file_true(run, tmp_
     assert len(kids) == 2 and victim not in kids
     assert sorted(serving_pid(a) for a in filed) == kids  # every filed address answers, from a child
     err = cmd.stderr()
-    assert f"process 1 of 2 ({first[0]}) ended with signal SIGKILL; starting it again in" in err, err
+    assert f"process 1 of 2 ({first[0]}) was killed by signal SIGKILL; starting it again in" in err, err
     assert f"process 1 of 2 is back: {again}" in err, err
     code, _ = cmd.stop()
     assert code == 0, cmd.stderr()
@@ -373,7 +373,7 @@ def test_procs_crash_loop_stops_everything_with_a_clear_error(run, tmp_path):
     port = two_free_ports()
     path = tmp_path / "workers"
     cmd = run(WORKER[:-2] + ["--port", str(port), "--procs", "2", "--address-file", str(path)])
-    first = cmd.read_lines(2)
+    first = cmd.read_lines(2, timeout=90)
     assert first == [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]
     kids = cmd.children()
     holder = socket.socket()
@@ -394,7 +394,7 @@ def test_procs_crash_loop_stops_everything_with_a_clear_error(run, tmp_path):
     err = cmd.stderr()
     assert (
         f"torchfeed worker: process 1 of 2 (127.0.0.1:{port}) ended 5 times within 120 s, the last time "
-        f"with exit code 1 (cannot serve on 127.0.0.1:{port}: Address already in use): stopping all 2 "
+        f"it exited with code 1 (cannot serve on 127.0.0.1:{port}: Address already in use): stopping all 2 "
         "processes"
     ) in err, err
     assert "run `torchfeed worker` without --procs to see it alone" in err, err

@@ -338,12 +338,13 @@ def test_dask_hosted_workers_feed_remote_loaders(client, tmp_path):
     assert set(client.run(secret_here).values()) == {(SECRET, SECRET)}
 
 
+@pytest.mark.timeout(300)
 def test_a_worker_that_prints_a_lot_does_not_block(client):
     """The Dask worker keeps reading its torchfeed workers' output after their address line."""
-    addresses = tfd.start_workers(client, procs_per_worker=1)
+    addresses = tfd.start_workers(client, start_timeout=180)
     try:
         for address in addresses:
-            assert torchfeed.rpc_async(address, print_lots, 256 * 1024, timeout=60).wait() == 256 * 1024
+            assert torchfeed.rpc_async(address, print_lots, (256 * 1024,), timeout=60).wait() == 256 * 1024
     finally:
         tfd.stop_workers(client)
 

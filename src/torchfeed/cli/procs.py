@@ -204,7 +204,7 @@ class Supervisor:
                 if now - slot.started < START_TIMEOUT:
                     return True
                 p.stop(STOP_TIMEOUT)
-                return self._ended(slot, f"not ready within {START_TIMEOUT:g} s")
+                return self._ended(slot, f"was not ready within {START_TIMEOUT:g} s")
             except WorkerExited as exc:
                 p.close()
                 last = exc.tail[-1].strip().removeprefix("torchfeed worker: ") if exc.tail else ""
@@ -228,12 +228,12 @@ class Supervisor:
         if len(slot.deaths) >= CRASH_LOOP_DEATHS:
             say(
                 f"{self._name(slot)} ({where}) ended {len(slot.deaths)} times within "
-                f"{CRASH_LOOP_WINDOW:g} s, the last time with {how}: stopping all {self.procs} processes. "
+                f"{CRASH_LOOP_WINDOW:g} s, the last time it {how}: stopping all {self.procs} processes. "
                 f"Its stderr above (lines starting [process {slot.index}] or with its address) says "
                 f"why; run `torchfeed worker` without --procs to see it alone"
             )
             return False
         slot.delay = double_delay(slot.delay if len(slot.deaths) > 1 else 0.0, FIRST_DELAY, MOST_DELAY)
         slot.restart_at = now + slot.delay
-        say(f"{self._name(slot)} ({where}) ended with {how}; starting it again in {slot.delay:g} s")
+        say(f"{self._name(slot)} ({where}) {how}; starting it again in {slot.delay:g} s")
         return True

@@ -64,13 +64,13 @@ def worker_command(
 
 
 def exit_reason(returncode: int) -> str:
-    """``"exit code 3"``, or ``"signal SIGKILL"`` for a process a signal ended."""
+    """``"exited with code 3"``, or ``"was killed by signal SIGKILL"`` (a ``Popen.returncode``)."""
     if returncode >= 0:
-        return f"exit code {returncode}"
+        return f"exited with code {returncode}"
     try:
-        return f"signal {signal.Signals(-returncode).name}"
+        return f"was killed by signal {signal.Signals(-returncode).name}"
     except ValueError:
-        return f"signal {-returncode}"
+        return f"was killed by signal {-returncode}"
 
 
 class WorkerProcess:
@@ -146,7 +146,7 @@ class WorkerProcess:
                 tail = [line for line in self._err.tail if line.strip()]
                 shown = "\n".join(tail)
                 raise WorkerExited(
-                    f"{self.name} ended ({exit_reason(self.popen.returncode)}) before it was ready"
+                    f"{self.name} {exit_reason(self.popen.returncode)} before it was ready"
                     + (f"; its stderr ends with:\n{shown}" if shown else ""),
                     self.popen.returncode,
                     tail,
