@@ -167,6 +167,17 @@ class PoisonDataset(RangeDataset):
         return super().__getitem__(i)
 
 
+def print_lots(nbytes: int) -> int:
+    """Print ``nbytes`` on stdout (and a little on stderr), as a chatty dataset does; return
+    ``nbytes``. A worker whose parent stops reading its stdout blocks here past 64 KiB."""
+    import sys
+
+    for _ in range(0, nbytes, 1000):
+        print("x" * 999, flush=True)
+    print("a line on stderr", file=sys.stderr, flush=True)
+    return nbytes
+
+
 def secret_seen_by_worker_code() -> dict:
     """What code running on a worker finds of TORCHFEED_SECRET: in its os.environ, in the
     environment of a subprocess it starts, and in the environment its process started with."""

@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader
 import torchfeed
 from helpers import RangeDataset, deep_equal, secret_seen_by_worker_code, wait_for
 from torchfeed import cli
-from torchfeed.util import cpu_count, pid_alive
+from torchfeed.addrfile import read_address_file
+from torchfeed.util import cpu_count, free_port, pid_alive
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -311,15 +312,95 @@ def test_procs_auto_starts_one_process_per_usable_cpu(run):
     assert cmd.rest_of_stdout() == ""
 
 
+def zombie_of(pid: int, parent: int) -> bool:
+    """Whether ``pid`` is a child of ``parent`` that ended and was not reaped."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return fields[0] == "Z" and int(fields[1]) == parent
+
+
+def two_free_ports() -> int:
+    """A port P such that P and P+1 are free now."""
+    import socket
+
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+
+
 @pytest.mark.slow
-def test_procs_exit_code_reports_a_killed_worker(run):
-    cmd = run(WORKER + ["--procs", "2"])
-    cmd.read_lines(2)
+@pytest.mark.timeout(120)
+def test_procs_restart_a_killed_process_and_keep_the_address_file_true(run, tmp_path):
+    """A process killed with SIGKILL is reaped (no zombie), said on stderr, taken out of the
+    address file and started again: the file then lists only live processes that answer."""
+    path = tmp_path / "workers"
+    cmd = run(WORKER + ["--procs", "2", "--address-file", str(path)])
+    first = cmd.read_lines(2, timeout=90)
+    check_addresses(first, 2)
+    assert read_address_file(str(path)) == first
+    victim = serving_pid(first[0])
+    os.kill(victim, signal.SIGKILL)
+    (again,) = cmd.read_lines(1, timeout=90)  # the new process's address, printed when ready
+    assert ADDRESS.match(again), again
+    assert not zombie_of(victim, cmd.pid), "the killed process was left a zombie"
+    filed = read_address_file(str(path))
+    assert sorted(filed) == sorted([first[1], again]), filed
     kids = cmd.children()
-    os.kill(kids[0], signal.SIGKILL)
-    assert wait_for(lambda: not pid_alive(kids[0]), 5)
+    assert len(kids) == 2 and victim not in kids
+    assert sorted(serving_pid(a) for a in filed) == kids  # every filed address answers, from a child
+    err = cmd.stderr()
+    assert f"process 1 of 2 ({first[0]}) was killed by signal SIGKILL; starting it again in" in err, err
+    assert f"process 1 of 2 is back: {again}" in err, err
     code, _ = cmd.stop()
-    assert code != 0, "a worker process was killed, yet the command reports success"
+    assert code == 0, cmd.stderr()
+    assert wait_for(lambda: not any(pid_alive(k) for k in kids), 5), "worker processes outlived the command"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_procs_crash_loop_stops_everything_with_a_clear_error(run, tmp_path):
+    """Process 1's port is taken once it died: each restart fails at once, and after a few the
+    command stops all its processes and says why, and how to see more."""
+    import socket
+
+    port = two_free_ports()
+    path = tmp_path / "workers"
+    cmd = run(WORKER[:-2] + ["--port", str(port), "--procs", "2", "--address-file", str(path)])
+    first = cmd.read_lines(2, timeout=90)
+    assert first == [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]
+    kids = cmd.children()
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    os.kill(serving_pid(first[0]), signal.SIGKILL)
+
+    def take_port() -> bool:
+        try:
+            holder.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        holder.listen()
+        return True
+
+    with holder:
+        assert wait_for(take_port, 10, interval=0.01), "the killed process's port was not freed"
+        assert cmd.proc.wait(200) == 1, cmd.stderr()
+    err = cmd.stderr()
+    assert (
+        f"torchfeed worker: process 1 of 2 (127.0.0.1:{port}) ended 5 times within 120 s, the last time "
+        f"it exited with code 1 (cannot serve on 127.0.0.1:{port}: Address already in use): stopping all 2 "
+        "processes"
+    ) in err, err
+    assert "run `torchfeed worker` without --procs to see it alone" in err, err
+    assert read_address_file(str(path)) == [first[1]]  # the dead address was taken out
+    assert wait_for(lambda: not any(pid_alive(k) for k in kids), 5), "worker processes outlived the command"
+    assert not cmd.children(), "processes left behind (or unreaped)"
 
 
 # -- help and usage errors -----------------------------------------------------------------

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import torchfeed
 import torchfeed.dask as tfd
-from helpers import RangeDataset, secret_seen_by_worker_code, wait_for
+from helpers import RangeDataset, print_lots, secret_seen_by_worker_code, wait_for
 from s3server import S3Server
 from test_datasets import make_tree, to_tensor
 from torchfeed.dask.ranks import _order_workers
@@ -336,6 +336,17 @@ def test_dask_hosted_workers_feed_remote_loaders(client, tmp_path):
     assert os.environ["TORCHFEED_SECRET"] == SECRET
     assert wait_for(lambda: not any(pid_alive(p) for p in pids), 20), "the torchfeed workers did not stop"
     assert set(client.run(secret_here).values()) == {(SECRET, SECRET)}
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_that_prints_a_lot_does_not_block(client):
+    """The Dask worker keeps reading its torchfeed workers' output after their address line."""
+    addresses = tfd.start_workers(client, start_timeout=180)
+    try:
+        for address in addresses:
+            assert torchfeed.rpc_async(address, print_lots, (256 * 1024,), timeout=60).wait() == 256 * 1024
+    finally:
+        tfd.stop_workers(client)
 
 
 def test_start_workers_errors(client):

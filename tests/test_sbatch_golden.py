@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from torchfeed.cluster import SlurmJob, pool_script
+from torchfeed.worker.options import WorkerOptions
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -68,7 +69,7 @@ def test_pool_worker_script_matches_golden_file():
         partition="cpu",
         time="02:00:00",
         cpus_per_worker=4,
-        parallel=4,
+        options=WorkerOptions(parallel=4),
         sbatch=["--account=proj42", " --mem=16G "],
         python="/usr/bin/python3",
         worker_args=["--log-level", "INFO"],

@@ -1,19 +1,23 @@
 """Address files: one ``host:port`` line per worker process, appended by the workers.
 
 Workers append their address (``torchfeed worker --address-file F``, the Slurm scripts'
-workers file) under an exclusive lock; trainers read the file. A trainer connects to
+workers file) under an exclusive lock; ``torchfeed worker --procs N`` also takes the address of
+a process that died out, under the same lock; trainers read the file. A trainer connects to
 whatever the file lists, so a file that other users can write lets them point it at
 their own "worker": such files are refused when read, and created private (0600).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import stat
 import sys
+from collections.abc import Iterator
 
 from .errors import TorchfeedError
+from .util import atomic_write
 
 
 class UnsafeAddressFile(TorchfeedError, PermissionError):
@@ -77,18 +81,48 @@ def why_unwritable(path: str) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[int]:
+    """``path`` open for appending (created 0600 when missing) under its exclusive lock. The file
+    is the one the path names once the lock is held: :func:`remove_lines` replaces the file under
+    the old one's lock, so a writer that waited on that lock opens the path again."""
+    while True:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            check_private(path, fd)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                current = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                current = False
+            if current:
+                yield fd
+                return
+        finally:
+            os.close(fd)  # and its lock
+
+
 def append_lines(path: str, lines: list[str]) -> None:
     """Append address lines to ``path`` under an exclusive lock (created 0600 when missing)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "a") as f:
-        check_private(path, fd)
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            f.write("".join(line + "\n" for line in lines))
-            f.flush()
-            os.fsync(f.fileno())
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    with _locked(path) as fd:
+        os.write(fd, "".join(line + "\n" for line in lines).encode())
+        os.fsync(fd)
+
+
+def remove_lines(path: str, lines: list[str]) -> None:
+    """Take address lines out of ``path`` (every copy), under its lock: readers see the file
+    before or after, never a part (a new file, 0600, renamed over it)."""
+    gone = {line.strip() for line in lines}
+    with _locked(path):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            kept = [line for line in f if line.strip() not in gone]
+        data = "".join(kept).encode()
+
+        def write(f) -> None:
+            os.fchmod(f.fileno(), 0o600)
+            f.write(data)
+
+        atomic_write(path, write)
 
 
 def announce(address: str, address_file: str | None = None) -> None:

@@ -11,9 +11,8 @@ import time
 import weakref
 from collections.abc import Sequence
 
-from .pumps import Pump, to_stderr, to_stdout
-
-ENV_SYS_PATH = "TORCHFEED_SYS_PATH"  # the parent's sys.path, read by `torchfeed worker` for imports
+from .worker.options import WorkerOptions
+from .worker.process import ENV_SYS_PATH, WorkerProcess, worker_command
 
 _open: weakref.WeakSet = weakref.WeakSet()  # LocalWorkers not closed yet
 
@@ -48,8 +47,8 @@ class LocalWorkers:
     ----------
     n : int
         Number of worker processes.
-    parallel : int
-        ``--parallel`` of each worker.
+    parallel : int, optional
+        ``--parallel`` of each worker (default ``options.parallel``, 1).
     host : str
         Interface to bind.
     env : dict, optional
@@ -65,153 +64,100 @@ class LocalWorkers:
     cache_size : int or str, optional
         ``--cache-size`` of each worker (bytes, or ``"512MiB"``): memory for the decoded
         samples of :func:`torchfeed.cached` datasets (the worker's default 1 GiB if None).
+    options : WorkerOptions, optional
+        Every other worker option (:class:`torchfeed.worker.options.WorkerOptions`);
+        ``parallel`` and ``cache_size``, when given, replace its own.
+    stop_timeout : float
+        Seconds a worker has to stop after SIGTERM before it is killed (:meth:`close`).
     """
 
     def __init__(
         self,
         n: int = 2,
         *,
-        parallel: int = 1,
+        parallel: int | None = None,
         host: str = "127.0.0.1",
         env: dict[str, str] | None = None,
         start_timeout: float = 60.0,
         extra_args: Sequence[str] = (),
         cache_size: int | str | None = None,
+        options: WorkerOptions | None = None,
+        stop_timeout: float = 10.0,
     ):
         if n < 1:
             raise ValueError(f"need at least one worker, got n={n}")
-        from .protocol.auth import ENV_SECRET, ENV_SECRET_FILE, adopted_secret, handover_line
+        from .protocol.auth import ENV_SECRET, ENV_SECRET_FILE, adopted_secret
 
         self.host = host
+        self.options = (options or WorkerOptions()).merged(parallel=parallel, cache_size=cache_size)
+        self.stop_timeout = stop_timeout
         self._env = {**os.environ, ENV_SYS_PATH: _parent_sys_path(), **(env or {})}
         self._env.setdefault("PYTHONUNBUFFERED", "1")
-        self._args = ["--parallel", str(parallel), "--watch-stdin", *extra_args]
-        if cache_size is not None:
-            from .worker.cache import parse_size
-
-            self._args += ["--cache-size", str(parse_size(cache_size))]
+        self._extra = list(extra_args)
         secret = self._env.pop(ENV_SECRET, "").encode()  # not inherited by what dataset code starts
         if not secret and not {ENV_SECRET, ENV_SECRET_FILE} & set(env or {}):
             # a process that adopted its secret (a worker, a Dask worker after start_workers)
             # has none in its environment: its workers get the one it uses
             adopted = adopted_secret()
             secret = adopted.value if adopted is not None else b""
-        self._secret_line = handover_line(secret) if secret else b""
+        self._secret = secret
         if secret:
-            self._args.append("--secret-on-stdin")
-        self.processes: list[subprocess.Popen] = []
+            self._extra.append("--secret-on-stdin")
+        self.workers: list[WorkerProcess] = []
         self.addresses: list[str] = []
-        self._pumps: list[tuple] = []
         _open.add(self)
         try:
             for i in range(n):
-                self._spawn(i, 0)
+                self.workers.append(self._spawn(i, 0))
             self.addresses = [self._read_address(i, start_timeout) for i in range(n)]
         except BaseException:
             self.close()
             raise
 
-    def _spawn(self, i: int, port: int) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torchfeed",
-            "worker",
-            "--host",
-            self.host,
-            "--port",
-            str(port),
-            *self._args,
-        ]
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+    @property
+    def processes(self) -> list[subprocess.Popen]:
+        """The workers' :class:`subprocess.Popen` objects, in order."""
+        return [w.popen for w in self.workers]
+
+    def _spawn(self, i: int, port: int) -> WorkerProcess:
+        return WorkerProcess(
+            worker_command(self.host, port, self.options, *self._extra),
+            name=f"worker {i}",
+            secret=self._secret,
             env=self._env,
-            start_new_session=True,
+            new_session=True,
         )
-        if self._secret_line:
-            assert proc.stdin is not None  # stdin=PIPE
-            try:
-                proc.stdin.write(self._secret_line)
-                proc.stdin.flush()
-            except OSError:
-                pass  # it died at once: _read_address reports its stderr
-        pumps = (
-            Pump(proc.stdout, to_stdout, f"[worker {i}] ", first_line=True, name=f"torchfeed-worker-{i}-out"),
-            Pump(proc.stderr, to_stderr, f"[worker {i}] ", name=f"torchfeed-worker-{i}-err"),
-        )
-        if i < len(self.processes):
-            self.processes[i], self._pumps[i] = proc, pumps
-        else:
-            self.processes.append(proc)
-            self._pumps.append(pumps)
 
     def _read_address(self, i: int, timeout: float) -> str:
-        proc, (out, err) = self.processes[i], self._pumps[i]
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            address = out.wait_first_line(0.1)
-            if address:
-                out.prefix = err.prefix = f"[worker {i} {address}] "
-                return address
-            if proc.poll() is not None:
-                err.join(2.0)
-                tail = "\n".join(err.tail)
-                raise RuntimeError(
-                    f"worker process {i} exited with code {proc.returncode} before it was ready"
-                    + (f"; its stderr ends with:\n{tail}" if tail else "")
-                )
-        raise TimeoutError(f"worker process {i} did not print its address within {timeout:g} s")
+        worker = self.workers[i]
+        address = worker.wait_address(timeout)
+        worker.label(f"[worker {i} {address}] ")
+        return address
 
     def restart(self, i: int, timeout: float = 60.0) -> str:
         """Start worker ``i`` again on its old port (after it died or was killed)."""
-        old = self.processes[i]
-        if old.poll() is None:
-            old.kill()
-            old.wait()
-        self._close_pipes(i)
+        self.workers[i].reap(0)  # SIGKILL if it still runs
         port = int(self.addresses[i].rsplit(":", 1)[1])
-        self._spawn(i, port)
+        self.workers[i] = self._spawn(i, port)
         self.addresses[i] = self._read_address(i, timeout)
         return self.addresses[i]
 
     def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
-        self.processes[i].send_signal(sig)
+        self.workers[i].send_signal(sig)
 
-    def _close_pipes(self, i: int) -> None:
-        proc = self.processes[i]
-        for pump in self._pumps[i]:
-            pump.join(2.0)
-        for stream in (proc.stdin, proc.stdout, proc.stderr):
-            if stream:
-                try:
-                    stream.close()
-                except OSError:
-                    pass
-
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop the workers (this process's connections to them close first, quietly)."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the workers (this process's connections to them close first, quietly): SIGTERM,
+        and SIGKILL for those still running ``timeout`` seconds later (default ``stop_timeout``)."""
         _open.discard(self)
         if self.addresses:
             from .client.session import close_connections_everywhere
 
             close_connections_everywhere(self.addresses)  # every session's, not only the default's
-        for p in self.processes:
-            if p.poll() is None:
-                try:
-                    p.send_signal(signal.SIGCONT)
-                    p.terminate()
-                except ProcessLookupError:
-                    pass
-        for i, p in enumerate(self.processes):
-            try:
-                p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            self._close_pipes(i)
+        for worker in self.workers:
+            worker.terminate()
+        deadline = time.monotonic() + (self.stop_timeout if timeout is None else timeout)
+        for worker in self.workers:
+            worker.reap(max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> LocalWorkers:
         return self

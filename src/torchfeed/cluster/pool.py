@@ -29,6 +29,7 @@ from pathlib import Path
 from ..addrfile import UnsafeAddressFile, read_address_file
 from ..errors import Timeout, TorchfeedError
 from ..protocol import auth
+from ..worker.options import WorkerOptions
 from . import private
 from .slurm import render_template
 
@@ -74,6 +75,9 @@ class SlurmPool:
         Interpreter running torchfeed on the nodes (default: this one).
     worker_args : sequence of str
         Extra ``torchfeed worker`` options.
+    options : WorkerOptions, optional
+        Every other worker option (:class:`torchfeed.worker.options.WorkerOptions`);
+        ``parallel``, when given, replaces its own.
     env : mapping, optional
         Variables the script exports to the workers (written into it: no secrets here).
     secret_file : str, optional
@@ -95,7 +99,7 @@ class SlurmPool:
         partition: str | None = None,
         time: str | None = None,
         cpus_per_worker: int = 1,
-        parallel: int = 1,
+        parallel: int | None = None,
         sbatch: Sequence[str] = (),
         python: str = sys.executable,
         worker_args: Sequence[str] = (),
@@ -104,11 +108,13 @@ class SlurmPool:
         job_name: str = "torchfeed-pool",
         pending_warning: float = 30.0,
         poll_interval: float = 1.0,
+        options: WorkerOptions | None = None,
     ):
-        if cpus_per_worker < 1 or parallel < 1:
-            raise ValueError(f"cpus_per_worker and parallel must be >= 1, got {cpus_per_worker}, {parallel}")
+        if cpus_per_worker < 1:
+            raise ValueError(f"cpus_per_worker must be >= 1, got {cpus_per_worker}")
         self.partition, self.time, self.job_name = partition, time, job_name
-        self.cpus_per_worker, self.parallel = int(cpus_per_worker), int(parallel)
+        self.options = (options or WorkerOptions()).merged(parallel=parallel)
+        self.cpus_per_worker = int(cpus_per_worker)
         self.sbatch, self.worker_args = [s.strip() for s in sbatch], list(worker_args)
         self.python, self.env = python, _checked_env(env)
         self.pending_warning, self.poll_interval = float(pending_warning), float(poll_interval)
@@ -154,7 +160,7 @@ class SlurmPool:
             partition=self.partition,
             time=self.time,
             cpus_per_worker=self.cpus_per_worker,
-            parallel=self.parallel,
+            options=self.options,
             sbatch=self.sbatch,
             python=self.python,
             worker_args=self.worker_args,
@@ -393,15 +399,17 @@ def pool_script(
     partition: str | None = None,
     time: str | None = None,
     cpus_per_worker: int = 1,
-    parallel: int = 1,
+    parallel: int | None = None,
     sbatch: Sequence[str] = (),
     python: str = sys.executable,
     worker_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     job_name: str = "torchfeed-pool",
+    options: WorkerOptions | None = None,
 ) -> str:
     """Text of :class:`SlurmPool`'s worker script for a pool in ``directory`` (options: its own)."""
     env = _checked_env(env)
+    options = (options or WorkerOptions()).merged(parallel=parallel)
     directory = Path(directory)
     directives = [
         f"--job-name={job_name}",
@@ -423,8 +431,10 @@ def pool_script(
             "exports": "\n".join(f"export {k}={_quote(v)}" for k, v in env.items()),
             "pool_dir": _quote(directory),
             "python": _quote(python),
-            "parallel": str(int(parallel)),
-            "worker_args": "".join(" " + _quote(a) for a in worker_args),
+            "parallel": str(options.parallel),
+            "worker_args": "".join(
+                " " + _quote(a) for a in [*options.to_args(leave_out=("parallel",)), *worker_args]
+            ),
         },
     )
 

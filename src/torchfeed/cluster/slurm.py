@@ -26,7 +26,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..errors import TorchfeedError
-from ..worker.cache import parse_size
+from ..worker.options import WorkerOptions
 from . import private
 
 _PYTHON_NAME = re.compile(r"python[0-9.]*$")
@@ -117,6 +117,9 @@ class SlurmJob:
         options; seconds to wait for all workers to register.
     cache_size : int or str, optional
         Each worker's ``--cache-size`` (``"8GiB"``): memory for :func:`torchfeed.cached` samples.
+    options : WorkerOptions, optional
+        Every other worker option (:class:`torchfeed.worker.options.WorkerOptions`), written
+        into the workers' command line; ``cache_size``, when given, replaces its own.
     """
 
     command: Sequence[str]
@@ -141,6 +144,7 @@ class SlurmJob:
     worker_args: Sequence[str] = field(default_factory=tuple)
     worker_timeout: float = 300.0
     cache_size: int | str | None = None  # each worker's --cache-size (torchfeed.cached); None: its default
+    options: WorkerOptions | None = None
 
     # -- derived values ---------------------------------------------------------
     def _check(self) -> None:
@@ -172,6 +176,10 @@ class SlurmJob:
                 f"(the directory above must exist when the job is submitted)"
             )
         parse_signal(self.signal)
+
+    def worker_options(self) -> WorkerOptions:
+        """The workers' options: ``options`` with ``cache_size`` when given."""
+        return (self.options or WorkerOptions()).merged(cache_size=self.cache_size)
 
     @property
     def procs_per_node(self) -> int:
@@ -263,10 +271,10 @@ class SlurmJob:
             f'--cpus-per-task={self.cpus_per_worker} \\\n    "$PYTHON" -m torchfeed worker --host 0.0.0.0 '
             f'--port 0 --address-file "$JOB_DIR/workers"'
         )
-        if self.worker_args:
-            worker += " " + " ".join(_q(a) for a in self.worker_args)
-        if self.cache_size is not None:
-            worker += f" --cache-size {parse_size(self.cache_size)}"
+        options = self.worker_options()
+        words = [*self.worker_args, *options.to_args()]
+        if words:
+            worker += " " + " ".join(_q(a) for a in words)
         values = {
             "nodes": str(self.nodes),
             "procs_per_node": str(self.procs_per_node),

@@ -33,6 +33,7 @@ import distributed
 from distributed.comm.addressing import get_address_host
 
 from ..protocol import auth
+from ..worker.options import WorkerOptions
 from .transport import in_clear
 from .workers import WorkerProcesses, export, prepare_secret, unexport
 
@@ -45,10 +46,18 @@ class PoolProcesses(WorkerProcesses):
     """Lives in each Dask worker: starts its torchfeed worker at setup (in a thread, so that the
     Dask worker comes up at once), stops it at teardown."""
 
-    def __init__(self, sent: auth.Secret | str | None, host: str | None, args: list[str], timeout: float):
+    def __init__(
+        self,
+        sent: auth.Secret | str | None,
+        host: str | None,
+        options: WorkerOptions,
+        args: list[str],
+        timeout: float,
+    ):
         super().__init__()
         self.sent = sent  # a secret file's path, or None: the secret comes later (receive_secret)
         self.host = host
+        self.options = options
         self.args = args
         self.timeout = timeout
         self.state = "new"  # waiting (for the secret) | starting | ready | failed | stopped
@@ -85,7 +94,7 @@ class PoolProcesses(WorkerProcesses):
     def _start(self, bind: str) -> None:
         try:
             assert self.sent is not None  # _begin runs once the secret (or its path) is here
-            self.start(1, self.sent, bind, self.args, self.timeout)
+            self.start(1, self.sent, bind, self.options, self.args, self.timeout)
         except BaseException as exc:  # noqa: BLE001 - reported to the driver by report()
             self.state, self.error = "failed", f"{type(exc).__name__}: {str(exc).rstrip()}"
         else:
@@ -136,7 +145,7 @@ class Pool:
         the Dask workers there are and says so when asked to grow.
     n : int, optional
         Workers to ask for at once (default: as many as the cluster has).
-    secret, secret_file, allow_insecure, export_secret, host, parallel, threads, worker_args
+    secret, secret_file, allow_insecure, export_secret, host, parallel, threads, worker_args, options
         As for :func:`torchfeed.dask.start_workers`.
     start_timeout : float
         Seconds a torchfeed worker has to report ready on its Dask worker.
@@ -154,11 +163,12 @@ class Pool:
         allow_insecure: bool = False,
         export_secret: bool = True,
         host: str | None = None,
-        parallel: int = 1,
-        threads: int = 1,
+        parallel: int | None = None,
+        threads: int | None = None,
         worker_args: Sequence[str] = (),
         start_timeout: float = 60.0,
         poll: float = 1.0,
+        options: WorkerOptions | None = None,
     ):
         if isinstance(cluster_or_client, distributed.Client):
             self.client, self._own_client = cluster_or_client, False
@@ -186,8 +196,10 @@ class Pool:
         self._secret = sent if isinstance(sent, auth.Secret) else None  # sent per worker, once checked
         self._allow_insecure = allow_insecure
         self._refused: set[str] = set()  # Dask workers not sent the secret (logged)
-        args = ["--parallel", str(parallel), "--threads", str(threads), *worker_args]
-        plugin = PoolProcesses(sent if self._secret is None else None, host, args, start_timeout)
+        options = (options or WorkerOptions()).merged(parallel=parallel, threads=threads)
+        plugin = PoolProcesses(
+            sent if self._secret is None else None, host, options, list(worker_args), start_timeout
+        )
         self.client.register_plugin(plugin, name=POOL_PLUGIN)
         if export_secret:
             export(self.secret)

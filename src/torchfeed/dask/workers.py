@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import os
 import secrets
-import selectors
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Sequence
 
@@ -20,84 +15,15 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from ..protocol import auth
 from ..util import restore_env
-from ..worker.cache import parse_size
+from ..worker.options import WorkerOptions
+from ..worker.process import WorkerProcess, worker_command
 from .transport import refuse_clear_transport
 
 log = logging.getLogger(__name__)
 
 PLUGIN_NAME = "torchfeed-workers"
 
-# Runs `torchfeed worker ...`; with --watch-stdin it ends (SIGTERM) when its standard input
-# closes, i.e. when the Dask worker that started it is gone, even if that one was killed with
-# no chance to clean up. The secret comes first on that pipe (--secret-on-stdin).
-_BOOTSTRAP = """\
-import sys
-from torchfeed.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-class WorkerProcess:
-    """One torchfeed worker process; its stderr goes on to this Dask worker's stderr, the tail is kept."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str], stdin_line: bytes):
-        self.popen = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True
-        )
-        self.pid = self.popen.pid
-        if stdin_line:
-            assert self.popen.stdin is not None  # stdin=PIPE
-            try:
-                self.popen.stdin.write(stdin_line.decode())
-                self.popen.stdin.flush()
-            except OSError:
-                pass  # it died at once: read_address reports its stderr
-        self.tail: collections.deque[str] = collections.deque(maxlen=40)
-        self._forwarder = threading.Thread(
-            target=self._forward, name=f"torchfeed-worker-{self.pid}-stderr", daemon=True
-        )
-        self._forwarder.start()
-
-    def _forward(self) -> None:
-        stderr = self.popen.stderr
-        assert stderr is not None  # stderr=PIPE
-        for line in stderr:
-            self.tail.append(line)
-            sys.stderr.write(line)
-        stderr.close()
-
-    def read_address(self, deadline: float) -> str:
-        stdout = self.popen.stdout
-        assert stdout is not None  # stdout=PIPE
-        with selectors.DefaultSelector() as sel:
-            sel.register(stdout, selectors.EVENT_READ)
-            while time.monotonic() < deadline:
-                if sel.select(min(0.2, max(0.0, deadline - time.monotonic()))):
-                    line = stdout.readline()
-                    if line.strip():
-                        return line.strip()
-                if self.popen.poll() is not None:
-                    self._forwarder.join(2.0)
-                    raise RuntimeError(
-                        f"a torchfeed worker exited with code {self.popen.returncode} before "
-                        f"printing its address; its stderr ends with:\n{''.join(self.tail)[-2000:]}"
-                    )
-        raise TimeoutError("a torchfeed worker did not print its address in time")
-
-    def terminate(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-
-    def wait(self, timeout: float) -> None:
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
-        for stream in (self.popen.stdin, self.popen.stdout):
-            if stream is not None:
-                stream.close()
-        self._forwarder.join(1.0)
+STOP_TIMEOUT = 10.0  # seconds a torchfeed worker has to stop after SIGTERM before it is killed
 
 
 class WorkerProcesses(WorkerPlugin):
@@ -117,27 +43,37 @@ class WorkerProcesses(WorkerPlugin):
         await asyncio.to_thread(self.stop)
 
     def start(
-        self, n: int, secret: auth.Secret | str, host: str, args: Sequence[str], timeout: float
+        self,
+        n: int,
+        secret: auth.Secret | str,
+        host: str,
+        options: WorkerOptions,
+        args: Sequence[str],
+        timeout: float,
     ) -> list[str]:
         """``secret``: the secret, or the path of a secret file this machine shares with the driver."""
         # the secret never goes into an environment (the workers' nor this process's):
         # subprocesses of dataset code or of Dask tasks would inherit it
         env = {k: v for k, v in os.environ.items() if k != auth.ENV_SECRET}
         env["PYTHONUNBUFFERED"] = "1"
-        cmd = [sys.executable, "-c", _BOOTSTRAP, "worker", "--host", host, "--port", "0", "--watch-stdin"]
+        # with --watch-stdin a worker ends when its standard input closes, i.e. when the Dask
+        # worker that started it is gone, even one killed with no chance to clean up
+        cmd = worker_command(host, 0, options, *args)
         if isinstance(secret, str):
             env[auth.ENV_SECRET_FILE] = secret
             secret = auth.secret_from_file(secret)
-            line = b""
+            handed = b""
         else:
             cmd.append("--secret-on-stdin")
-            line = auth.handover_line(secret.value)
-        cmd += args
+            handed = secret.value
         try:
             for _ in range(n):
-                self.processes.append(WorkerProcess(cmd, env, line))
+                self.processes.append(WorkerProcess(cmd, name="torchfeed worker", secret=handed, env=env))
             deadline = time.monotonic() + timeout
-            self.addresses = [p.read_address(deadline) for p in self.processes]
+            for p in self.processes:
+                address = p.wait_address(max(0.0, deadline - time.monotonic()))
+                p.label(f"[torchfeed worker {address}] ")
+                self.addresses.append(address)
         except BaseException:
             self.stop()
             raise
@@ -147,26 +83,32 @@ class WorkerProcesses(WorkerPlugin):
             self._previous = (previous,)
         return list(self.addresses)
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = STOP_TIMEOUT) -> None:
         processes, self.processes, self.addresses = self.processes, [], []
         for p in processes:
             p.terminate()
         deadline = time.monotonic() + timeout
         for p in processes:
-            p.wait(max(0.0, deadline - time.monotonic()))
+            p.reap(max(0.0, deadline - time.monotonic()))
         if self._previous is not None:
             (previous,), self._previous = self._previous, None
             auth.adopt_secret(previous)
 
 
 async def _start_on_worker(
-    n: int, secret: auth.Secret | str, host: str | None, args: Sequence[str], timeout: float, dask_worker=None
+    n: int,
+    secret: auth.Secret | str,
+    host: str | None,
+    options: WorkerOptions,
+    args: Sequence[str],
+    timeout: float,
+    dask_worker=None,
 ) -> list[str]:
     plugin = dask_worker.plugins.get(PLUGIN_NAME)
     if plugin is None:
         raise RuntimeError("the torchfeed worker plugin is not installed on this Dask worker")
     bind = host or get_address_host(dask_worker.address)
-    return await asyncio.to_thread(plugin.start, n, secret, bind, list(args), timeout)
+    return await asyncio.to_thread(plugin.start, n, secret, bind, options, list(args), timeout)
 
 
 class WorkerAddresses(list):
@@ -244,11 +186,12 @@ def start_workers(
     allow_insecure: bool = False,
     export_secret: bool = True,
     host: str | None = None,
-    parallel: int = 1,
-    threads: int = 1,
+    parallel: int | None = None,
+    threads: int | None = None,
     worker_args: Sequence[str] = (),
     start_timeout: float = 60.0,
     cache_size: int | str | None = None,
+    options: WorkerOptions | None = None,
 ) -> WorkerAddresses:
     """Start torchfeed worker processes next to every Dask worker; return their addresses.
 
@@ -286,8 +229,8 @@ def start_workers(
         Set ``TORCHFEED_SECRET`` in this process (otherwise use ``.secret`` yourself).
     host : str, optional
         Interface the workers bind; default: the Dask worker's own address.
-    parallel, threads : int
-        ``--parallel`` and ``--threads`` of each worker.
+    parallel, threads : int, optional
+        ``--parallel`` and ``--threads`` of each worker (default 1 each).
     worker_args : sequence of str
         More ``torchfeed worker`` options, e.g. ``["--timeout", "300"]``.
     start_timeout : float
@@ -295,6 +238,9 @@ def start_workers(
     cache_size : int or str, optional
         ``--cache-size`` of each worker (bytes or ``"8GiB"``): memory for the decoded samples
         of :func:`torchfeed.cached` datasets (the worker's default 1 GiB if None).
+    options : WorkerOptions, optional
+        Every other worker option (:class:`torchfeed.worker.options.WorkerOptions`);
+        ``parallel``, ``threads`` and ``cache_size``, when given, replace its own.
 
     Returns
     -------
@@ -306,9 +252,7 @@ def start_workers(
     sent, sec, targets = prepare_secret(
         client, secret, secret_file, allow_insecure, export_secret, "torchfeed.dask.start_workers"
     )
-    args = ["--parallel", str(parallel), "--threads", str(threads), *worker_args]
-    if cache_size is not None:
-        args += ["--cache-size", str(parse_size(cache_size))]
+    options = (options or WorkerOptions()).merged(parallel=parallel, threads=threads, cache_size=cache_size)
     client.register_plugin(WorkerProcesses(), name=PLUGIN_NAME)
     results = (
         {}
@@ -318,7 +262,8 @@ def start_workers(
             procs_per_worker,
             sent,
             host,
-            args,
+            options,
+            list(worker_args),
             start_timeout,
             on_error="return",
             workers=targets,

@@ -61,10 +61,9 @@ from .doorman import Doorman
 from .fair import FairQueue
 from .names import Names
 from .objects import Budget, ConnectionLimits, Registry
+from .options import HANDSHAKE_TIMEOUT, WorkerOptions
 
 log = logging.getLogger("torchfeed.worker")
-
-HANDSHAKE_TIMEOUT = 10.0
 
 
 class WorkerServer:
@@ -234,20 +233,12 @@ def raise_fd_limit() -> int:
 def run_worker(
     host: str,
     port: int,
-    timeout: float = 120,
-    parallel: int = 1,
+    timeout: float | None = None,
+    parallel: int | None = None,
     *,
     secret: auth.SecretLike = None,
     address_file: str | None = None,
-    torch_threads: int | None = 1,
-    handshake_timeout: float = HANDSHAKE_TIMEOUT,
-    limits: ConnectionLimits | None = None,
-    max_handshakes: int = 128,
-    integrity_only: bool | None = None,
-    reachable_at: Sequence[str] = (),
-    cache_size: int | None = None,
-    metrics_port: int | None = None,
-    metrics_host: str | None = None,
+    options: WorkerOptions | None = None,
 ) -> None:
     """Start listening and serving remote calls until SIGTERM/SIGINT.
 
@@ -258,48 +249,35 @@ def run_worker(
     port : int
         Port to bind; 0 picks a free one. The address is printed as one
         ``host:port`` line on stdout when the worker is ready.
-    timeout : float
-        Seconds of silence after which a client connection is considered dead.
-    parallel : int
-        Number of requests executing concurrently (threads).
+    timeout : float, optional
+        Seconds of silence after which a client connection is considered dead (default:
+        ``options.timeout``, 120).
+    parallel : int, optional
+        Number of requests executing concurrently (threads; default: ``options.parallel``, 1).
     secret : str or bytes, optional
         Shared secret; by default discovered as described in :mod:`torchfeed.protocol.auth`.
     address_file : str, optional
         Also append the address line to this file, under an exclusive lock.
-    torch_threads : int or None
-        ``torch.set_num_threads`` for this process (1, like DataLoader workers; None keeps torch's default).
-    handshake_timeout : float
-        Seconds a new connection has to authenticate before it is dropped.
-    limits : ConnectionLimits, optional
-        Per-client bounds (queued requests, unsent bytes, call size, remote references)
-        and the worker's bounds on the calls of all clients together.
-    max_handshakes : int
-        Unauthenticated connections held at once (beyond it, the oldest of the source holding
-        the most is dropped).
-    integrity_only : bool, optional
-        Also accept clients that opted out of encryption (trusted networks only); by
-        default read from ``TORCHFEED_TRUSTED_NETWORK_NO_ENCRYPTION``.
-    reachable_at : sequence of str
-        Endpoints (``HOST:PORT``, ``*:PORT`` or ``*``) trainers may dial to reach this
-        worker besides its own addresses: port forwarding, NAT, containers, tunnels
-        (see :mod:`torchfeed.worker.names`).
-    cache_size : int, optional
-        Bytes of decoded samples :func:`torchfeed.cached` datasets may keep in this process
-        (:data:`torchfeed.worker.cache.DEFAULT_SIZE` by default; 0: none).
-    metrics_port : int, optional
-        Also serve this worker's figures to Prometheus on this port (0: a free one; see
-        :mod:`torchfeed.worker.metrics`), on ``metrics_host`` (default: ``host``).
+    options : WorkerOptions, optional
+        Everything else ``torchfeed worker`` takes: torch threads, the handshake timeout,
+        per-client and per-worker bounds, ``--reachable-at``, the sample cache's size, the
+        metrics port (see :class:`torchfeed.worker.options.WorkerOptions`).
     """
+    options = (options or WorkerOptions()).merged(timeout=timeout, parallel=parallel)
+    timeout = options.timeout
+    limits = options.limits()
+    integrity_only = True if options.trusted_network_no_encryption else None
+    reachable_at = options.reachable_at
     raise_fd_limit()
-    if torch_threads is not None:
-        import torch
+    import torch
 
-        torch.set_num_threads(torch_threads)
+    torch.set_num_threads(options.threads)
+    handshake_timeout, max_handshakes = options.handshake_timeout, options.max_handshakes
     server = WorkerServer(
         host,
         port,
         timeout,
-        parallel,
+        options.parallel,
         secret=secret,
         handshake_timeout=handshake_timeout,
         limits=limits,
@@ -308,7 +286,7 @@ def run_worker(
         reachable_at=reachable_at,
     )
     workercache.configure(
-        workercache.DEFAULT_SIZE if cache_size is None else cache_size,
+        workercache.DEFAULT_SIZE if options.cache_size is None else options.cache_size,
         lane=workercache.Lane(  # peers reach this worker's cache there, under the same bounds
             host,
             server.secret,
@@ -321,14 +299,15 @@ def run_worker(
         ),
     )
     metrics = None
-    if metrics_port is not None:
+    if options.metrics_port is not None:
         from .metrics import serve_worker
 
+        metrics_host = host if options.metrics_host is None else options.metrics_host
         try:
-            metrics = serve_worker(server, metrics_port, host if metrics_host is None else metrics_host)
+            metrics = serve_worker(server, options.metrics_port, metrics_host)
         except OSError as exc:
             server.stop()
-            raise OSError(exc.errno, f"--metrics-port {metrics_port}: {exc.strerror or exc}") from exc
+            raise OSError(exc.errno, f"--metrics-port {options.metrics_port}: {exc.strerror or exc}") from exc
         except BaseException:
             server.stop()
             raise
