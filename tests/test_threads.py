@@ -85,10 +85,10 @@ def test_blocked_send_to_one_worker_does_not_delay_the_others(workers2):
         got = [next(it)]
         armed.set()
         assert entered.wait(10), "no send to the blocked worker happened"
-        # batches already in flight keep coming while that send is stuck
-        start = time.monotonic()
+        # batches already in flight keep coming while that send is stuck (were next() to wait
+        # for it, it would hang: only the finally below releases the gate)
         got.append(next(it))
-        assert time.monotonic() - start < 5 and not gate.is_set()
+        assert not gate.is_set()
     finally:
         gate.set()
     got += list(it)
