@@ -4,7 +4,6 @@ next pass's prefetch (zero-gap epochs: identical results with and without it).""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from torch.utils.data import Sampler

@@ -28,7 +28,6 @@ from torchfeed.protocol import errordata, replies
 pytestmark = pytest.mark.timeout(120)
 
 
-
 # -- an error's attributes cannot shadow RemoteError's ---------------------------------
 
 
