@@ -28,6 +28,24 @@ def workers2():
         yield w.addresses
 
 
+@pytest.fixture(scope="session")
+def ray_cluster_shared():
+    """A two-node Ray cluster on loopback (tests/raycluster.py) for test_ray.py and the Ray
+    blocks of the docs (one xdist group): started once, at its first use (about 40 s with its
+    shutdown). Users close their pools and actors; none stops a node."""
+    pytest.importorskip("ray")
+    from raycluster import RayCluster, Unavailable
+
+    try:
+        cluster = RayCluster()
+    except Unavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
 @pytest.fixture
 def fresh_workers():
     """Factory for private worker processes (for tests that kill or stop them)."""
@@ -51,3 +69,36 @@ def _no_stale_connections():
     for conn in session.connections():
         if conn.closed:
             session.forget(conn)
+
+
+# -- running in parallel -------------------------------------------------------------------
+# pyproject.toml's addopts run the suite on pytest-xdist workers with --dist loadgroup. Each
+# test file is one group, run whole by one xdist worker: its module fixtures (clusters, worker
+# pools, the frameworks' torchrun job) start once, and tests that share a fixture never run at
+# the same time. GROUPS joins files: those sharing the session's Ray cluster, and the two that
+# start private Slurm clusters (one at a time is enough load for 2 cores). The xdist workers take groups in collection order, so the files that take
+# longest (measured, see README) are collected first: the last group to start is a short one.
+GROUPS = {"test_docs": "ray", "test_ray": "ray", "test_slurm": "slurm", "test_slurm_pool": "slurm"}
+LONGEST_FIRST = [
+    "test_ray",
+    "test_frameworks",
+    "test_autoscale",
+    "test_slurm",
+    "test_slurm_pool",
+    "test_docs",
+    "test_attacks",
+    "test_dask",
+    "test_cli",
+]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    def module(item) -> str:
+        return Path(str(item.fspath)).stem
+
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(GROUPS.get(module(item), module(item))))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(module(item), len(rank)))  # stable: the rest keep their order
