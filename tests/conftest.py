@@ -75,30 +75,47 @@ def _no_stale_connections():
 # pyproject.toml's addopts run the suite on pytest-xdist workers with --dist loadgroup. Each
 # test file is one group, run whole by one xdist worker: its module fixtures (clusters, worker
 # pools, the frameworks' torchrun job) start once, and tests that share a fixture never run at
-# the same time. GROUPS joins files: those sharing the session's Ray cluster, and the two that
-# start private Slurm clusters (one at a time is enough load for 2 cores). The xdist workers take groups in collection order, so the files that take
-# longest (measured, see README) are collected first: the last group to start is a short one.
-GROUPS = {"test_docs": "ray", "test_ray": "ray", "test_slurm": "slurm", "test_slurm_pool": "slurm"}
+# the same time. GROUPS joins the two files that start private Slurm clusters (one at a time is
+# load enough for 2 cores). The docs' code blocks (test_docs.py, the longest file: each block
+# is a process of its own) are spread one by one, but for those that share a server: the Ray
+# blocks run with test_ray.py on the session's Ray cluster, the S3 blocks together. The xdist
+# workers take groups in collection order, so the longest (measured, see README) come first:
+# the last group to start is a short one.
+GROUPS = {"test_ray": "ray", "test_slurm": "slurm", "test_slurm_pool": "slurm"}
 LONGEST_FIRST = [
     "test_ray",
-    "test_frameworks",
+    "test_docs",
     "test_autoscale",
+    "test_frameworks",
+    "test_cli",
+    "test_dask",
     "test_slurm",
     "test_slurm_pool",
-    "test_docs",
     "test_attacks",
-    "test_dask",
-    "test_cli",
+    "test_cluster",
+    "test_dask_secret",
 ]
+
+
+def _module(item) -> str:
+    return Path(str(item.fspath)).stem
+
+
+def _group(item) -> str | None:
+    name = _module(item)
+    if name != "test_docs":
+        return GROUPS.get(name, name)
+    if item.get_closest_marker("ray") is not None:
+        return "ray"
+    block = item.callspec.params.get("block") if hasattr(item, "callspec") else None
+    return "docs-s3" if getattr(block, "kind", None) == "s3" else None
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    def module(item) -> str:
-        return Path(str(item.fspath)).stem
-
     for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(GROUPS.get(module(item), module(item))))
+        group = _group(item)
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(module(item), len(rank)))  # stable: the rest keep their order
+    items.sort(key=lambda item: rank.get(_module(item), len(rank)))  # stable: the rest keep their order
