@@ -28,6 +28,24 @@ def workers2():
         yield w.addresses
 
 
+@pytest.fixture(scope="session")
+def ray_cluster_shared():
+    """A two-node Ray cluster on loopback (tests/raycluster.py) for test_ray.py and the Ray
+    blocks of the docs (one xdist group): started once, at its first use (about 40 s with its
+    shutdown). Users close their pools and actors; none stops a node."""
+    pytest.importorskip("ray")
+    from raycluster import RayCluster, Unavailable
+
+    try:
+        cluster = RayCluster()
+    except Unavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
 @pytest.fixture
 def fresh_workers():
     """Factory for private worker processes (for tests that kill or stop them)."""
@@ -51,3 +69,53 @@ def _no_stale_connections():
     for conn in session.connections():
         if conn.closed:
             session.forget(conn)
+
+
+# -- running in parallel -------------------------------------------------------------------
+# pyproject.toml's addopts run the suite on pytest-xdist workers with --dist loadgroup. Each
+# test file is one group, run whole by one xdist worker: its module fixtures (clusters, worker
+# pools, the frameworks' torchrun job) start once, and tests that share a fixture never run at
+# the same time. GROUPS joins the two files that start private Slurm clusters (one at a time is
+# load enough for 2 cores). The docs' code blocks (test_docs.py, the longest file: each block
+# is a process of its own) are spread one by one, but for those that share a server: the Ray
+# blocks run with test_ray.py on the session's Ray cluster, the S3 blocks together. The xdist
+# workers take groups in collection order, so the longest (measured, see README) come first:
+# the last group to start is a short one.
+GROUPS = {"test_ray": "ray", "test_slurm": "slurm", "test_slurm_pool": "slurm"}
+LONGEST_FIRST = [
+    "test_ray",
+    "test_docs",
+    "test_autoscale",
+    "test_frameworks",
+    "test_cli",
+    "test_dask",
+    "test_slurm",
+    "test_slurm_pool",
+    "test_attacks",
+    "test_cluster",
+    "test_dask_secret",
+]
+
+
+def _module(item) -> str:
+    return Path(str(item.fspath)).stem
+
+
+def _group(item) -> str | None:
+    name = _module(item)
+    if name != "test_docs":
+        return GROUPS.get(name, name)
+    if item.get_closest_marker("ray") is not None:
+        return "ray"
+    block = item.callspec.params.get("block") if hasattr(item, "callspec") else None
+    return "docs-s3" if getattr(block, "kind", None) == "s3" else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = _group(item)
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_module(item), len(rank)))  # stable: the rest keep their order

@@ -1,11 +1,15 @@
 """One rank of a 2-rank torchrun job for tests/test_frameworks.py.
 
-``python -m torch.distributed.run --nproc_per_node 2 frameworks_train.py FRAMEWORK OUT_DIR``
-runs the same training under FRAMEWORK (torchrun, lightning, fabric, accelerate) with torch's
-DataLoader and with RemoteDataLoader (workers from ``TORCHFEED_TEST_WORKERS``), and writes
-what this rank saw (sample indices per batch, per epoch; random draws; gradient syncs) to
-``OUT_DIR/rank{RANK}.json``. Samples name their index, so the test compares shards, order,
-step counts and resumed batches with torch's.
+``python -m torch.distributed.run --nproc_per_node 2 frameworks_train.py FRAMEWORKS OUT_DIR``
+runs, for each of the comma-separated FRAMEWORKS (torchrun, lightning, fabric, accelerate, hf)
+in turn, the same training with torch's DataLoader and with RemoteDataLoader (workers from
+``TORCHFEED_TEST_WORKERS``), and writes what this rank saw (sample indices per batch, per epoch;
+random draws; gradient syncs) to ``OUT_DIR/{framework}.rank{RANK}.json``. Samples name their
+index, so the test compares shards, order, step counts and resumed batches with torch's.
+
+One job runs them all (starting a rank, importing the frameworks, costs more than a run): the
+process group is made once, here, and every framework finds it made, as under any launcher
+that initialises it first; each framework keeps its checkpoints in its own folder.
 """
 
 from __future__ import annotations
@@ -73,7 +77,6 @@ def noise(batch) -> list[float]:
 
 # -- plain torchrun (DDP without a framework) ------------------------------------------------
 def run_torchrun(out: dict) -> None:
-    dist.init_process_group("gloo")
     rds = remote_dataset()
     for name, make in (
         ("torch", lambda: DataLoader(Indexed(), BATCH, sampler=TorchDistributedSampler(Indexed(), seed=3))),
@@ -120,8 +123,6 @@ def run_torchrun(out: dict) -> None:
         "len_after_load": len(resumed),
         "len": len(full),
     }
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 # -- Lightning --------------------------------------------------------------------------
@@ -323,19 +324,26 @@ def run_hf(out: dict) -> None:
     out["tail"] = train(RemoteTrainer, rds, 3, checkpoint, seeded, **kw)
 
 
+RUNS = {
+    "torchrun": run_torchrun,
+    "lightning": run_lightning,
+    "fabric": run_fabric,
+    "accelerate": run_accelerate,
+    "hf": run_hf,
+}
+
+
 def main() -> None:
-    framework, out_dir = sys.argv[1], sys.argv[2]
+    frameworks, out_dir = sys.argv[1].split(","), sys.argv[2]
     os.environ.setdefault("FRAMEWORKS_TMP", tempfile.mkdtemp())
-    out: dict = {}
-    {
-        "torchrun": run_torchrun,
-        "lightning": run_lightning,
-        "fabric": run_fabric,
-        "accelerate": run_accelerate,
-        "hf": run_hf,
-    }[framework](out)
-    with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
-        json.dump(out, f)
+    dist.init_process_group("gloo")
+    for framework in frameworks:
+        out: dict = {}
+        RUNS[framework](out)
+        with open(os.path.join(out_dir, f"{framework}.rank{os.environ['RANK']}.json"), "w") as f:
+            json.dump(out, f)
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

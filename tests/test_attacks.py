@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import torchfeed
-from helpers import RangeDataset, wait_for
+from helpers import PROMPT, RangeDataset, wait_for
 from relay import C2W_SEALED, W2C_SEALED, Relay, flip_byte_at, inject_before_sealed, replay_first_sealed
 from torchfeed import client
 from torchfeed.protocol import auth, replies, serialize, wire
@@ -474,21 +474,22 @@ def many_fds():
 
 @pytest.mark.slow
 def test_idle_and_half_open_floods_under_a_low_fd_limit(spawn, many_fds, tmp_path):
-    w = spawn("--handshake-timeout", "30", nofile=512, log=tmp_path / "worker.log")
+    # handshakes held open far longer than a client waits: only the cap lets one in
+    w = spawn("--handshake-timeout", "600", nofile=512, log=tmp_path / "worker.log")
     held = _connect_many(w.address, 300)
-    during = served_within(w.address, 15)  # the cap lets a real client in during the flood
+    during = served_within(w.address, PROMPT)  # the cap lets a real client in during the flood
     held += _connect_many(w.address, 300)
     assert w.alive()
-    after_idle = served_within(w.address, 10)
+    after_idle = served_within(w.address, PROMPT)
     # half-open handshakes: a valid AUTH header, then nothing
     partial = wire.pack_header(wire.AUTH, 0, auth.AUTH_BYTES, []) + b"\x00" * 10
     held += _connect_many(w.address, 300, partial)
     assert w.alive()
-    after_half_open = served_within(w.address, 10)
+    after_half_open = served_within(w.address, PROMPT)
     for s in held:
         s.close()
     assert w.alive()
-    served_within(w.address, 10)
+    served_within(w.address, PROMPT)
     print(
         f"served during the flood after {during:.2f} s, after 600 idle {after_idle:.2f} s, "
         f"after 300 half-open {after_half_open:.2f} s"
@@ -530,8 +531,8 @@ def test_a_flood_from_one_source_sheds_its_own_connections(spawn, tmp_path):
         f"{report}; trainer: {len(times)} handshakes, median {times[len(times) // 2] * 1000 if times else 0:.1f} ms"
     )
     assert flooding, report
+    # each handshake within its 10 s timeout: not queued behind the flood (it lasts 60 s)
     assert not failures, (failures, report)
-    assert times[len(times) // 2] < 1.0, times  # generous: not queued behind the flood (it lasts 60 s)
     assert "dropping the oldest of 127.0.0.2's" in log.read_text()
     assert w.alive()
 
@@ -541,15 +542,15 @@ def test_accept_survives_running_out_of_file_descriptors(spawn, many_fds, tmp_pa
     """With more handshakes allowed than descriptors, accept() hits EMFILE: the worker
     logs it, sheds the oldest handshake, backs off and keeps serving."""
     log = tmp_path / "worker.log"
-    w = spawn("--handshake-timeout", "30", "--max-handshakes", "100000", nofile=96, log=log)
+    w = spawn("--handshake-timeout", "600", "--max-handshakes", "100000", nofile=96, log=log)
     held = _connect_many(w.address, 400)
     assert wait_for(lambda: "cannot accept connections" in log.read_text(), timeout=15)
     assert w.alive()
-    served_within(w.address, 20)
+    served_within(w.address, PROMPT)
     for s in held:
         s.close()
     assert w.alive()
-    served_within(w.address, 10)
+    served_within(w.address, PROMPT)
 
 
 def test_wrong_secrets_are_rate_limited_per_source(spawn, tmp_path):
@@ -683,12 +684,9 @@ def test_a_client_that_stops_reading_does_not_stall_others(spawn):
     chan.send(wire.CALL, 1, meta, buffers)  # ... and never read the 256 MB reply
     try:
         time.sleep(1.0)  # the executor has produced the reply, the writer is stuck on it
-        delays = []
+        # were they queued behind the stuck writer, these calls would time out (it never ends)
         for _ in range(5):
-            start = time.monotonic()
-            assert fresh_call(w.address, timeout=10) > 0
-            delays.append(time.monotonic() - start)
-        assert max(delays) < 1.0, delays
+            assert fresh_call(w.address, timeout=PROMPT) > 0
         assert w.alive()
     finally:
         stalled.close()

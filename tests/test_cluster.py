@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import PROMPT
 from torchfeed import LocalWorkers
 from torchfeed.cluster import (
     Environment,
@@ -337,7 +338,7 @@ def test_address_file_timeout_and_errors(clean_env, tmp_path):
     t0 = time.monotonic()
     with pytest.raises(Timeout, match=r"only 1 of 2 workers registered in .*workers within 0.5 s"):
         workers(address_file=str(path), expected=2, rank=0, world_size=1, timeout=0.5)
-    assert time.monotonic() - t0 < 5
+    assert 0.5 <= time.monotonic() - t0 < 0.5 + PROMPT
     with pytest.raises(TorchfeedError, match="stopped before registering"):
         discovery.wait_for_addresses(str(path), 2, timeout=30, alive=lambda: False)
     with pytest.raises(TorchfeedError, match="TORCHFEED_WORKERS"):
@@ -362,7 +363,7 @@ def test_address_file_from_real_workers(clean_env, tmp_path):
 def test_wait_workers_command_fails_fast_when_the_workers_died(tmp_path):
     dead = subprocess.Popen(["true"])
     dead.wait()
-    t0 = time.monotonic()
+    # its own timeout is far longer than subprocess.run's: only the dead pid can end it in time
     out = subprocess.run(
         [
             sys.executable,
@@ -372,7 +373,7 @@ def test_wait_workers_command_fails_fast_when_the_workers_died(tmp_path):
             str(tmp_path / "none"),
             "2",
             "--timeout",
-            "60",
+            "600",
             "--pid",
             str(dead.pid),
         ],
@@ -381,7 +382,6 @@ def test_wait_workers_command_fails_fast_when_the_workers_died(tmp_path):
         timeout=60,
     )
     assert out.returncode == 1 and "stopped before registering: 0 of 2" in out.stderr
-    assert time.monotonic() - t0 < 30
 
 
 # -- device_group --------------------------------------------------------------------

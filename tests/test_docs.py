@@ -137,19 +137,9 @@ def s3_endpoint():
         pytest.skip(f"no S3 server: {exc}")
 
 
-@pytest.fixture(scope="module")
-def ray_address():
-    pytest.importorskip("ray")
-    from raycluster import RayCluster, Unavailable
-
-    try:
-        cluster = RayCluster()
-    except Unavailable as exc:
-        pytest.skip(str(exc))
-    try:
-        yield cluster.address
-    finally:
-        cluster.close()
+@pytest.fixture
+def ray_address(ray_cluster_shared):  # tests/conftest.py: shared with test_ray.py
+    return ray_cluster_shared.address
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import torchfeed
-from helpers import PidDataset, PoisonDataset, RangeDataset, wait_for
+from helpers import PROMPT, PidDataset, PoisonDataset, RangeDataset, wait_for
 from torchfeed import client
 
 
@@ -90,14 +90,13 @@ def test_stopped_worker_detected_by_heartbeat(fresh_workers, fast_heartbeat):
             w.kill(0, signal.SIGSTOP)
             stopped["at"] = time.monotonic()
 
-    t0 = time.monotonic()
     try:
         rows, warned = collect(loader, stop)
     finally:
         w.kill(0, signal.SIGCONT)
     assert rows[:, 0].tolist() == list(range(120))
-    assert any(w.addresses[0] in m for m in warned)
-    assert time.monotonic() - t0 < 10
+    # lost by the heartbeat's verdict (nothing else ends a wait on a stopped process)
+    assert any(w.addresses[0] in m and "no heartbeat" in m for m in warned), warned
 
 
 @pytest.mark.slow
@@ -178,11 +177,9 @@ def test_network_cut_detected(fresh_workers, netns_worker, fast_heartbeat):
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset([address, *w.addresses], PidDataset, 120, 0.005)
     loader = torchfeed.RemoteDataLoader(ds, batch_size=4, straggler_factor=None)  # heartbeats alone
-    t0 = time.monotonic()
     rows, warned = collect(loader, lambda i: cut() if i == 3 else None)
     assert rows[:, 0].tolist() == list(range(120))
-    assert any(address in m for m in warned), warned
-    assert time.monotonic() - t0 < 15
+    assert any(address in m and "no heartbeat" in m for m in warned), warned
 
 
 @pytest.mark.slow
@@ -262,7 +259,7 @@ def test_all_workers_gone_raises_after_timeout(fresh_workers):
             if i == 2:
                 w.kill(0)
                 w.kill(1)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 2 + PROMPT  # the loader's timeout, not a hang
     for a in w.addresses:
         assert a in str(info.value) and a in info.value.errors
 
@@ -333,11 +330,10 @@ def test_straggler_is_duplicated_and_delivered_once(fresh_workers):
     w = fresh_workers(3)
     slow = w.processes[0].pid
     ds = torchfeed.RemoteDataset(w.addresses, PidDataset, 90, 0.003, {slow: 400})  # 1.2 s per item there
-    t0 = time.monotonic()
-    rows, _ = collect(torchfeed.RemoteDataLoader(ds, batch_size=1, straggler_factor=3))
-    elapsed = time.monotonic() - t0
-    assert rows[:, 0].tolist() == list(range(90))
-    assert elapsed < 6, elapsed  # without duplication: each slow item holds everything up 1.2 s
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=1, straggler_factor=3)
+    rows, _ = collect(loader)
+    assert rows[:, 0].tolist() == list(range(90))  # each once, in order
+    assert loader.stats().workers[w.addresses[0]].hedged > 0  # the slow one's batches went elsewhere
 
 
 @pytest.mark.slow

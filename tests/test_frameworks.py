@@ -1,8 +1,8 @@
 """RemoteDataLoader under the training frameworks, against torch's DataLoader under the same one.
 
-Each test runs tests/frameworks_train.py as a real 2-rank torchrun job (gloo, CPU) with the
-framework installed here (lightning, accelerate, transformers: the test extra), once with
-torch's DataLoader and once with RemoteDataLoader in the same processes, and compares what
+One real 2-rank torchrun job (gloo, CPU) runs tests/frameworks_train.py under each framework
+installed here in turn (lightning, accelerate, transformers: the test extra), once with
+torch's DataLoader and once with RemoteDataLoader in the same processes; each test compares what
 every rank saw: sample indices per batch and epoch (the shard, the order, the step count),
 validation batches, gradient-sync steps, and the batches after a mid-epoch resume through the
 framework's own checkpointing (with the random draws of the samples).
@@ -10,6 +10,7 @@ framework's own checkpointing (with the random draws of the samples).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -26,37 +27,62 @@ HERE = Path(__file__).resolve().parent
 N = 45
 
 
+# in the order the job runs them; a framework not installed here is left out (its test skips)
+FRAMEWORKS = {
+    "torchrun": None,
+    "fabric": "lightning",
+    "lightning": "lightning",
+    "accelerate": "accelerate",
+    "hf": "transformers",
+}
+
+
 @pytest.fixture(scope="module")
-def workers():
-    with LocalWorkers(2) as w:
-        yield w.addresses
-
-
-def run(framework: str, workers, tmp_path) -> list[dict]:
-    """Both ranks' records of one framework's run."""
-    out = tmp_path / "out"
+def job(tmp_path_factory):
+    """One torchrun job that runs every framework in turn (a rank's start-up, importing
+    torch and the frameworks, costs more than a run): the completed process, its folder and
+    the frameworks it ran. This process never imports a framework (a minute on a busy machine)."""
+    tmp = tmp_path_factory.mktemp("frameworks")
+    out = tmp / "out"
     out.mkdir()
-    env = {
-        **os.environ,
-        "TORCHFEED_TEST_WORKERS": ",".join(workers),
-        "FRAMEWORKS_TMP": str(tmp_path),
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        str(HERE / "frameworks_train.py"),
-        framework,
-        str(out),
+    names = [
+        name for name, module in FRAMEWORKS.items() if module is None or importlib.util.find_spec(module)
     ]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    with LocalWorkers(2) as workers:
+        env = {
+            **os.environ,
+            "TORCHFEED_TEST_WORKERS": ",".join(workers.addresses),
+            "FRAMEWORKS_TMP": str(tmp),
+            "OMP_NUM_THREADS": "1",
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(HERE / "frameworks_train.py"),
+            ",".join(names),
+            str(out),
+        ]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    return done, out, names
+
+
+def run(framework: str, job) -> list[dict]:
+    """Both ranks' records of one framework's run (the job stops at the first that fails)."""
+    done, out, names = job
+    if framework not in names:
+        pytest.skip(f"{FRAMEWORKS[framework]} is not installed (the test extra brings it)")
+    files = [out / f"{framework}.rank{r}.json" for r in range(2)]
+    assert all(f.exists() for f in files), (
+        f"the job ended with {done.returncode} before {framework} was done:\n"
+        + done.stdout[-4000:]
+        + done.stderr[-8000:]
+    )
+    return [json.loads(f.read_text()) for f in files]
 
 
 def batches(rows, column):
@@ -72,9 +98,9 @@ def assert_sharded(per_rank_epochs, per_rank=23):
         assert len(ranks[0]) + len(ranks[1]) - len(set(ranks[0]) | set(ranks[1])) == 2 * per_rank - N
 
 
-@pytest.mark.timeout(600)
-def test_torchrun_ddp(workers, tmp_path):
-    ranks = run("torchrun", workers, tmp_path)
+@pytest.mark.timeout(900)
+def test_torchrun_ddp(job):
+    ranks = run("torchrun", job)
     for r in ranks:
         # torchfeed.DistributedSampler gives torch's DistributedSampler indices, and
         # loader.set_epoch(e) reaches the sampler (the second epoch is reshuffled)
@@ -92,10 +118,9 @@ def test_torchrun_ddp(workers, tmp_path):
     assert_sharded([ranks[0]["remote"], ranks[1]["remote"]])
 
 
-@pytest.mark.timeout(600)
-def test_lightning_trainer(workers, tmp_path):
-    pytest.importorskip("lightning")
-    ranks = run("lightning", workers, tmp_path)
+@pytest.mark.timeout(900)
+def test_lightning_trainer(job):
+    ranks = run("lightning", job)
     for r in ranks:
         # Lightning injects its DistributedSampler into RemoteDataLoader as into DataLoader
         assert [row[:3] for row in r["remote"]["train"]] == [row[:3] for row in r["torch"]["train"]]
@@ -120,20 +145,18 @@ def test_lightning_trainer(workers, tmp_path):
     assert sorted(i for rank in streams for b in rank for i in b) == list(range(N))  # no duplicates
 
 
-@pytest.mark.timeout(600)
-def test_lightning_fabric(workers, tmp_path):
-    pytest.importorskip("lightning")
-    ranks = run("fabric", workers, tmp_path)
+@pytest.mark.timeout(900)
+def test_lightning_fabric(job):
+    ranks = run("fabric", job)
     for r in ranks:
         assert r["remote"] == r["torch"]  # setup_dataloaders accepts it and shards it as torch's
         assert r["remote"][0] != r["remote"][1]
     assert_sharded([ranks[0]["remote"], ranks[1]["remote"]])
 
 
-@pytest.mark.timeout(600)
-def test_accelerate(workers, tmp_path):
-    pytest.importorskip("accelerate")
-    ranks = run("accelerate", workers, tmp_path)
+@pytest.mark.timeout(900)
+def test_accelerate(job):
+    ranks = run("accelerate", job)
     for r in ranks:
         # Accelerate's own shards, order and end-of-loader gradient syncs (gradient
         # accumulation of 4 over 6 batches: syncs after the 4th and the last)
@@ -151,10 +174,9 @@ def test_accelerate(workers, tmp_path):
     )  # even_batches: 12 batches of 4, the last padded from the first samples
 
 
-@pytest.mark.timeout(600)
-def test_hf_trainer(workers, tmp_path):
-    pytest.importorskip("transformers")
-    ranks = run("hf", workers, tmp_path)
+@pytest.mark.timeout(900)
+def test_hf_trainer(job):
+    ranks = run("hf", job)
     for r in ranks:
         # RemoteTrainer's loaders: the Trainer's sampler and Accelerate's shards, as Trainer's
         assert [idx for idx, _ in r["remote"]] == [idx for idx, _ in r["torch"]]

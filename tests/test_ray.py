@@ -1,7 +1,7 @@
 """torchfeed.ray.Pool on a real Ray cluster on this machine (tests/raycluster.py), and a Ray
 Train run fed by it.
 
-The cluster (module-scoped) is a head node and a second node offering the workers' resource,
+The cluster (session-scoped, tests/conftest.py; the docs' Ray blocks use it too) is a head node and a second node offering the workers' resource,
 as a CPU node of a mixed cluster would; see tests/raycluster.py.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from helpers import RangeDataset, SleepDataset
-from raycluster import LABELS, NODE_IP, RayCluster, Unavailable
+from raycluster import LABELS, NODE_IP
 from raycluster import RESOURCE as RESOURCE_NAME
 from torchfeed import DistributedSampler, RemoteDataLoader, RemoteDataset, autoscale
 
@@ -33,11 +33,8 @@ N = 160
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    try:
-        cluster = RayCluster()
-    except Unavailable as exc:
-        pytest.skip(str(exc))
+def ray_cluster(ray_cluster_shared):  # tests/conftest.py: shared with the docs' Ray blocks
+    cluster = ray_cluster_shared
     try:
         ray.init(
             address=cluster.address,
@@ -50,7 +47,6 @@ def ray_cluster():
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        cluster.close()
 
 
 def _until(condition, what: str, timeout: float = 90.0) -> None:

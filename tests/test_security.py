@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 import torchfeed
-from helpers import named_workers, wait_for
+from helpers import PROMPT, named_workers, wait_for
 from torchfeed import client
 from torchfeed.protocol import auth, replies, serialize, strength, wire
 
@@ -174,11 +174,9 @@ def file_worker(_workers):
 
 def test_wrong_secret_is_rejected_with_a_hint(worker):
     address, pid = worker
-    start = time.monotonic()
-    fut = torchfeed.rpc_async(address, os.getpid, secret=WRONG, timeout=10)
-    with pytest.raises(torchfeed.AuthenticationError) as info:
+    fut = torchfeed.rpc_async(address, os.getpid, secret=WRONG, timeout=PROMPT)
+    with pytest.raises(torchfeed.AuthenticationError) as info:  # refused, not timed out
         fut.wait()
-    assert time.monotonic() - start < 5
     message = str(info.value)
     assert "TORCHFEED_SECRET" in message
     assert address in message
@@ -254,10 +252,8 @@ def fake_worker():
 def test_impostor_worker_is_detected(fake_worker):
     """A 'worker' that does not know the secret cannot produce a valid AUTH_OK."""
     fake = fake_worker(lambda sock, r, wn, meta: wire.send_frame(sock, wire.AUTH_OK, meta=os.urandom(32)))
-    start = time.monotonic()
-    with pytest.raises(torchfeed.AuthenticationError) as info:
-        client.connect(fake.address, timeout=5)
-    assert time.monotonic() - start < 5
+    with pytest.raises(torchfeed.AuthenticationError) as info:  # refused, not timed out
+        client.connect(fake.address, timeout=PROMPT)
     assert "could not prove" in str(info.value)
     assert "TORCHFEED_SECRET" in str(info.value)
     assert fake.address not in {c.address for c in client.default_session().connections()}
@@ -538,10 +534,9 @@ def test_silent_peer_is_dropped_after_handshake_timeout(quick_worker):
     socks = [raw_connect(address) for _ in range(10)]
     start = time.monotonic()
     for s in socks:
-        data = wait_closed(s, timeout=5)
+        data = wait_closed(s, timeout=PROMPT)
         assert parse_frames(data)[0][0] == wire.HELLO
-    elapsed = time.monotonic() - start
-    assert 0.5 < elapsed < 3.5, elapsed
+    assert time.monotonic() - start > 0.5  # after the handshake timeout, not at once
     for s in socks:
         s.close()
     assert_serves(address, pid)
@@ -572,11 +567,11 @@ def test_slow_handshake_is_dropped(quick_worker):
         except ConnectionResetError:
             closed = True
             break
-        if time.monotonic() - start > 5:
+        if time.monotonic() - start > PROMPT:
             break
     sock.close()
-    assert closed, "the worker kept a dribbling peer for more than 5 s"
-    assert time.monotonic() - start < 3.5
+    # a timeout per byte would have let the whole frame through: it bounds the whole handshake
+    assert closed, f"the worker kept a dribbling peer for {PROMPT:g} s"
     assert_serves(address, pid)
 
 

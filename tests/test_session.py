@@ -329,10 +329,9 @@ def test_a_worker_stalling_in_the_middle_of_a_reply_is_lost_by_heartbeat(workers
     try:
         future = session.rpc_async(relay.address, bytes, args=(8 << 20,))
         assert stalled.wait(10)
-        start = time.monotonic()
+        # the heartbeat's verdict, not the call's 30 s timeout (that one raises Timeout)
         with pytest.raises(torchfeed.WorkerLost, match="sent nothing"):
             future.wait()
-        assert time.monotonic() - start < 10
     finally:
         gate.set()
         relay.close()

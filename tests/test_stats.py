@@ -43,7 +43,7 @@ def test_compute_bound_run_is_not_input_bound(workers2):
     ds = torchfeed.RemoteDataset(workers2, RangeDataset, 240)
     loader = torchfeed.RemoteDataLoader(ds, batch_size=4)
     for _ in loader:
-        time.sleep(0.02)  # the trainer computes
+        time.sleep(0.05)  # the trainer computes (far longer than a busy machine takes to make a batch)
     s = loader.stats()
     assert s.wait_fraction < 0.2, s
     assert s.advice.startswith("not input-bound"), s.advice
@@ -223,10 +223,10 @@ def test_stats_cost_grows_little_with_workers():
         medians = []
         for _ in range(3):  # the best of three medians
             costs = []
-            for _ in range(500):
-                t0 = time.perf_counter()
+            for _ in range(500):  # this thread's CPU: time the machine gives others is not counted
+                t0 = time.thread_time()
                 acc.snapshot(names)
-                costs.append(time.perf_counter() - t0)
+                costs.append(time.thread_time() - t0)
             medians.append(statistics.median(costs))
         best[n] = min(medians)
     shown = {n: f"{t * 1e6:.1f} us" for n, t in best.items()}

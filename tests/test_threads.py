@@ -4,7 +4,6 @@ next pass's prefetch (zero-gap epochs: identical results with and without it).""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from torch.utils.data import Sampler
@@ -85,10 +84,10 @@ def test_blocked_send_to_one_worker_does_not_delay_the_others(workers2):
         got = [next(it)]
         armed.set()
         assert entered.wait(10), "no send to the blocked worker happened"
-        # batches already in flight keep coming while that send is stuck
-        start = time.monotonic()
+        # batches already in flight keep coming while that send is stuck (were next() to wait
+        # for it, it would hang: only the finally below releases the gate)
         got.append(next(it))
-        assert time.monotonic() - start < 5 and not gate.is_set()
+        assert not gate.is_set()
     finally:
         gate.set()
     got += list(it)

@@ -20,13 +20,12 @@ import pytest
 import torch
 
 import torchfeed
+from helpers import PROMPT
 from torchfeed import errors
 from torchfeed.datasets import Shards
 from torchfeed.protocol import errordata, replies
 
 pytestmark = pytest.mark.timeout(120)
-
-PROMPT = 20.0  # seconds: "promptly", far above the milliseconds these take, far below a hang
 
 
 # -- an error's attributes cannot shadow RemoteError's ---------------------------------
