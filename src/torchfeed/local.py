@@ -87,7 +87,7 @@ class LocalWorkers:
         self._env.setdefault("PYTHONUNBUFFERED", "1")
         self._args = ["--parallel", str(parallel), "--watch-stdin", *extra_args]
         if cache_size is not None:
-            from .worker.cache import parse_size
+            from .worker.samplestore import parse_size
 
             self._args += ["--cache-size", str(parse_size(cache_size))]
         secret = self._env.pop(ENV_SECRET, "").encode()  # not inherited by what dataset code starts

@@ -264,7 +264,7 @@ def _address_file_error(path: str, why: str) -> None:
 
 
 def _cache_size(text: str) -> int:
-    from ..worker.cache import parse_size
+    from ..worker.samplestore import parse_size
 
     try:
         return parse_size(text)
@@ -276,7 +276,7 @@ def _run_workers(args) -> int:
     import logging
 
     if args.address_file:
-        from ..addrfile import why_unwritable
+        from ..protocol.addrfile import why_unwritable
 
         why = why_unwritable(args.address_file)
         if why is not None:
@@ -362,7 +362,7 @@ def _take_secret(on_stdin: bool):
 
 
 def _about_address_file(exc: OSError, path: str) -> bool:
-    from ..addrfile import UnsafeAddressFile
+    from ..protocol.addrfile import UnsafeAddressFile
 
     return isinstance(exc, UnsafeAddressFile) or exc.filename == path
 
@@ -471,7 +471,7 @@ def _run_many(args, secret) -> int:
             return 1
         addresses.append(address)
     if args.address_file:
-        from ..addrfile import append_lines
+        from ..protocol.addrfile import append_lines
 
         try:
             append_lines(args.address_file, addresses)

@@ -26,7 +26,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..errors import TorchfeedError
-from ..worker.cache import parse_size
+from ..worker.samplestore import parse_size
 from . import private
 
 _PYTHON_NAME = re.compile(r"python[0-9.]*$")

@@ -19,7 +19,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
         "torchfeed.dask needs Dask's distributed package: pip install 'torchfeed[dask]'"
     ) from exc
 
-from .pool import Pool
+from ..scaling.dask_pool import Pool
 from .ranks import RankError, run
 from .results import ResultsHandler
 from .workers import WorkerAddresses, start_workers, stop_workers

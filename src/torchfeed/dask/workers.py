@@ -20,8 +20,8 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from ..protocol import auth
 from ..util import restore_env
-from ..worker.cache import parse_size
-from .transport import refuse_clear_transport
+from ..worker.samplestore import parse_size
+from .comms import refuse_clear_transport
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import time
 import weakref
 from typing import Protocol
 
-from ..addrfile import read_address_file
 from ..client.connection import format_address
+from ..protocol.addrfile import read_address_file
 from ..util import double_delay
 
 log = logging.getLogger("torchfeed.dataset")

@@ -5,6 +5,6 @@ Importing this package imports Ray (``pip install 'torchfeed[ray]'``).
 
 from __future__ import annotations
 
-from .pool import Pool
+from ..scaling.ray_pool import Pool
 
 __all__ = ["Pool"]

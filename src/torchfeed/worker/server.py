@@ -52,15 +52,15 @@ import threading
 import time
 from collections.abc import Sequence
 
-from ..addrfile import announce, read_address_file  # noqa: F401  (read_address_file: old import path)
 from ..protocol import auth, wire
-from . import cache as workercache
-from . import stats as workerstats
-from .connection import ServerConnection
+from ..protocol.addrfile import announce, read_address_file  # noqa: F401  (read_address_file: old import path)
+from . import counters as workerstats
+from . import samplestore as workercache
 from .doorman import Doorman
 from .fair import FairQueue
 from .names import Names
 from .objects import Budget, ConnectionLimits, Registry
+from .serverconn import ServerConnection
 
 log = logging.getLogger("torchfeed.worker")
 
@@ -285,10 +285,10 @@ def run_worker(
         (see :mod:`torchfeed.worker.names`).
     cache_size : int, optional
         Bytes of decoded samples :func:`torchfeed.cached` datasets may keep in this process
-        (:data:`torchfeed.worker.cache.DEFAULT_SIZE` by default; 0: none).
+        (:data:`torchfeed.worker.samplestore.DEFAULT_SIZE` by default; 0: none).
     metrics_port : int, optional
         Also serve this worker's figures to Prometheus on this port (0: a free one; see
-        :mod:`torchfeed.worker.metrics`), on ``metrics_host`` (default: ``host``).
+        :mod:`torchfeed.worker.prometheus`), on ``metrics_host`` (default: ``host``).
     """
     raise_fd_limit()
     if torch_threads is not None:
@@ -322,7 +322,7 @@ def run_worker(
     )
     metrics = None
     if metrics_port is not None:
-        from .metrics import serve_worker
+        from .prometheus import serve_worker
 
         try:
             metrics = serve_worker(server, metrics_port, host if metrics_host is None else metrics_host)

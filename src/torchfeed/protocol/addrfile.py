@@ -13,7 +13,7 @@ import os
 import stat
 import sys
 
-from .errors import TorchfeedError
+from ..errors import TorchfeedError
 
 
 class UnsafeAddressFile(TorchfeedError, PermissionError):
