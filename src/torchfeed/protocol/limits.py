@@ -48,7 +48,11 @@ def env_int(name: str, default: int, low: int, high: int | None = None) -> int:
 
 
 def _from_environment() -> Limits:
-    return Limits(**{field: env_int(*spec) for field, spec in ENVIRONMENT.items()})
+    return Limits(
+        max_meta=env_int(*ENVIRONMENT["max_meta"]),
+        max_buffers=env_int(*ENVIRONMENT["max_buffers"]),
+        max_buffer_bytes=env_int(*ENVIRONMENT["max_buffer_bytes"]),
+    )
 
 
 def _limits() -> Limits:
