@@ -4,6 +4,10 @@ The docstrings use roles such as :class:`RemoteDataset` and :meth:`~Preemption.r
 which Markdown would show literally. This turns each into `RemoteDataset` (a leading ``~``
 keeps the last dotted part, as in Sphinx) when the docs are built; the sources stay as
 they are. Configured in mkdocs.yml (``extensions`` of the python handler).
+
+It also splits grouped numpy-style parameters (``secret, secret_file : ...``) into one entry
+per name without the shared type, so each is shown with its own type and default from the
+signature (griffe gives every name of a group the first one's).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from typing import Any
 
 import griffe
 
+GROUP = re.compile(r"^(?P<indent>\s*)(?P<names>\w+(?:\s*,\s*\w+)+)\s*(?::.*)?$")
+PARAMETER_SECTIONS = ("Parameters", "Other Parameters")
 ROLE = re.compile(r":(?:py:)?(?:class|func|meth|mod|attr|data|exc|obj|const):`(?P<target>[^`]+)`")
 
 
@@ -23,7 +29,37 @@ def _code(match: re.Match) -> str:
     return f"`{target}`"
 
 
+def split_groups(text: str) -> str:
+    """``a, b : T`` + description in a Parameters section -> ``a`` and ``b``, each with it."""
+    lines = text.splitlines()
+    out: list[str] = []
+    section = ""
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if i + 1 < len(lines) and set(lines[i + 1].strip()) == {"-"} and line.strip():
+            section = line.strip()
+        match = GROUP.match(line) if section in PARAMETER_SECTIONS else None
+        if match is None:
+            out.append(line)
+            i += 1
+            continue
+        indent = match["indent"]
+        body = []
+        i += 1
+        while i < len(lines) and (not lines[i].strip() or len(lines[i]) - len(lines[i].lstrip()) > len(indent)):
+            body.append(lines[i])
+            i += 1
+        trailing = []
+        while body and not body[-1].strip():
+            trailing.append(body.pop())
+        for name in (n.strip() for n in match["names"].split(",")):
+            out.extend([indent + name, *body])
+        out.extend(trailing)
+    return "\n".join(out)
+
+
 class SphinxRoles(griffe.Extension):
     def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
         if obj.docstring is not None:
-            obj.docstring.value = ROLE.sub(_code, obj.docstring.value)
+            obj.docstring.value = split_groups(ROLE.sub(_code, obj.docstring.value))

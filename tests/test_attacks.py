@@ -576,7 +576,7 @@ def test_wrong_secrets_are_rate_limited_per_source(spawn, tmp_path):
 
 
 class _ThreadsRunOut:
-    """Stands in for the threading module in worker/connection.py: the first ``n`` connection threads
+    """Stands in for the threading module in worker/serverconn.py: the first ``n`` connection threads
     cannot be started, as when the process has hit its thread limit."""
 
     def __init__(self, n: int, prefix: str):
@@ -773,7 +773,7 @@ def _try_ref(address: str) -> bool:
 
 
 def test_address_file_others_can_write_is_refused(tmp_path):
-    from torchfeed.addrfile import UnsafeAddressFile, announce, read_address_file
+    from torchfeed.protocol.addrfile import UnsafeAddressFile, announce, read_address_file
 
     path = tmp_path / "workers"
     announce("127.0.0.1:1234", str(path))

@@ -14,7 +14,7 @@ import cache_datasets as cd
 import torchfeed
 from torchfeed import RemoteDataLoader, RemoteDataset, client
 from torchfeed.datasets import Shards
-from torchfeed.worker.cache import parse_size
+from torchfeed.worker.samplestore import parse_size
 
 TESTS = Path(__file__).resolve().parent
 SRC = TESTS.parent / "src"

@@ -21,8 +21,8 @@ import torchfeed.dask as tfd
 from helpers import RangeDataset, print_lots, secret_seen_by_worker_code, wait_for
 from s3server import S3Server
 from test_datasets import make_tree, to_tensor
+from torchfeed.dask.comms import in_clear
 from torchfeed.dask.ranks import _order_workers
-from torchfeed.dask.transport import in_clear
 from torchfeed.datasets import ImageFolder
 from torchfeed.util import free_port, pid_alive
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -107,3 +108,24 @@ def test_limits_are_checked():
         torchfeed.set_reply_limits(max_meta_bytes=1 << 32)
     with pytest.raises(ValueError):
         torchfeed.set_reply_limits(max_buffer_bytes=-1)
+
+
+def test_a_bad_limit_in_the_environment_is_a_clear_error_when_used_not_at_import():
+    """TORCHFEED_MAX_REPLY_* are read by one parser on first use: importing torchfeed works, and
+    the error names the variable, its value and what is allowed."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torchfeed.protocol.limits as limits\n"
+        "try:\n"
+        "    limits.reply_limits()\n"
+        "except ValueError as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {**os.environ, "TORCHFEED_MAX_REPLY_BUFFERS": "lots", "TORCHFEED_MAX_REPLY_BYTES": ""}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == (
+        "TORCHFEED_MAX_REPLY_BUFFERS='lots' is not an integer: it must be an integer in [0, 4294967295], or unset"
+    )

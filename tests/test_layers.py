@@ -204,7 +204,7 @@ PACKAGE = "torchfeed"
 # Layers, lowest first: a module may import its own layer and the layers below it, never above.
 # client and worker are two sides of the same layer and never import each other.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("errors", "tracebacks", "notices", "events", "util", "seeding", "addrfile", "pumps", "stats")),
+    ("base", ("errors", "notices", "events", "util", "seeding", "pumps", "stats")),
     ("protocol", ("protocol",)),
     ("client", ("client",)),
     ("worker", ("worker",)),
@@ -214,7 +214,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "glue",
         ("local", "pools", "checkpoint", "plots", "cluster", "dask", "cli", "launch", "tools", "__main__"),
     ),
-    ("glue", ("scaling", "autoscaler")),  # torchfeed.autoscale (issue 23)
+    ("glue", ("scaling",)),  # torchfeed.autoscale, its policy and the engines' pools (issue 23)
     ("glue", ("frameworks",)),  # Accelerate and the HF Trainer (issue 28)
     ("glue", ("metrics", "ray")),  # Prometheus and Ray (issue 31)
 ]

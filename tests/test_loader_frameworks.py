@@ -183,3 +183,26 @@ def test_a_collate_fn_assigned_twice_between_passes_is_the_last_one(rds):
     loader.collate_fn = lambda samples: -1
     loader.collate_fn = _pair  # the first replacement is freed: its id may be reused
     assert next(iter(loader)) == [4, 4]
+
+
+@pytest.mark.parametrize("rank, world", [("x", "2"), ("2", "2"), ("1", None)])
+def test_an_invalid_rank_in_the_environment_is_one_clear_error_for_the_sampler_and_the_loader(
+    monkeypatch, rank, world
+):
+    """The job's ranks are read in one place: the sampler and the loader's checks refuse the same
+    RANK/WORLD_SIZE with the same message."""
+    from torchfeed.loader import checks
+
+    monkeypatch.setenv("RANK", rank)
+    if world is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(ValueError, match=r"RANK must be an integer in \[0, WORLD_SIZE\)") as sampler:
+        torchfeed.DistributedSampler(8)
+    with pytest.raises(ValueError, match=r"RANK must be an integer in \[0, WORLD_SIZE\)") as loader:
+        checks.job_ranks()
+    assert str(sampler.value) == str(loader.value) and repr(rank) in str(loader.value)
+    assert (
+        torchfeed.DistributedSampler(8, num_replicas=2, rank=1).rank == 1
+    )  # given: the environment is not read

@@ -189,7 +189,7 @@ def test_worker_procs_get_consecutive_metrics_ports(tmp_path):
 def test_metrics_without_prometheus_client_say_how_to_install(tmp_path):
     code = (
         "import sys; sys.modules['prometheus_client'] = None\n"
-        "from torchfeed.worker.metrics import require_client\n"
+        "from torchfeed.worker.prometheus import require_client\n"
         "try:\n    require_client()\nexcept ImportError as e:\n    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout

@@ -24,7 +24,7 @@ from torchfeed import DistributedSampler, RemoteDataLoader, RemoteDataset, autos
 ray = pytest.importorskip("ray", reason="the Ray tests need ray: pip install 'torchfeed[ray]'")
 psutil = pytest.importorskip("psutil")
 from torchfeed.ray import Pool  # noqa: E402
-from torchfeed.ray.transport import clear_reason  # noqa: E402
+from torchfeed.ray.nodes import clear_reason  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(300)]
 

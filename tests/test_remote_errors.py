@@ -30,7 +30,11 @@ def test_getitem_exception_is_its_type_and_remote_error(workers2):
     assert isinstance(err, torchfeed.RemoteError) and isinstance(err, OSError)
     assert (err.errno, err.filename) == (2, "/data/2.jpg")  # the original's fields
     assert err.indices == [0, 1, 2, 3] and err.address in workers2 and err.remote_type == "FileNotFoundError"
-    assert "Typed.__getitem__" not in err.remote_traceback or "__getitem__" in err.remote_traceback
+    # the worker's traceback ends in the user's __getitem__, naming its file and the raise
+    assert "compat_datasets.py" in err.remote_traceback and "in __getitem__" in err.remote_traceback
+    assert err.remote_traceback.rstrip().endswith(
+        "FileNotFoundError: [Errno 2] No such file or directory: '/data/2.jpg'"
+    )
     # a type of the user's, imported here and built from its arguments: its type, by default
     with pytest.raises(CorruptSample) as info:
         next(it)

@@ -37,7 +37,7 @@ def _reset_peak() -> int:
 
 def _send_memo_bombs() -> None:
     """On a worker: replies to "bomb" and every error description become MEMO_BOMB."""
-    import torchfeed.worker.connection as conn
+    import torchfeed.worker.serverconn as conn
 
     plain = conn.serialize.dumps_reply
     conn.serialize.dumps_reply = lambda obj: (MEMO_BOMB, []) if obj == "bomb" else plain(obj)

@@ -140,13 +140,13 @@ def test_iterable_batch_is_refused(workers2, marker):
 
 def _send_hostile_error_descriptions(path: str) -> None:
     """On a worker: from now on its error replies are pickles that call os.system."""
-    import torchfeed.worker.connection as conn
+    import torchfeed.worker.serverconn as conn
 
     conn._describe_exception = lambda exc: pickle.dumps(Evil(path), protocol=5)
 
 
 def _send_hostile_stats(path: str) -> None:
-    import torchfeed.worker.stats as stats
+    import torchfeed.worker.counters as stats
 
     stats.reply = lambda server: pickle.dumps(Evil(path), protocol=5)
 
@@ -468,7 +468,7 @@ def test_a_dtype_description_may_not_fan_out():
 
 
 def test_a_traceback_description_may_not_amplify_itself():
-    from torchfeed import tracebacks
+    from torchfeed.protocol import tracebacks
 
     frame = {"text": "x" * 20_000}
     info = {"traceback": "short", "template": "\x01\x000\n" * 20_000, "frames": [frame], "marker": "\x01\x00"}

@@ -20,7 +20,7 @@ import torchfeed
 from helpers import SleepDataset
 from slurm_cluster import started_for_tests
 from torchfeed.cluster import SlurmPool, pool_script
-from torchfeed.pools import Pool
+from torchfeed.scaling.pool import Pool
 
 pytestmark = pytest.mark.slurm
 

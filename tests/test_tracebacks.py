@@ -176,7 +176,7 @@ def test_frames_without_source_anywhere_stay_as_they_are(workers2):
     # the header as the worker wrote it, and no source line under it
     assert f'  File "{filename}", line 2, in generated\nLookupError: made up\n' in text, text
     # the worker's own frames keep the worker's rendering (its source lines included)
-    assert "torchfeed/worker/connection.py" in text and "result = func(" in text, text
+    assert "torchfeed/worker/serverconn.py" in text and "result = func(" in text, text
     line, source = _where(test_frames_without_source_anywhere_stay_as_they_are, "lambda: generated()")
     assert _frame(__file__, line, "<lambda>", source) in text, text
 
@@ -199,8 +199,7 @@ def _recurse(n):
 
 @pytest.mark.parametrize("raiser", [_raise_chained, lambda: _recurse(30)])
 def test_described_traceback_is_pythons_own_text(raiser):
-    from torchfeed import tracebacks
-    from torchfeed.protocol import errordata
+    from torchfeed.protocol import errordata, tracebacks
 
     try:
         raiser()
@@ -213,7 +212,7 @@ def test_described_traceback_is_pythons_own_text(raiser):
 
 
 def test_malformed_descriptions_fall_back_to_the_text():
-    from torchfeed import tracebacks
+    from torchfeed.protocol import tracebacks
 
     text = "Traceback (most recent call last):\nValueError: x\n"
     marker = "\0marker:"
@@ -229,7 +228,7 @@ def test_malformed_descriptions_fall_back_to_the_text():
 
 
 def test_a_huge_traceback_travels_as_text_only():
-    from torchfeed import tracebacks
+    from torchfeed.protocol import tracebacks
 
     try:
         raise ValueError("x" * (2 << 20))
@@ -245,7 +244,7 @@ def test_a_worker_cannot_make_the_trainer_open_a_path_it_did_not_send_code_of(tm
     is never opened (a FIFO would hang the trainer; any other file would be read)."""
     import threading
 
-    from torchfeed import tracebacks
+    from torchfeed.protocol import tracebacks
 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)

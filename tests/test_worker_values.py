@@ -334,7 +334,7 @@ def _send_stats_with_escapes(text: str) -> None:
     import json as json_
     import os as os_
 
-    import torchfeed.worker.stats as stats
+    import torchfeed.worker.counters as stats
 
     fields = {"address": text, "pid": os_.getpid(), "clients": text, "queued": text, "errors": text}
     fields.update(

@@ -33,13 +33,13 @@ _EXPORTS = {
     "Session": "client.session",
     "Timeout": "errors",
     "TorchfeedError": "errors",
-    "UnsafeAddressFile": "addrfile",
+    "UnsafeAddressFile": "protocol.addrfile",
     "WorkerLost": "errors",
     "WorkerServer": "worker.server",
     "WorkerStats": "stats",
     "UnsafeReplyError": "errors",
     "add_safe_globals": "protocol.replies",
-    "autoscale": "autoscaler",
+    "autoscale": "scaling.controller",
     "cached": "loader.cache",
     "clear_safe_globals": "protocol.replies",
     "get_safe_globals": "protocol.replies",
@@ -70,8 +70,6 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: _EXPORTS, imported eagerly (test_public_paths compares)
-    from .addrfile import UnsafeAddressFile
-    from .autoscaler import autoscale
     from .client import RemoteRef, rpc_async, set_heartbeat
     from .client.session import Session
     from .errors import (
@@ -93,8 +91,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs: _EXPORTS, imported eagerly (tes
     from .loader.dataset import RemoteDataset
     from .loader.sampling import DistributedSampler, set_random_seeds
     from .local import LocalWorkers
+    from .protocol.addrfile import UnsafeAddressFile
     from .protocol.limits import set_reply_limits
     from .protocol.replies import add_safe_globals, clear_safe_globals, get_safe_globals
+    from .scaling.controller import autoscale
     from .stats import LoaderStats, WorkerStats
     from .worker.server import WorkerServer, run_worker
 

@@ -11,7 +11,7 @@ external metric, KEDA) can size a worker Deployment the way :func:`torchfeed.aut
 sizes a pool.
 
 The workers' own figures come from ``torchfeed worker --metrics-port PORT``
-(:mod:`torchfeed.worker.metrics`).
+(:mod:`torchfeed.worker.prometheus`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 from .scaling import Policy, Reading
 from .stats import INPUT_BOUND, LINK_BOUND, LoaderStats
-from .worker.metrics import MetricsServer, require_client
+from .worker.prometheus import MetricsServer, require_client
 
 PREFIX = "torchfeed_loader_"
 _STATES = ("serving", "draining", "lost", "reconnecting")
@@ -222,7 +222,7 @@ def serve(
     mapping ``name -> loader``. ``port`` 0 picks a free one (see the returned server's
     ``port`` and ``url``); ``host`` ``"0.0.0.0"`` lets Prometheus scrape from other machines.
     ``policy``: the bounds and headroom of the advised worker count. Returns a
-    :class:`~torchfeed.worker.metrics.MetricsServer`: ``close()`` it, or use it in ``with``.
+    :class:`~torchfeed.worker.prometheus.MetricsServer`: ``close()`` it, or use it in ``with``.
     """
     return MetricsServer(registry(loaders, policy), port, host)
 

@@ -12,19 +12,7 @@ import sys
 
 from .. import __version__
 from . import worker
-
-# `torchfeed bench` cases (the table itself, in tools/bench.py, imports torch)
-BENCH_CASES = {
-    "cpu": "Pillow JPEG decode + random crop, batch 32: samples/s",
-    "transfer": "ready 3x224x224 float32 tensors, batch 64 (38.5 MB): MB/s",
-    "overhead": "tiny samples, batch_size=1: items/s",
-    "straggler": "4 sleep-bound workers, one 4x slower: % of ideal rate",
-    "stall": "4 sleep-bound workers, one 4x slower, one stalling 5 s every 50 batches",
-    "epochs": "4 sleep-bound workers, one 4x slower, 5 passes of 64 batches with the gaps between them",
-    "tiny": "tiny samples, batch_size=1: items/s and the trainer's CPU per batch",
-    "shared": "48 sleep-bound workers shared by 4 trainer processes: % of ideal",
-    "cache": "600 JPEGs decoded + resized once (torchfeed.cached), random crop + flip each time: epoch 2 vs epoch 1",
-}
+from ..tools import BENCH_CASES  # `torchfeed bench` cases (light: the runners import torch)
 
 
 class Parser(argparse.ArgumentParser):

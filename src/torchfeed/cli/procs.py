@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..addrfile import append_lines, remove_lines
+from ..protocol.addrfile import append_lines, remove_lines
 from ..util import double_delay
 from ..worker.options import WorkerOptions
 from ..worker.process import WorkerExited, WorkerProcess, exit_reason, worker_command

@@ -1,7 +1,7 @@
 """``torchfeed top``: a live view of workers (CPU, memory, request and byte rates, load).
 
 Each refresh asks every worker for its statistics over the normal authenticated
-connection (a STATS message, see :mod:`torchfeed.worker.stats`; the secret is discovered
+connection (a STATS message, see :mod:`torchfeed.worker.counters`; the secret is discovered
 as for every client). ``--once --json`` prints one JSON document for scripts, whose rows
 hold every column of the table under the column's own name (and a few more).
 """
@@ -30,7 +30,7 @@ COLUMNS = [
     ("cache_mb", "{:.0f}"),
     ("cache_hit_percent", "{:.0f}"),
 ]
-# every number a worker's statistics hold (see torchfeed.worker.stats); rss_mb is made here
+# every number a worker's statistics hold (see torchfeed.worker.counters); rss_mb is made here
 NUMBERS = (
     "pid",
     "cpu_percent",

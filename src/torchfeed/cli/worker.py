@@ -136,7 +136,7 @@ def _take_secret(on_stdin: bool):
 
 
 def _about_address_file(exc: OSError, path: str) -> bool:
-    from ..addrfile import UnsafeAddressFile
+    from ..protocol.addrfile import UnsafeAddressFile
 
     return isinstance(exc, UnsafeAddressFile) or exc.filename == path
 
@@ -151,7 +151,7 @@ def run(args) -> int:
         _error(str(exc))
         return 2
     if args.address_file:
-        from ..addrfile import why_unwritable
+        from ..protocol.addrfile import why_unwritable
 
         why = why_unwritable(args.address_file)
         if why is not None:

@@ -10,8 +10,8 @@ import os
 import time
 from collections.abc import Sequence
 
-from ..addrfile import read_address_file
 from ..errors import Timeout, TorchfeedError
+from ..protocol.addrfile import read_address_file
 from .env import environment, int_var
 
 ENV_WORKERS = "TORCHFEED_WORKERS"

@@ -19,10 +19,18 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
         "torchfeed.dask needs Dask's distributed package: pip install 'torchfeed[dask]'"
     ) from exc
 
-from .pool import Pool
+from typing import TYPE_CHECKING
+
+from ..util import lazy_exports
 from .ranks import RankError, run
 from .results import ResultsHandler
 from .workers import WorkerAddresses, start_workers, stop_workers
+
+# Pool lives in torchfeed.scaling (which imports this package's modules): imported on first use
+__getattr__ = lazy_exports(__name__, {"Pool": ".scaling.dask_pool"})
+
+if TYPE_CHECKING:
+    from ..scaling.dask_pool import Pool
 
 __all__ = [
     "Pool",

@@ -17,7 +17,7 @@ from ..protocol import auth
 from ..util import restore_env
 from ..worker.options import WorkerOptions
 from ..worker.process import WorkerProcess, worker_command
-from .transport import refuse_clear_transport
+from .comms import refuse_clear_transport
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 ``RemoteDataset(workers, cached(Factory, then=augment), *args)`` builds ``Factory(*args)``
 on every worker; ``dataset[i]`` is then ``then(Factory(*args)[i])``, where the inner
-sample is computed once and kept in the worker's :mod:`~torchfeed.worker.cache` and
+sample is computed once and kept in the worker's :mod:`~torchfeed.worker.samplestore` and
 ``then`` runs at every access under the loader's per-sample seed (so a cached pass gives
 the batches an uncached one gives). For :class:`~torchfeed.datasets.Shards`, the decoded
 samples of a whole shard are kept (``open_shard(url)`` read once) and ``then`` runs on
@@ -46,8 +46,8 @@ from torch.utils.data import Dataset, IterableDataset
 
 from .. import client
 from ..protocol import serialize
-from ..worker import cache as store_module
-from ..worker.cache import MISSING
+from ..worker import samplestore as store_module
+from ..worker.samplestore import MISSING
 
 _DOWN_SECONDS = 30.0  # a peer lane that failed is not asked again for this long
 _PEER_TIMEOUT = 10.0  # seconds a peer lane has to answer

@@ -91,17 +91,25 @@ def log_ignored(workers: int, iterable: bool, num_workers, context, pin_memory_d
 
 def job_ranks() -> tuple[int, int]:
     """(rank, ranks) of this job: torch.distributed's once initialized, else torchrun's RANK and
-    WORLD_SIZE, else (0, 1)."""
+    WORLD_SIZE, else (0, 1). The one place the job's ranks are read (the loader's checks and
+    :class:`~torchfeed.DistributedSampler` alike); ValueError names a RANK or WORLD_SIZE that is
+    not a rank of the job."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    given = {name: os.environ.get(name) for name in ("RANK", "WORLD_SIZE")}
     try:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        rank = int(os.environ.get("RANK", "0"))
+        rank, world = int(given["RANK"] or "0"), int(given["WORLD_SIZE"] or "1")
     except ValueError:
-        return 0, 1
-    return (rank, world) if 0 <= rank < world else (0, 1)
+        rank = world = -1
+    if not 0 <= rank < world:
+        raise ValueError(
+            f"the environment names no rank of this job: RANK={given['RANK']!r}, WORLD_SIZE="
+            f"{given['WORLD_SIZE']!r}; RANK must be an integer in [0, WORLD_SIZE) (torchrun sets both): "
+            "fix or unset them, or pass num_replicas= and rank= to the sampler"
+        )
+    return rank, world
 
 
 def stream_ranks(rank_streams: bool | None, streams: int) -> tuple[int, int]:

@@ -10,29 +10,25 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch.utils.data import Dataset, IterableDataset
 
-from .. import client, events
+from .. import client
 from ..client import building, wait_all
 from ..errors import AuthenticationError, RemoteError, SerializationError, Timeout, WorkerLost
 from ..protocol.auth import SecretLike
 from . import cache, dnsnames, reported
-from .membership import Listeners, LostWorkers, MembershipListener, WatchedFile, read_workers_file
+from .membership import Membership, MembershipListener, read_workers_file
 
 if TYPE_CHECKING:
     from ..client.session import Session
 
 log = logging.getLogger("torchfeed.dataset")
 
-
-_TICK = 0.25  # seconds between rounds of the membership thread
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -138,20 +134,18 @@ class RemoteDataset(Dataset[T_co]):
         self.iterable = False  # set from the built instances: an IterableDataset
         self.args = args
         self.kwargs = kwargs
-        self.workers: list[str] = []
         self._refs: dict[str, client.RemoteRef] = {}
         self._length: int | None = None
-        self._lock = threading.RLock()
-        self._listeners = Listeners()
-        self._lost = LostWorkers()
-        self._watched: WatchedFile | dnsnames.WatchedName | None = named
-        self._thread: threading.Thread | None = None
-        self._closed = False
+        self._lock = threading.RLock()  # guards _refs, _length and iterable
         self._pid = os.getpid()  # the process whose connections own the built datasets
         self._build_on(workers, strict=True, wait=True)
-        self.workers = list(workers)
-        if named is not None:
-            self._ensure_thread()  # follows the name's records
+        # who serves, followed (a dns:// name's records, a workers file) and retried
+        self._members = Membership(workers, self._build_on, self._drop_ref, watched=named)
+
+    @property
+    def workers(self) -> list[str]:
+        """The addresses of the workers serving this dataset (lost ones being retried included)."""
+        return self._members.workers
 
     def __getstate__(self) -> dict:
         """A pickled RemoteDataset (torch's DataLoader workers started with ``spawn``) carries
@@ -160,7 +154,7 @@ class RemoteDataset(Dataset[T_co]):
         not travel (a pickle may be written anywhere): the receiving process discovers it
         (``TORCHFEED_SECRET``, ``TORCHFEED_SECRET_FILE`` or the default file)."""
         state = self.__dict__.copy()
-        for name in ("_lock", "_thread", "_refs", "_listeners", "_lost", "session"):
+        for name in ("_lock", "_refs", "session"):
             del state[name]
         state["secret"] = None
         state["_pid"] = None  # built nowhere yet for the receiving process
@@ -169,22 +163,22 @@ class RemoteDataset(Dataset[T_co]):
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.session = client.default_session()
-        self._listeners = Listeners()
         self._forget_built()
+        self._members.bind(self._build_on, self._drop_ref)
 
     def _forget_built(self) -> None:
         """This process's state before any build: another process's locks, membership
         thread and remote objects are of no use here."""
         self._lock = threading.RLock()
-        self._thread = None
         self._refs = {}
-        self._lost = LostWorkers()
+        self._members.forget_process()
 
     def __copy__(self) -> RemoteDataset:
         """A copy in this process is another handle on the same built datasets, session and
         secret (only a pickle, which may leave the process, drops them)."""
         twin = type(self).__new__(type(self))
         twin.__dict__.update(self.__dict__)
+        twin._members.bind(twin._build_on, twin._drop_ref)
         return twin
 
     def __deepcopy__(self, memo: dict) -> RemoteDataset:
@@ -274,66 +268,35 @@ class RemoteDataset(Dataset[T_co]):
             cache.link_peers(self.session, refs, self.timeout, self.secret)
         return errors
 
-    # -- membership ----------------------------------------------------------------
+    def _drop_ref(self, address: str) -> None:
+        """Forget ``address``'s built instance (removed, or lost until rebuilt)."""
+        with self._lock:
+            self._refs.pop(address, None)
+
+    # -- membership: kept by self._members ------------------------------------------------
     def add_workers(self, workers: Sequence[str]) -> list[str]:
         """Build the dataset on new workers; running loader passes start using them.
 
         Unreachable ones are retried in the background. Returns the workers added now.
         """
-        new = [client.format_address(w) for w in workers]
-        with self._lock:
-            new = [w for w in dict.fromkeys(new) if w not in self.workers]
-            self.workers.extend(new)
-        if not new:
-            return []
-        failed = self._build_on(new, strict=False)
-        for w, exc in failed.items():
-            self._mark_lost(w, exc)
-        joined = [w for w in new if w not in failed]
-        for w in joined:
-            events.worker_joined(w)  # [stats hook]
-            self._notify(w, joined=True)
-        events.flush()
-        return joined
+        return self._members.add([client.format_address(w) for w in workers])
 
     def remove_workers(self, workers: Sequence[str]) -> None:
         """Stop using these workers: running passes drain them (their batches finish)."""
-        gone = [client.format_address(w) for w in workers]
-        with self._lock:
-            self.workers = [w for w in self.workers if w not in gone]
-            for w in gone:
-                self._lost.forget(w)
-                self._refs.pop(w, None)
-        for w in gone:
-            events.worker_drained(w)  # [stats hook]
-            self._notify(w, joined=False)
-        events.flush()
+        self._members.remove([client.format_address(w) for w in workers])
 
     def worker_lost(self, address: str, error: BaseException) -> None:
         """Called by loaders when a worker's connection failed: retry it with backoff."""
-        with self._lock:
-            if address in self.workers and address not in self._lost:
-                self._mark_lost(address, error)
-
-    def _mark_lost(self, address: str, error: BaseException) -> None:
-        with self._lock:
-            self._lost.mark(address, error)
-            self._refs.pop(address, None)
-        self._ensure_thread()
+        self._members.worker_lost(address, error)
 
     def lost_workers(self) -> dict[str, str]:
         """Workers being retried, with their last error."""
-        with self._lock:
-            return self._lost.errors()
-
-    def _notify(self, address: str, joined: bool) -> None:
-        self._listeners.notify(address, joined)
+        return self._members.lost_errors()
 
     def subscribe(self, listener: MembershipListener) -> None:
         """Call ``listener`` on membership changes (held weakly: a finished pass drops out)."""
-        self._listeners.add(listener)
+        self._members.listeners.add(listener)
 
-    # -- workers file ----------------------------------------------------------------
     @classmethod
     def from_file(
         cls, path: str, dataset: Callable, *args, min_workers: int = 1, wait_timeout: float = 300.0, **kwargs
@@ -359,72 +322,11 @@ class RemoteDataset(Dataset[T_co]):
 
     def watch_file(self, path: str) -> None:
         """Follow the workers file ``path``: addresses appended join, addresses deleted are drained."""
-        with self._lock:
-            self._watched = WatchedFile(path)
-        self._ensure_thread()
-
-    def _poll_file(self) -> None:
-        listed = self._watched.changed() if self._watched is not None else None
-        if listed is None:
-            return
-        gone = [w for w in self.workers if w not in listed]
-        if gone:
-            self.remove_workers(gone)
-        fresh = [w for w in listed if w not in self.workers]
-        if fresh:
-            self.add_workers(fresh)
-
-    # -- background: watch the file, bring lost workers back -------------------------------
-    def _ensure_thread(self) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=_membership_loop,
-                    args=(weakref.ref(self),),
-                    name="torchfeed-membership",
-                    daemon=True,
-                )
-                self._thread.start()
-
-    def _retry_lost(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            due = self._lost.due(now)
-        for w in due:
-            host, port = client.parse_address(w)
-            try:  # cheap probe first: a build waits for the full timeout
-                socket.create_connection((host, port), timeout=2.0).close()
-                events.worker_reconnecting(w)  # [stats hook]
-                failed = self._build_on([w], strict=False)
-            except Exception as exc:  # noqa: BLE001 - any failure means: try later
-                failed = {w: exc}
-            with self._lock:
-                if w not in self._lost:
-                    continue  # removed meanwhile
-                if w in failed:
-                    if events.state_of(w) == "reconnecting":
-                        events.set_state(w, "lost")
-                    self._lost.failed_again(w, failed[w])
-                    continue
-                self._lost.forget(w)
-            events.worker_joined(w)  # [stats hook] logged as "worker ... is back"
-            self._notify(w, joined=True)
-
-    def _tick(self) -> None:
-        """One round of background work."""
-        events.flush()  # [stats hook] events noticed on reader threads reach the log here too
-        if self._closed:
-            return
-        if self._watched is not None:
-            try:
-                self._poll_file()
-            except Exception as exc:  # noqa: BLE001 - keep watching
-                log.warning("could not use the workers file %s: %s", self._watched.path, exc)
-        self._retry_lost()
+        self._members.watch_file(path)
 
     def close(self) -> None:
         """Stop watching the workers file and retrying lost workers."""
-        self._closed = True
+        self._members.close()
 
     # -- dataset protocol ----------------------------------------------------------------
     def ref(self, address: str) -> client.RemoteRef:
@@ -433,8 +335,9 @@ class RemoteDataset(Dataset[T_co]):
 
     def alive_workers(self) -> list[str]:
         self._own_process()
+        workers = self._members.current()
         with self._lock:
-            return [w for w in self.workers if w in self._refs and self._refs[w].alive]
+            return [w for w in workers if w in self._refs and self._refs[w].alive]
 
     def __len__(self) -> int:
         if self._length is None:
@@ -476,23 +379,6 @@ class RemoteDataset(Dataset[T_co]):
     def __repr__(self) -> str:
         name = getattr(self.factory, "__qualname__", repr(self.factory))
         return f"RemoteDataset({name}, workers={self.workers}, len={self._length})"
-
-
-def _membership_loop(ref: weakref.ref[RemoteDataset]) -> None:
-    while True:
-        time.sleep(_TICK)
-        ds = ref()
-        if ds is None:
-            return
-        try:
-            ds._tick()
-        except Exception:
-            log.exception("torchfeed membership thread")
-        with ds._lock:  # decide under the lock that _mark_lost takes before _ensure_thread
-            if ds._closed or not (ds._watched or ds._lost):
-                ds._thread = None
-                return
-        del ds
 
 
 class RemoteIterableDataset(RemoteDataset, IterableDataset):

@@ -18,7 +18,7 @@ from torch.utils.data._utils.collate import (
 from .. import seeding
 from ..protocol import buffers
 from ..seeding import extend_seed, mix_seed, seed_all
-from ..worker import stats as workerstats
+from ..worker import counters as workerstats
 from .context import WorkerSetup, worker_context
 
 # seed tags that keep the collate's and a __getitems__ call's streams apart from samples'

@@ -1,28 +1,43 @@
-"""The parts of a RemoteDataset's membership that hold state of their own.
+"""A RemoteDataset's membership: which workers serve it, and the books behind that.
 
-A :class:`~torchfeed.RemoteDataset` decides; these keep the books: who listens
-(:class:`Listeners`, the running loader passes), which workers file is followed and what it
-listed last (:class:`WatchedFile`), and which lost workers are retried when
-(:class:`LostWorkers`, exponential backoff). None of them takes a lock: the dataset calls
-them under its own.
+:class:`Membership` owns the list of workers, who listens (:class:`Listeners`, the running
+loader passes), the followed workers file or DNS name (:class:`WatchedFile`), the lost
+workers retried with exponential backoff (:class:`LostWorkers`) and the thread that does
+the following and the retrying. Its owner (the dataset) gives it two functions: one that
+builds the dataset on workers, one that drops a worker's built instance; everything else
+about who serves is decided here.
+
+NOTE (threads and locks): the membership thread (``torchfeed-membership``) runs only while
+there is a file or name to follow or a lost worker to retry, and ends when the membership
+is garbage (it holds it weakly) or closed. It builds and notifies with no lock held; the
+membership's lock guards its own books only, and the owner's functions are called without
+it (they take the owner's lock), so the order is never owner -> membership -> owner.
+Listeners are called from the thread that changed the membership and only record and wake.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
+import threading
 import time
 import weakref
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
-from ..addrfile import read_address_file
-from ..client.connection import format_address
+from .. import events
+from ..client.connection import format_address, parse_address
+from ..errors import WorkerLost
+from ..protocol.addrfile import read_address_file
 from ..util import double_delay
 
 log = logging.getLogger("torchfeed.dataset")
 
 BACKOFF_FIRST = 0.5  # seconds before a lost worker is tried again; doubled up to BACKOFF_MAX
 BACKOFF_MAX = 10.0
+TICK = 0.25  # seconds between rounds of the membership thread
+PROBE_TIMEOUT = 2.0  # seconds a lost worker's cheap connect probe may take before a rebuild
 
 
 class MembershipListener(Protocol):
@@ -120,3 +135,223 @@ class LostWorkers:
 
     def errors(self) -> dict[str, str]:
         return {w: v["error"] for w, v in self._entries.items()}
+
+
+class Membership:
+    """Which workers serve one dataset; it follows a workers file or name and brings lost
+    workers back (see the module's NOTE).
+
+    ``build(workers, strict=False)`` builds the dataset on ``workers`` without waiting for
+    refused connections and returns the workers it failed on; ``drop(address)`` forgets a
+    worker's built instance. Both are held weakly (bound methods of the owner), so the
+    membership keeps no dataset alive; a copy of the dataset (which shares its built
+    instances and this membership) binds its own, and any live owner's are used.
+    """
+
+    def __init__(
+        self,
+        workers: Sequence[str],
+        build: Callable[..., dict[str, BaseException]],
+        drop: Callable[[str], None],
+        watched: WatchedFile | Any | None = None,
+    ) -> None:
+        self.workers: list[str] = list(workers)
+        self.watched = watched  # a WatchedFile or a dnsnames.WatchedName
+        self.closed = False
+        self.listeners = Listeners()
+        self._owners: list[tuple[weakref.WeakMethod, weakref.WeakMethod]] = []
+        self.bind(build, drop)
+        self._fresh()
+        if watched is not None:
+            self._ensure_thread()
+
+    def bind(self, build: Callable[..., dict[str, BaseException]], drop: Callable[[str], None]) -> None:
+        """Add an owner's functions (a copy's, or the owner's again after a pickle)."""
+        self._owners = [(b, d) for b, d in self._owners if b() is not None]
+        self._owners.append((weakref.WeakMethod(build), weakref.WeakMethod(drop)))
+
+    def _owner(self) -> tuple[Callable[..., dict[str, BaseException]], Callable[[str], None]] | None:
+        for build, drop in self._owners:
+            b, d = build(), drop()
+            if b is not None and d is not None:
+                return b, d
+        return None
+
+    def owned(self) -> bool:
+        """Whether an owner is alive (the thread ends when none is)."""
+        return self._owner() is not None
+
+    def _fresh(self) -> None:
+        self._lock = threading.RLock()
+        self._thread: threading.Thread | None = None
+        self.lost = LostWorkers()
+
+    def forget_process(self) -> None:
+        """In a forked child: the parent's lock, thread and retries are of no use here."""
+        self._fresh()
+
+    def __getstate__(self) -> dict:
+        return {"workers": list(self.workers), "watched": self.watched, "closed": self.closed}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.listeners = Listeners()
+        self._owners = []  # the unpickled owner binds itself
+        self._fresh()
+
+    # -- what the owner asks --------------------------------------------------------------
+    def current(self) -> list[str]:
+        with self._lock:
+            return list(self.workers)
+
+    def add(self, workers: Sequence[str]) -> list[str]:
+        """Build on the workers not served yet and tell the listeners; unreachable ones are
+        retried in the background. Returns the workers that joined now."""
+        with self._lock:
+            new = [w for w in dict.fromkeys(workers) if w not in self.workers]
+            self.workers.extend(new)
+        if not new:
+            return []
+        failed = self._call_build(new)
+        for w, exc in failed.items():
+            self.mark_lost(w, exc)
+        joined = [w for w in new if w not in failed]
+        for w in joined:
+            events.worker_joined(w)  # [stats hook]
+            self.listeners.notify(w, joined=True)
+        events.flush()
+        return joined
+
+    def remove(self, workers: Sequence[str]) -> None:
+        """Stop using these workers: listeners drain them (their batches finish)."""
+        gone = list(workers)
+        with self._lock:
+            self.workers = [w for w in self.workers if w not in gone]
+            for w in gone:
+                self.lost.forget(w)
+        for w in gone:
+            self._call_drop(w)
+            events.worker_drained(w)  # [stats hook]
+            self.listeners.notify(w, joined=False)
+        events.flush()
+
+    def worker_lost(self, address: str, error: BaseException) -> None:
+        """A worker's connection failed: retry it with backoff (once, however many report it)."""
+        with self._lock:
+            if address not in self.workers or address in self.lost:
+                return
+        self.mark_lost(address, error)
+
+    def mark_lost(self, address: str, error: BaseException) -> None:
+        with self._lock:
+            self.lost.mark(address, error)
+        self._call_drop(address)
+        self._ensure_thread()
+
+    def lost_errors(self) -> dict[str, str]:
+        with self._lock:
+            return self.lost.errors()
+
+    def watch_file(self, path: str) -> None:
+        with self._lock:
+            self.watched = WatchedFile(path)
+        self._ensure_thread()
+
+    def close(self) -> None:
+        """Stop following the file or name and retrying lost workers (the thread ends)."""
+        self.closed = True
+
+    # -- the membership thread --------------------------------------------------------------
+    def _call_build(self, workers: Sequence[str]) -> dict[str, BaseException]:
+        owner = self._owner()
+        if owner is None:  # every owner is gone: nothing is built, nothing joins
+            return {w: WorkerLost(f"the dataset served by {w} is gone") for w in workers}
+        return owner[0](workers, strict=False)
+
+    def _call_drop(self, address: str) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner[1](address)
+
+    def _ensure_thread(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=_membership_loop,
+                    args=(weakref.ref(self),),
+                    name="torchfeed-membership",
+                    daemon=True,
+                )
+                self._thread.start()
+
+    def _poll_watched(self) -> None:
+        listed = self.watched.changed() if self.watched is not None else None
+        if listed is None:
+            return
+        current = self.current()
+        gone = [w for w in current if w not in listed]
+        if gone:
+            self.remove(gone)
+        fresh = [w for w in listed if w not in current]
+        if fresh:
+            self.add(fresh)
+
+    def _retry_lost(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            due = self.lost.due(now)
+        for w in due:
+            host, port = parse_address(w)
+            try:  # cheap probe first: a build waits for the full timeout
+                socket.create_connection((host, port), timeout=PROBE_TIMEOUT).close()
+                events.worker_reconnecting(w)  # [stats hook]
+                failed = self._call_build([w])
+            except Exception as exc:  # noqa: BLE001 - any failure means: try later
+                failed = {w: exc}
+            with self._lock:
+                if w not in self.lost:
+                    continue  # removed meanwhile
+                if w in failed:
+                    if events.state_of(w) == "reconnecting":
+                        events.set_state(w, "lost")
+                    self.lost.failed_again(w, failed[w])
+                    continue
+                self.lost.forget(w)
+            events.worker_joined(w)  # [stats hook] logged as "worker ... is back"
+            self.listeners.notify(w, joined=True)
+
+    def tick(self) -> None:
+        """One round of background work."""
+        events.flush()  # [stats hook] events noticed on reader threads reach the log here too
+        if self.closed:
+            return
+        if self.watched is not None:
+            try:
+                self._poll_watched()
+            except Exception as exc:  # noqa: BLE001 - keep watching
+                log.warning("could not use the workers file %s: %s", self.watched.path, exc)
+        self._retry_lost()
+
+    def idle(self) -> bool:
+        """True (and the thread forgotten) when there is nothing left to follow or retry;
+        decided under the lock that :meth:`mark_lost` takes before starting a thread."""
+        with self._lock:
+            if self.closed or not (self.watched or self.lost):
+                self._thread = None
+                return True
+            return False
+
+
+def _membership_loop(ref: weakref.ref[Membership]) -> None:
+    while True:
+        time.sleep(TICK)
+        members = ref()
+        if members is None or not members.owned():
+            return
+        try:
+            members.tick()
+        except Exception:
+            log.exception("torchfeed membership thread")
+        if members.idle():
+            return
+        del members

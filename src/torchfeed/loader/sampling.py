@@ -11,13 +11,13 @@ Seeds themselves (:func:`mix_seed`, ``INT63``) and the workers' generator states
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator, Sized
 
 import torch
 from torch.utils.data import Sampler
 
 from ..seeding import INT63, mix_seed, seed_all
+from .checks import job_ranks
 
 __all__ = ["INT63", "DistributedSampler", "mix_seed", "set_random_seeds"]
 
@@ -32,12 +32,6 @@ def set_random_seeds(base_seed: int, worker_id: int) -> None:
     randomness outside of loading.
     """
     seed_all(mix_seed(base_seed, worker_id))
-
-
-def _default_replicas() -> tuple:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size(), torch.distributed.get_rank()
-    return int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
 
 
 class DistributedSampler(Sampler[int]):
@@ -85,10 +79,13 @@ class DistributedSampler(Sampler[int]):
         start: int = 0,
         pad: bool = True,
     ):
-        default_w, default_r = _default_replicas()
+        if num_replicas is None or rank is None:
+            job_rank, job_world = job_ranks()
+            num_replicas = job_world if num_replicas is None else num_replicas
+            rank = job_rank if rank is None else rank
         self.num_samples_total = dataset if isinstance(dataset, int) else len(dataset)
-        self.num_replicas = default_w if num_replicas is None else num_replicas
-        self.rank = default_r if rank is None else rank
+        self.num_replicas = num_replicas
+        self.rank = rank
         if not 0 <= self.rank < self.num_replicas:
             raise ValueError(f"rank {self.rank} is not in [0, {self.num_replicas})")
         if not 0 <= start <= self.num_samples_total:

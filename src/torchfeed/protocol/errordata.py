@@ -2,7 +2,7 @@
 
 The worker describes an exception with plain data only (:func:`describe_exception`): its
 type's name and the names of its bases, its message, its traceback (as text and taken
-apart, see :mod:`torchfeed.tracebacks`), and its arguments and attributes when they are
+apart, see :mod:`torchfeed.protocol.tracebacks`), and its arguments and attributes when they are
 plain (strings, numbers, bytes and containers of them). The trainer loads that with no
 global allowed (:func:`torchfeed.protocol.replies.load_data`) and raises
 :class:`~torchfeed.errors.RemoteError`, also an instance of the first class of the remote
@@ -28,8 +28,9 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from .. import errors, tracebacks
+from .. import errors
 from ..errors import RemoteError, TorchfeedError
+from . import tracebacks
 from .plainclass import plain_exception
 from .replies import SAFE, Policy, loaded
 
@@ -157,7 +158,7 @@ def rebuild_remote_error(
     and ``LimitExceeded``, its reports of a request over a limit, are rebuilt as such.)
 
     Its ``remote_traceback`` shows frames of code this process sent by value with this
-    process's source (see :func:`torchfeed.tracebacks.render`).
+    process's source (see :func:`torchfeed.protocol.tracebacks.render`).
     """
     if not (
         isinstance(info, dict) and isinstance(info.get("type"), str) and isinstance(info.get("message"), str)

@@ -21,20 +21,55 @@ from .wire import Limits
 WIRE_MAX_META = (1 << 32) - 1  # the header's meta length is 32 bits
 WIRE_MAX_BUFFERS = (1 << 32) - 1
 
-_DEFAULT = Limits(
-    max_meta=int(os.environ.get("TORCHFEED_MAX_REPLY_META", WIRE_MAX_META)),
-    max_buffers=int(os.environ.get("TORCHFEED_MAX_REPLY_BUFFERS", 1 << 20)),
-    max_buffer_bytes=int(os.environ.get("TORCHFEED_MAX_REPLY_BYTES", 64 << 30)),
-)
+# each limit: (environment variable, default, least allowed, most allowed)
+ENVIRONMENT = {
+    "max_meta": ("TORCHFEED_MAX_REPLY_META", WIRE_MAX_META, 1, WIRE_MAX_META),
+    "max_buffers": ("TORCHFEED_MAX_REPLY_BUFFERS", 1 << 20, 0, WIRE_MAX_BUFFERS),
+    "max_buffer_bytes": ("TORCHFEED_MAX_REPLY_BYTES", 64 << 30, 0, None),
+}
 _lock = threading.Lock()
-_current = _DEFAULT
+_current: Limits | None = None  # read from the environment on first use, not at import
+
+
+def env_int(name: str, default: int, low: int, high: int | None = None) -> int:
+    """The integer in environment variable ``name`` (``default`` when unset or empty); ValueError
+    names the variable, what it holds and what is allowed."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    allowed = f"an integer in [{low}, {high}]" if high is not None else f"an integer >= {low}"
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not an integer: it must be {allowed}, or unset") from None
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name}={value} is out of range: it must be {allowed}, or unset")
+    return value
+
+
+def _from_environment() -> Limits:
+    return Limits(
+        max_meta=env_int(*ENVIRONMENT["max_meta"]),
+        max_buffers=env_int(*ENVIRONMENT["max_buffers"]),
+        max_buffer_bytes=env_int(*ENVIRONMENT["max_buffer_bytes"]),
+    )
+
+
+def _limits() -> Limits:
+    """The current limits (under ``_lock``): the environment's until set_reply_limits changes them."""
+    global _current
+    if _current is None:
+        _current = _from_environment()
+    return _current
+
 
 KNOB = "torchfeed.set_reply_limits"
 
 
 def reply_limits() -> Limits:
-    """The limits this process accepts for replies."""
-    return _current
+    """The limits this process accepts for replies (read from ``TORCHFEED_MAX_REPLY_*`` first)."""
+    with _lock:
+        return _limits()
 
 
 def set_reply_limits(
@@ -58,7 +93,7 @@ def set_reply_limits(
     """
     global _current
     with _lock:
-        previous = _current
+        previous = _limits()
         meta = previous.max_meta if max_meta_bytes is None else int(max_meta_bytes)
         count = previous.max_buffers if max_buffers is None else int(max_buffers)
         total = previous.max_buffer_bytes if max_buffer_bytes is None else int(max_buffer_bytes)
@@ -81,7 +116,7 @@ def _size(n: int) -> str:
 
 def check_reply(meta: bytes, buffers: Sequence, limits: Limits | None = None) -> None:
     """Raise :class:`FrameTooLarge` (a clear message) if a reply exceeds ``limits``."""
-    limits = limits or _current
+    limits = limits or reply_limits()
     meta_cap = min(limits.max_meta, WIRE_MAX_META)
     if len(meta) > meta_cap:
         raise FrameTooLarge(

@@ -29,7 +29,7 @@ import cloudpickle
 import numpy as np
 import torch
 
-from .. import tracebacks
+from . import tracebacks
 from .rebuild import (
     BROADCAST_SLACK,
     dtype_spec,

@@ -29,7 +29,7 @@ from ..errors import FrameTooLarge, ProtocolError
 MAGIC = b"TFED"
 # Changes with the framing, the handshake, or the module paths pickles name (CHANGELOG.md
 # lists what each version changed): peers of other versions are refused at the header.
-VERSION = 5
+VERSION = 6
 HEADER = struct.Struct("<4sBBHQIII")
 
 # message kinds

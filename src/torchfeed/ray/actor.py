@@ -6,7 +6,7 @@ starts the worker (a :class:`~torchfeed.LocalWorkers` child that ends with the a
 watches a pipe from it), :meth:`WorkerActor.watch` returns only when the worker stops, so
 the pool learns of a dead actor or worker from that call's result, and
 :meth:`WorkerActor.stop` stops the worker. The secret arrives as a value only after the
-pool checked the actor's node (:mod:`torchfeed.ray.transport`), or as a file path.
+pool checked the actor's node (:mod:`torchfeed.ray.nodes`), or as a file path.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..protocol import auth
 
 
 class WorkerActor:
-    """The body of a worker actor (made a Ray actor class by :func:`torchfeed.ray.pool.actor_class`)."""
+    """The body of a worker actor (made a Ray actor class by :func:`torchfeed.scaling.ray_pool.actor_class`)."""
 
     def __init__(self) -> None:
         self.workers: LocalWorkers | None = None

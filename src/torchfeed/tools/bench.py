@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from ..util import cpu_count
-from . import bench_cache, bench_epochs
+from . import BENCH_CASES, bench_cache, bench_epochs
 from . import measure as measure_module
 from .measure import (
     BIG,
@@ -184,13 +184,22 @@ def case_stall(ctx: Context) -> Result:
     )
 
 
-CASES: dict[str, tuple[Callable[[Context], Result], str]] = {
-    "cpu": (case_cpu, "Pillow JPEG decode + random crop, batch 32: samples/s"),
-    "transfer": (case_transfer, "ready 3x224x224 float32 tensors, batch 64 (38.5 MB): MB/s"),
-    "overhead": (case_overhead, "tiny samples, batch_size=1: items/s"),
-    "straggler": (case_straggler, "4 sleep-bound workers, one 4x slower: % of ideal rate"),
-    "stall": (case_stall, "4 sleep-bound workers, one 4x slower, one stalling 5 s every 50 batches"),
+# each case of BENCH_CASES (tools/__init__.py: names and what they measure) -> its function
+RUNNERS: dict[str, Callable[[Context], Result]] = {
+    "cpu": case_cpu,
+    "transfer": case_transfer,
+    "overhead": case_overhead,
+    "straggler": case_straggler,
+    "stall": case_stall,
+    # epoch boundaries, the trainer's cost per batch, shared workers: bench_epochs.py
+    "epochs": bench_epochs.case_epochs,
+    "tiny": bench_epochs.case_tiny,
+    "shared": bench_epochs.case_shared,
+    # torchfeed.cached (decode once): bench_cache.py
+    "cache": bench_cache.case_cache,
 }
+CASES = list(BENCH_CASES)  # the case names, in their listed order
+assert sorted(RUNNERS) == sorted(BENCH_CASES), "every listed benchmark case has its function"
 
 
 # -- running and reporting -----------------------------------------------------------------
@@ -243,8 +252,8 @@ def run_cases(
         warnings.filterwarnings("ignore", message="This DataLoader will create")
         ctx = Context(lw, workers, seconds, repeats, log)
         for name in names:
-            log(f"case {name}: {CASES[name][1]}")
-            results.append(CASES[name][0](ctx))
+            log(f"case {name}: {BENCH_CASES[name]}")
+            results.append(RUNNERS[name](ctx))
     return results
 
 
@@ -342,27 +351,3 @@ def run_bench(args) -> int:
         timeline.plot(plot, title="torchfeed bench: " + ", ".join(r.case for r in results))
         print(f"plot of the torchfeed runs (per-worker samples/s, the trainer's wait): {plot}")
     return 0
-
-
-# epoch boundaries, the trainer's cost per batch, shared workers: bench_epochs.py
-CASES.update(
-    {
-        "epochs": (
-            bench_epochs.case_epochs,
-            "4 sleep-bound workers, one 4x slower, 5 passes of 64 batches with the gaps between them",
-        ),
-        "tiny": (
-            bench_epochs.case_tiny,
-            "tiny samples, batch_size=1: items/s and the trainer's CPU per batch",
-        ),
-        "shared": (
-            bench_epochs.case_shared,
-            "48 sleep-bound workers shared by 4 trainer processes: % of ideal",
-        ),
-    }
-)
-# torchfeed.cached (decode once): bench_cache.py
-CASES["cache"] = (
-    bench_cache.case_cache,
-    "600 JPEGs decoded + resized once (torchfeed.cached), random crop + flip each time: epoch 2 vs epoch 1",
-)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cache import parse_size
+from .samplestore import parse_size
 from .names import parse_reachable
 from .objects import ConnectionLimits
 

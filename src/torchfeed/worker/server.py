@@ -52,16 +52,16 @@ import threading
 import time
 from collections.abc import Sequence
 
-from ..addrfile import announce, read_address_file  # noqa: F401  (read_address_file: old import path)
 from ..protocol import auth, wire
-from . import cache as workercache
-from . import stats as workerstats
-from .connection import ServerConnection
+from ..protocol.addrfile import announce, read_address_file  # noqa: F401  (read_address_file: old import path)
+from . import counters as workerstats
+from . import samplestore as workercache
 from .doorman import Doorman
 from .fair import FairQueue
 from .names import Names
 from .objects import Budget, ConnectionLimits, Registry
 from .options import HANDSHAKE_TIMEOUT, WorkerOptions
+from .serverconn import ServerConnection
 
 log = logging.getLogger("torchfeed.worker")
 
@@ -300,7 +300,7 @@ def run_worker(
     )
     metrics = None
     if options.metrics_port is not None:
-        from .metrics import serve_worker
+        from .prometheus import serve_worker
 
         metrics_host = host if options.metrics_host is None else options.metrics_host
         try:

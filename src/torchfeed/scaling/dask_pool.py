@@ -1,6 +1,6 @@
 """A torchfeed worker on every Dask worker, as the cluster grows and shrinks (:class:`Pool`).
 
-The pool implements :class:`torchfeed.pools.Pool` for :func:`torchfeed.autoscale` on any
+The pool implements :class:`torchfeed.scaling.pool.Pool` for :func:`torchfeed.autoscale` on any
 Dask cluster that scales (``LocalCluster``, dask-jobqueue's ``SLURMCluster``,
 dask-kubernetes): ``scale(n)`` calls ``cluster.scale(n)``; a Dask worker plugin starts one
 ``torchfeed worker`` process next to each Dask worker, including the ones that join later,
@@ -12,7 +12,7 @@ The plugin, which the scheduler hands to every Dask worker (also to the ones tha
 later), carries no secret: only a ``secret_file`` path, when one is given. A secret given
 by value is sent to each Dask worker on its own, once the pool's thread has seen it join and
 decided that its connection is encrypted or stays on this machine (TLS, or a loopback
-address: dask/transport.py); a worker that is not is refused, said once under
+address: dask/comms.py); a worker that is not is refused, said once under
 ``torchfeed.dask`` with the reason, and its torchfeed worker never starts
 (``allow_insecure=True`` sends to every worker). The scheduler's own address is checked
 when the pool is made, as for :func:`start_workers`.
@@ -32,10 +32,10 @@ from typing import Any
 import distributed
 from distributed.comm.addressing import get_address_host
 
+from ..dask.comms import in_clear
+from ..dask.workers import WorkerProcesses, export, prepare_secret, unexport
 from ..protocol import auth
 from ..worker.options import WorkerOptions
-from .transport import in_clear
-from .workers import WorkerProcesses, export, prepare_secret, unexport
 
 log = logging.getLogger("torchfeed.dask")
 
@@ -132,7 +132,7 @@ async def _stop_here(dask_worker=None) -> None:
 
 
 class Pool:
-    """torchfeed workers on a Dask cluster that scales: a :class:`torchfeed.pools.Pool`.
+    """torchfeed workers on a Dask cluster that scales: a :class:`torchfeed.scaling.pool.Pool`.
 
     One ``torchfeed worker`` process runs next to each Dask worker (give it more
     executor threads with ``parallel``); Dask workers that join later get theirs too.

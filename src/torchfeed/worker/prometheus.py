@@ -1,8 +1,8 @@
 """A worker's figures for Prometheus: ``torchfeed worker --metrics-port PORT``.
 
 Nothing here counts anything: :class:`WorkerCollector` reads, at each scrape, what the
-worker already keeps for ``torchfeed top`` (:class:`~torchfeed.worker.stats.Counters`,
-the process-wide :data:`~torchfeed.worker.stats.served`, the sample cache's figures) and
+worker already keeps for ``torchfeed top`` (:class:`~torchfeed.worker.counters.Counters`,
+the process-wide :data:`~torchfeed.worker.counters.served`, the sample cache's figures) and
 turns it into metric families named after Prometheus' conventions (base units in the
 names, ``_total`` on counters). :class:`MetricsServer` serves a registry over HTTP
 (Prometheus text or OpenMetrics, as the scraper asks) from one thread it owns and stops.
@@ -17,8 +17,8 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from . import cache as workercache
-from . import stats as workerstats
+from . import counters as workerstats
+from . import samplestore as workercache
 
 log = logging.getLogger("torchfeed.metrics")
 

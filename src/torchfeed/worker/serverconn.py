@@ -30,7 +30,7 @@ from ..protocol import codec, errordata, serialize, wire
 from ..protocol.buffers import allocate
 from ..protocol.channel import CHUNK
 from ..protocol.limits import check_reply
-from . import stats as workerstats
+from . import counters as workerstats
 from .fair import FairQueue
 from .objects import Budget, ConnectionLimits, Registry
 

@@ -16,8 +16,8 @@ import stat
 import sys
 from collections.abc import Iterator
 
-from .errors import TorchfeedError
-from .util import atomic_write
+from ..errors import TorchfeedError
+from ..util import atomic_write
 
 
 class UnsafeAddressFile(TorchfeedError, PermissionError):

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from ..protocol import wire
-from . import cache as workercache
+from . import samplestore as workercache
 
 _RATE_SECONDS = 0.9  # rates are measured over the last 1 to 2 seconds (the keeper ticks every second)
 

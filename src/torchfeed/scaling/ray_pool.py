@@ -8,7 +8,7 @@ nodes the trainers use. Ray schedules; the pool only asks:
   (``ray.autoscaler.sdk.request_resources``); actors that stay unplaced for
   ``place_timeout`` seconds are reported once per request, with what Ray says it has;
 * an actor is started in two steps: it is placed and says on which node; the pool checks
-  that the secret may travel there (:mod:`torchfeed.ray.transport`) and only then sends it
+  that the secret may travel there (:mod:`torchfeed.ray.nodes`) and only then sends it
   (or a secret file's path) with the call that starts the worker;
 * ``retire(addresses)`` stops those (drained) workers and kills their actors;
 * an actor or worker that dies (a node lost, ``ray.kill``) leaves :meth:`Pool.addresses`;
@@ -32,8 +32,8 @@ from typing import Any
 import ray
 
 from ..protocol import auth
-from . import transport
-from .actor import WorkerActor
+from ..ray import nodes
+from ..ray.actor import WorkerActor
 
 log = logging.getLogger("torchfeed.ray")
 
@@ -80,7 +80,7 @@ class _Member:
 
 
 class Pool:
-    """torchfeed workers as Ray actors: a :class:`torchfeed.pools.Pool` (see the module docstring).
+    """torchfeed workers as Ray actors: a :class:`torchfeed.scaling.pool.Pool` (see the module docstring).
 
     Parameters
     ----------
@@ -314,12 +314,10 @@ class Pool:
             reason = (
                 None
                 if self._file is not None or self.allow_insecure
-                else transport.clear_reason(self.driver_ip, value)
+                else nodes.clear_reason(self.driver_ip, value)
             )
             if reason is not None:
-                self._say_once(
-                    "clear", transport.refusal(f"torchfeed.ray.Pool (an actor on {value})", reason)
-                )
+                self._say_once("clear", nodes.refusal(f"torchfeed.ray.Pool (an actor on {value})", reason))
                 self._drop(key, m)
                 with self._lock:
                     self._target = max(self._target - 1, 0)

@@ -31,10 +31,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .loader.dataset import RemoteDataset
-from .loader.views import Source
-from .pools import Pool
-from .scaling import Decision, Policy, Reading
+from ..loader.dataset import RemoteDataset
+from ..loader.views import Source
+from .policy import Decision, Policy, Reading
+from .pool import Pool
 
 log = logging.getLogger("torchfeed.autoscale")
 
@@ -73,7 +73,7 @@ class Autoscaler:
         if not isinstance(pool, Pool):
             raise TypeError(
                 f"autoscale needs a pool with addresses(), requested(), scale(n), retire(addresses) and "
-                f"close() (torchfeed.pools.Pool), got {type(pool).__name__}"
+                f"close() (torchfeed.scaling.pool.Pool), got {type(pool).__name__}"
             )
         if interval <= 0 or window < interval:
             raise ValueError(f"need 0 < interval <= window, got interval={interval}, window={window}")
@@ -361,7 +361,7 @@ def autoscale(
     loader : RemoteDataLoader
         The loader whose wait drives the decisions; its dataset (a RemoteDataset, or a view of
         RemoteDatasets) gains and loses the workers.
-    pool : torchfeed.pools.Pool
+    pool : torchfeed.scaling.pool.Pool
         E.g. ``torchfeed.dask.Pool(cluster)`` or ``torchfeed.cluster.SlurmPool(...)``.
     min_workers, max_workers : int
         Bounds (``max_workers`` None: no upper bound but the pool's).

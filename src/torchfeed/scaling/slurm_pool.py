@@ -1,6 +1,6 @@
 """A pool of torchfeed workers run as Slurm jobs: what :func:`torchfeed.autoscale` sizes on Slurm.
 
-:class:`SlurmPool` implements :class:`torchfeed.pools.Pool`. Growing submits one job array
+:class:`SlurmPool` implements :class:`torchfeed.scaling.pool.Pool`. Growing submits one job array
 (one ``sbatch`` call, however many workers: one request to slurmctld, one line in ``squeue``
 for the pending ones) whose tasks each run one ``torchfeed worker``; a task is retired by
 cancelling it alone (``scancel ARRAY_TASK``). Each worker appends its ``host:port`` to a
@@ -26,12 +26,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..addrfile import UnsafeAddressFile, read_address_file
+from ..cluster import private
+from ..cluster.slurm import render_template
 from ..errors import Timeout, TorchfeedError
 from ..protocol import auth
+from ..protocol.addrfile import UnsafeAddressFile, read_address_file
 from ..worker.options import WorkerOptions
-from . import private
-from .slurm import render_template
 
 log = logging.getLogger("torchfeed.cluster")
 

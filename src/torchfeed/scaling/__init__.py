@@ -1,0 +1,41 @@
+"""Autoscaling: :func:`torchfeed.autoscale` and everything it drives, in one place.
+
+- :mod:`~torchfeed.scaling.policy`: when to grow or shrink (pure decisions from readings);
+- :mod:`~torchfeed.scaling.controller`: the controller thread behind :func:`torchfeed.autoscale`;
+- :mod:`~torchfeed.scaling.pool`: what a pool of workers offers the controller;
+- the pools on each engine: :mod:`~torchfeed.scaling.dask_pool`,
+  :mod:`~torchfeed.scaling.ray_pool` and :mod:`~torchfeed.scaling.slurm_pool` (also importable
+  as ``torchfeed.dask.Pool``, ``torchfeed.ray.Pool`` and ``torchfeed.cluster.SlurmPool``).
+
+Names are imported on first use: the engines' pools import Dask or Ray, the controller torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..util import lazy_exports
+
+_EXPORTS = {
+    "Autoscaler": "controller",
+    "Decision": "policy",
+    "Policy": "policy",
+    "Pool": "pool",
+    "Reading": "policy",
+    "autoscale": "controller",
+}
+
+__all__ = ["Autoscaler", "Decision", "Policy", "Pool", "Reading", "autoscale"]
+assert sorted(__all__) == sorted(_EXPORTS)
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from .controller import Autoscaler, autoscale
+    from .policy import Decision, Policy, Reading
+    from .pool import Pool
