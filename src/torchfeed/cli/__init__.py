@@ -11,8 +11,8 @@ import argparse
 import sys
 
 from .. import __version__
-from . import worker
 from ..tools import BENCH_CASES  # `torchfeed bench` cases (light: the runners import torch)
+from . import worker
 
 
 class Parser(argparse.ArgumentParser):

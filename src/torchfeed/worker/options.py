@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .samplestore import parse_size
 from .names import parse_reachable
 from .objects import ConnectionLimits
+from .samplestore import parse_size
 
 HANDSHAKE_TIMEOUT = 10.0  # seconds a new connection has to authenticate
 _LIMITS = ConnectionLimits()  # the per-client and per-worker bounds' defaults
