@@ -365,19 +365,20 @@ def _cached_shards(shared: Shared, then: Callable | None):
             f"cached() supports map-style datasets and torchfeed.datasets.Shards; {type(instance).__qualname__} "
             "is an IterableDataset without open_shard: cache its map-style source, or read it through Shards"
         )
-    counts, peers = Counts(), Peers()
-    instance.open_shard = _ShardOpener(shared, open_shard, then, counts, peers)
-    instance.torchfeed_cache = (shared, counts, peers)  # what lane_address, set_peers and counts read
+    opener = _ShardOpener(shared, open_shard, then, Counts(), Peers())
+    instance.open_shard = opener
+    instance.torchfeed_cache = opener  # its counts and peers: what set_peers and counts read
     return instance
 
 
-def _parts(dataset) -> tuple[Counts, Peers]:
+def _parts(dataset) -> CachedDataset | _ShardOpener:
+    """What holds a cached dataset's ``counts`` and ``peers`` (itself, or its shard opener)."""
     if isinstance(dataset, CachedDataset):
-        return dataset.counts, dataset.peers
+        return dataset
     found = getattr(dataset, "torchfeed_cache", None)
-    if found is None:
+    if not isinstance(found, _ShardOpener):
         raise TypeError(f"{type(dataset).__qualname__} is not a cached dataset")
-    return found[1], found[2]
+    return found
 
 
 # -- lanes: run on the workers -----------------------------------------------------------------
@@ -402,12 +403,12 @@ def lane_address(dataset) -> str | None:
 
 def set_peers(dataset, lanes: list[str], me: str | None) -> None:
     """Runs on a worker: the lanes of the workers ``dataset`` is built on, this one's among them."""
-    _parts(dataset)[1].set([lane for lane in lanes if lane], me)
+    _parts(dataset).peers.set([lane for lane in lanes if lane], me)
 
 
 def counts(dataset) -> dict[str, int]:
     """Runs on a worker: this dataset's hits and misses here, and the worker's cached bytes."""
-    c = _parts(dataset)[0]
+    c = _parts(dataset).counts
     figures = store_module.store.figures()
     return {"hits": c.hits, "misses": c.misses, "bytes": figures.bytes, "budget": figures.budget}
 

@@ -152,9 +152,10 @@ def _figures(value: Any) -> dict | None:
 
 class Probe:
     """The trainer's view of a cached dataset's hits, read from its workers: when a pass starts
-    (the base its figures count from), at most every :data:`_EVERY` seconds while ``stats()`` is
-    called during the pass (without blocking: the answer shows at a later call), and once more
-    when the pass finishes (waited for: the figures of a finished pass are final)."""
+    (the base its figures count from), at the first ``stats()`` of the pass and then at most
+    every :data:`_EVERY` seconds while it is called (without blocking: an answer shows at a
+    later call), and once more when the pass finishes (waited for: the figures of a finished
+    pass are final)."""
 
     def __init__(self, dataset):
         self.dataset = dataset  # a RemoteDataset over a cached() factory
@@ -195,7 +196,7 @@ class Probe:
             self._readings += 1
             number = self._started = self._readings
             self._final = False
-            self._asked = time.monotonic()
+            self._asked = 0.0  # the first stats() of the pass asks again: a short pass shows a rate too
             self.base = None
             self._base_asked = futs
         self._collect(number, futs)
@@ -259,7 +260,8 @@ class Probe:
         hits = misses = 0
         for w, f in latest.items():
             b = base.get(w, {})
-            hits += f["hits"] - b.get("hits", 0)
-            misses += f["misses"] - b.get("misses", 0)
+            # (a reading can run a moment before the base on a worker's other executor)
+            hits += max(f["hits"] - b.get("hits", 0), 0)
+            misses += max(f["misses"] - b.get("misses", 0), 0)
         rate = hits / (hits + misses) if hits + misses > 0 else None
         return rate, latest
