@@ -175,6 +175,30 @@ def test_loader_stats_show_the_hit_rate(workers2):
     assert "cache" in s.table()
 
 
+def _hits(ds) -> tuple[int, int]:
+    """The dataset's hits and misses on its workers now, summed."""
+    from torchfeed.loader.cache import counts
+
+    got = [client.rpc_async(w, counts, args=(ds.ref(w),)).wait() for w in ds.workers]
+    return sum(f["hits"] for f in got), sum(f["misses"] for f in got)
+
+
+def test_hit_rate_is_final_when_a_short_pass_ends(workers2):
+    """A pass's figures are read from the workers when it ends: right after a pass (even one
+    shorter than the probe's polling period), stats() gives that pass's hit rate and a cache line."""
+    ds = RemoteDataset(workers2, torchfeed.cached(cd.Decoded, then=cd.augment), 17)
+    loader = RemoteDataLoader(ds, batch_size=4, straggler_factor=None)
+    for _ in range(3):  # the first pass decodes (misses), the next ones find samples cached
+        hits, misses = _hits(ds)
+        list(loader)
+        s = loader.stats()
+        now_hits, now_misses = _hits(ds)
+        hits, misses = now_hits - hits, now_misses - misses
+        assert hits + misses == 17
+        assert s.cache_hit_rate == hits / 17, (s.cache_hit_rate, hits, misses)
+        assert "cache: " in s.table()
+
+
 @pytest.mark.parametrize(
     "text, size",
     [("512MiB", 512 << 20), ("8GiB", 8 << 30), ("1.5G", 3 << 29), ("100MB", 10**8), ("0", 0), ("4096", 4096)],

@@ -365,19 +365,20 @@ def _cached_shards(shared: Shared, then: Callable | None):
             f"cached() supports map-style datasets and torchfeed.datasets.Shards; {type(instance).__qualname__} "
             "is an IterableDataset without open_shard: cache its map-style source, or read it through Shards"
         )
-    counts, peers = Counts(), Peers()
-    instance.open_shard = _ShardOpener(shared, open_shard, then, counts, peers)
-    instance.torchfeed_cache = (shared, counts, peers)  # what lane_address, set_peers and counts read
+    opener = _ShardOpener(shared, open_shard, then, Counts(), Peers())
+    instance.open_shard = opener
+    instance.torchfeed_cache = opener  # its counts and peers: what set_peers and counts read
     return instance
 
 
-def _parts(dataset) -> tuple[Counts, Peers]:
+def _parts(dataset) -> CachedDataset | _ShardOpener:
+    """What holds a cached dataset's ``counts`` and ``peers`` (itself, or its shard opener)."""
     if isinstance(dataset, CachedDataset):
-        return dataset.counts, dataset.peers
+        return dataset
     found = getattr(dataset, "torchfeed_cache", None)
-    if found is None:
+    if not isinstance(found, _ShardOpener):
         raise TypeError(f"{type(dataset).__qualname__} is not a cached dataset")
-    return found[1], found[2]
+    return found
 
 
 # -- lanes: run on the workers -----------------------------------------------------------------
@@ -402,12 +403,12 @@ def lane_address(dataset) -> str | None:
 
 def set_peers(dataset, lanes: list[str], me: str | None) -> None:
     """Runs on a worker: the lanes of the workers ``dataset`` is built on, this one's among them."""
-    _parts(dataset)[1].set([lane for lane in lanes if lane], me)
+    _parts(dataset).peers.set([lane for lane in lanes if lane], me)
 
 
 def counts(dataset) -> dict[str, int]:
     """Runs on a worker: this dataset's hits and misses here, and the worker's cached bytes."""
-    c = _parts(dataset)[0]
+    c = _parts(dataset).counts
     figures = store_module.store.figures()
     return {"hits": c.hits, "misses": c.misses, "bytes": figures.bytes, "budget": figures.budget}
 
@@ -464,73 +465,3 @@ def link_peers(session, refs: dict, timeout: float, secret) -> None:
         },
         timeout,
     )
-
-
-class Probe:
-    """The trainer's view of a cached dataset's hits (polled without blocking ``stats()``)."""
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-        self._lock = threading.Lock()
-        self.latest: dict[str, dict] = {}
-        self.base: dict[str, dict] | None = None
-        self._asked = 0.0
-        self._want_base = False
-
-    def pass_started(self) -> None:
-        with self._lock:
-            self._want_base = True
-            self._asked = 0.0
-        self.refresh()
-
-    def refresh(self, every: float = 0.5) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._asked < every:
-                return
-            self._asked = now
-            as_base = self._want_base
-            self._want_base = False
-        ds = self.dataset
-        futs = {}
-        for w in ds.alive_workers():
-            try:
-                futs[w] = ds.session.rpc_async(
-                    w, counts, args=(ds.ref(w),), timeout=ds.timeout, secret=ds.secret
-                )
-            except Exception:  # noqa: BLE001 - a worker gone meanwhile: no figures from it
-                continue
-        if not futs:
-            return
-        left = [len(futs)]
-        got: dict[str, dict] = {}
-
-        def one(w: str, f) -> None:
-            try:
-                value = f.value()
-                if isinstance(value, dict) and all(isinstance(v, int) for v in value.values()):
-                    got[w] = value
-            except Exception:  # noqa: BLE001 - no figures from a failed worker
-                pass
-            with self._lock:
-                left[0] -= 1
-                if left[0] == 0:
-                    self.latest = got
-                    if as_base or self.base is None:
-                        self.base = dict(got)
-
-        for w, f in futs.items():
-            f.add_done_callback(lambda f, w=w: one(w, f))
-
-    def figures(self) -> tuple[float | None, dict[str, dict]]:
-        """The hit rate since the pass started (None before it is known) and per-worker figures."""
-        self.refresh()
-        with self._lock:
-            latest, base = self.latest, self.base or {}
-        hits = misses = 0
-        for w, f in latest.items():
-            b = base.get(w, {})
-            hits += f["hits"] - b.get("hits", 0)
-            misses += f["misses"] - b.get("misses", 0)
-        rate = hits / (hits + misses) if hits + misses > 0 else None
-        return rate, latest

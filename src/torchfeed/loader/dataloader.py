@@ -23,6 +23,7 @@ from . import arguments, cache, checks, prefetch, resume
 from .dataset import RemoteDataset
 from .iterable import IterablePass
 from .passes import MapPass
+from .passstats import PassStats, Probe
 from .pending import PendingPass
 from .plan import LoaderConfig, LoaderFetchers, PassPlan, new_pass_id
 from .sampling import mix_seed
@@ -179,7 +180,7 @@ class RemoteDataLoader(DataLoader[T_co]):
         self._source = source
         # a cached dataset: its hits, polled from the workers without blocking stats()
         cached = isinstance(dataset, RemoteDataset) and cache.is_cached(dataset.factory)
-        self._cache_probe = cache.Probe(dataset) if cached else None
+        self._cache_probe = Probe(dataset) if cached else None
         self.num_workers = len(source.workers) if num_workers is None else num_workers
         self._num_streams = num_workers  # iterable-style: the number of streams (None: one per worker)
         # (pass id, weakref, snapshot once closed) of the latest iterable-style pass
@@ -246,7 +247,7 @@ class RemoteDataLoader(DataLoader[T_co]):
         self._estimates: dict = {}  # seconds per batch of each worker, from the latest pass
         self._head: prefetch.Head | None = None  # the next pass's first batches, prefetched
         self._prefetch = True  # load the next pass's first batches ahead when it is predictable
-        self._accounting = stats.Accounting()  # [stats hook] see stats.py
+        self._accounting = stats.Accounting()  # what stats() reads; every pass reports into it
         self._initialized = True
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -382,10 +383,8 @@ class RemoteDataLoader(DataLoader[T_co]):
             on_estimates=self._keep_estimates,
             on_snapshot=self._iterable_closed,
             next_head=self._prefetch_next,
-            stats=self._accounting,
+            stats=PassStats(self._accounting, self._cache_probe),
         )
-        if self._cache_probe is not None:
-            self._cache_probe.pass_started()
         if self._source.iterable:
             streams = resume_from.get("streams") if resume_from is not None else None
             count = self._stream_count()
@@ -428,7 +427,7 @@ class RemoteDataLoader(DataLoader[T_co]):
         """A map-style pass closed: its per-worker batch times seed the next pass's scheduler."""
         self._estimates = estimates
 
-    # -- statistics [stats hook] -------------------------------------------------
+    # -- statistics -------------------------------------------------
     def stats(self) -> stats.LoaderStats:
         """Is the trainer waiting for data? A :class:`torchfeed.LoaderStats` snapshot, cheap
         enough to call every step: the share of time ``__next__`` waited (this pass and the

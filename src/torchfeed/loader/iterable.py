@@ -23,24 +23,35 @@ the order depends on timing anyway, and a slow worker then does not hold the oth
 
 from __future__ import annotations
 
-import threading
-import time
 import weakref
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
-from .. import client, errors, events, notices
+from .. import errors, events
 from ..client import wait_all
 from ..client.refs import RemoteRef
 from ..errors import RemoteError, Timeout, WorkerLost
 from ..protocol.errordata import rebuild_remote_error
 from . import reported
-from .plan import loader_length, new_pass_id, quiet
+from .basepass import Delivery, Pass
+from .plan import PassPlan, new_pass_id, quiet
 from .sampling import INT63
 from .streams import BATCH, END, ERROR, NEED, open_stream, shard_order, shard_plan
 
-_POLL = 0.05
 SNAPSHOT_FORMAT = "torchfeed.streams/1"  # a format name, not a module path: kept for saved states
+
+
+@dataclass(frozen=True, slots=True)
+class _Result:
+    """One numbered reply of a stream: a batch, its end or an error (``kind``), and where the
+    stream's iterator stood after it (``state``, ``rng``, the shard grants it had ``taken``)."""
+
+    kind: int
+    payload: Any
+    state: bytes | None
+    rng: bytes | None
+    taken: int
 
 
 class _Slot:
@@ -53,7 +64,7 @@ class _Slot:
         self.incarnation = 0  # bumped on every (re)open; older replies are ignored
         self.opening = False
         self.delivered = 0  # batches yielded to the user
-        self.results: dict[int, tuple] = {}
+        self.results: dict[int, _Result] = {}
         self.inflight = 0
         self.ended = False
         self.state: bytes | None = None  # captured with the last delivered batch
@@ -73,24 +84,25 @@ class _Slot:
         }
 
 
-class IterablePass:
+class IterablePass(Pass):
     """Trainer side: one pass over an iterable-style RemoteDataset."""
 
+    length_source = "its dataset"
+
     def __init__(
-        self, plan, resume: dict | None = None, *, stream_count: int = 1, ranks: tuple[int, int] = (0, 1)
+        self,
+        plan: PassPlan,
+        resume: dict | None = None,
+        *,
+        stream_count: int = 1,
+        ranks: tuple[int, int] = (0, 1),
     ):
-        self._config = config = plan.config
-        self._plan = plan
-        self._source = plan.source
-        self._timeout = config.timeout
+        super().__init__(plan)
+        config = plan.config
         self._credits = config.prefetch_factor
         self._pin = config.pin_memory
         self._policy = config.reply_policy
         self._compression = config.compression
-        self._cond = threading.Condition()
-        self._notices = notices.Pending()
-        self._closed = False
-        self._fatal: BaseException | None = None
         self._lost: dict[str, BaseException] = {}
         self._said_replay = False
         self._pass_id = new_pass_id()
@@ -114,19 +126,12 @@ class IterablePass:
                 slot.state, slot.rng, slot.taken = saved["state"], saved["rng"], saved["taken"]
                 slot.latest_taken = slot.taken
                 slot.grants = list(saved["grants"])
-        self._acc = plan.stats  # [stats hook] per-worker counts, the trainer's wait
         self._samples = config.batch_size or 1
-        self._acc_pass = self._acc.pass_started(workers, self.inflight) if self._acc is not None else 0
-        with self._cond:
+        self._stats.started(workers, self.inflight)
+        with self._lock:
             for slot in self._slots:
                 if not slot.ended:
                     self._open_locked(slot, workers[slot.index % len(workers)])
-
-    def __iter__(self):
-        return self
-
-    def __len__(self) -> int:
-        return loader_length(self._config, "its dataset")
 
     # -- workers --------------------------------------------------------------------
     def inflight(self) -> dict[str, int]:
@@ -182,7 +187,7 @@ class IterablePass:
         workers = [
             w
             for w in self._source.alive_workers()
-            if w not in self._lost and fetchers.get(w) is not None and not fetchers.get(w).closed
+            if w not in self._lost and (fetcher := fetchers.get(w)) is not None and not fetcher.closed
         ]
         if not workers:
             return None
@@ -200,7 +205,7 @@ class IterablePass:
         state, rng, taken = slot.state, slot.rng, slot.taken
         if position != slot.delivered:  # batches held here: start after the last of them
             last = slot.results[position - 1]
-            state, rng, taken = last[2], last[3], last[4]
+            state, rng, taken = last.state, last.rng, last.taken
         if self._dynamic:
             slot.latest_taken = taken
         start = {
@@ -244,12 +249,12 @@ class IterablePass:
 
     def _contiguous(self, slot: _Slot) -> int:
         n = 0
-        while slot.results.get(slot.delivered + n, (END,))[0] == BATCH:
+        while (result := slot.results.get(slot.delivered + n)) is not None and result.kind == BATCH:
             n += 1
         return n
 
     def _on_opened(self, slot: _Slot, incarnation: int, worker: str, ok: bool, value: Any) -> None:
-        with self._cond:
+        with self._lock:
             if self._closed or incarnation != slot.incarnation:
                 if ok:
                     value.release()
@@ -262,7 +267,7 @@ class IterablePass:
                 self._worker_lost(worker, value)  # (a remote OSError is the dataset's: raised)
             else:
                 self._fatal = self._fatal or value
-            self._cond.notify_all()
+            self._ready.notify_all()
 
     def _worker_lost(self, worker: str, exc: BaseException) -> None:
         """Move the streams of a lost worker elsewhere (lock held)."""
@@ -273,9 +278,8 @@ class IterablePass:
             if quiet(exc):  # closed on purpose by this process (close_connections, exit)
                 events.closed(worker)
             else:
-                events.worker_lost(worker, exc, moved)  # [stats hook]
-            if self._acc is not None:
-                self._acc.requeued(worker, moved)
+                events.worker_lost(worker, exc, moved)
+            self._stats.requeued(worker, moved)
         for slot in self._slots:
             if slot.worker == worker and not slot.ended:
                 # keep what arrived in order; drop what came after a gap (it is made again)
@@ -337,14 +341,14 @@ class IterablePass:
         return [shard]
 
     def _on_result(self, slot: _Slot, incarnation: int, ok: bool, value: Any) -> None:
-        with self._cond:
+        with self._lock:
             if self._closed or incarnation != slot.incarnation or slot.ended:
                 return
             try:
                 self._record(slot, ok, value)
             except Exception as exc:  # noqa: BLE001 - a malformed reply (or a bug) ends the pass, said
                 self._fatal = self._fatal or exc
-            self._cond.notify_all()
+            self._ready.notify_all()
 
     def _record(self, slot: _Slot, ok: bool, value: Any) -> None:
         """A reply of ``slot``'s current incarnation (lock held)."""
@@ -359,39 +363,17 @@ class IterablePass:
             else:
                 if kind == ERROR:
                     payload = rebuild_remote_error(slot.worker, payload, policy=self._policy)
-                slot.results[number] = (kind, payload, state, rng, taken)
-                if kind == BATCH and self._acc is not None:  # [stats hook]
-                    self._acc.delivered(
-                        slot.worker, self._samples, client.reply_bytes(), None, *client.reply_wire()
-                    )
+                slot.results[number] = _Result(kind, payload, state, rng, taken)
+                if kind == BATCH:
+                    self._stats.reply(slot.worker, self._samples)
                 self._top_up(slot)
         elif isinstance(value, (RemoteError, errors.SerializationError)):
             self._fatal = self._fatal or value
         else:
             self._worker_lost(slot.worker, value)  # a lost connection
 
-    # -- consumer ------------------------------------------------------------------------
-    def __next__(self):
-        acc = self._acc
-        entered = acc.enter() if acc is not None else 0.0  # [stats hook]
-        done = False
-        try:
-            batch = self._next()
-            done = True
-        except (StopIteration, KeyboardInterrupt):
-            self.close()
-            raise
-        finally:
-            self._notices.emit()
-            events.flush()
-            if acc is not None and not done:
-                acc.left()  # the wait counts as waited (a caught Timeout, the end)
-        if acc is not None:
-            acc.consumed(entered, self._samples)
-            acc.inspect(batch)
-        return batch
-
-    def _ready(self, slot: _Slot) -> bool:
+    # -- consumer (basepass.Pass.__next__ waits; these look, lock held) --------------------
+    def _has_batch(self, slot: _Slot) -> bool:
         return slot.delivered in slot.results
 
     def _choose(self) -> _Slot | None:
@@ -403,50 +385,47 @@ class IterablePass:
             return live[start]
         for k in range(len(live)):  # any stream with a batch ready, in turn
             slot = live[(start + k) % len(live)]
-            if self._ready(slot):
+            if self._has_batch(slot):
                 return slot
         return live[start]
 
-    def _next(self):
-        deadline = time.monotonic() + self._timeout if self._timeout else None
-        with self._cond:
-            while True:
-                if self._closed:
-                    raise StopIteration
-                slot = self._choose()
-                if slot is None:
-                    self._plan.progress.finished = True
-                    self._close_locked()
-                    raise StopIteration
-                result = slot.results.pop(slot.delivered, None)
-                if result is not None:
-                    kind, payload, state, rng, taken = result
-                    live = [s for s in self._slots if not s.ended]
-                    slot.delivered += 1
-                    if kind == END:
-                        slot.ended = True
-                        if slot.ref is not None:
-                            slot.ref.release()
-                        continue
-                    self._turn = (live.index(slot) + 1) % len(live)
-                    if kind == BATCH and state is not None:
-                        slot.state, slot.rng, slot.taken = state, rng, taken
-                    self._plan.progress.batches += 1
-                    self._top_up(slot)
-                    if kind == ERROR:
-                        raise payload
-                    return payload
-                if self._fatal is not None:
-                    exc = self._fatal
-                    self._close_locked()
-                    raise exc
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    raise Timeout(
-                        f"DataLoader timed out after {self._timeout} seconds: the next batch of stream "
-                        f"{slot.index} (an iterable-style dataset, on worker {slot.worker}) did not arrive"
-                    )
-                self._cond.wait(_POLL if deadline is None else min(_POLL, deadline - now))
+    def _poll(self) -> Delivery | None:
+        while True:
+            slot = self._choose()
+            if slot is None:
+                self._end()
+            result = slot.results.pop(slot.delivered, None)
+            if result is None:
+                break
+            live = [s for s in self._slots if not s.ended]
+            slot.delivered += 1
+            if result.kind == END:
+                slot.ended = True
+                if slot.ref is not None:
+                    slot.ref.release()
+                continue
+            self._turn = (live.index(slot) + 1) % len(live)
+            if result.kind == BATCH and result.state is not None:
+                slot.state, slot.rng, slot.taken = result.state, result.rng, result.taken
+            self._plan.progress.batches += 1
+            self._top_up(slot)
+            if result.kind == ERROR:
+                raise result.payload
+            return Delivery(True, result.payload, self._samples)
+        if self._fatal is not None:
+            self._fail(self._fatal)
+        return None
+
+    def _late(self) -> BaseException:
+        slot = self._choose()
+        where = (
+            f"stream {slot.index} (an iterable-style dataset, on worker {slot.worker})"
+            if slot
+            else "a stream"
+        )
+        return Timeout(
+            f"DataLoader timed out after {self._timeout} seconds: the next batch of {where} did not arrive"
+        )
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -455,7 +434,7 @@ class IterablePass:
 
     def snapshot(self) -> dict:
         """Plain data: what a new loader needs to yield exactly the batches not yielded yet."""
-        with self._cond:
+        with self._lock:
             return self._snapshot_locked()
 
     def _snapshot_locked(self) -> dict:
@@ -467,12 +446,7 @@ class IterablePass:
             "queue": list(self._queue) if self._queue is not None else None,
         }
 
-    def _close_locked(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if getattr(self, "_acc", None) is not None:  # [stats hook] pass_seconds stops here
-            self._acc.pass_ended(self._acc_pass)
+    def _closing(self) -> None:
         # a pass left early (break, del) can still be resumed: the loader keeps where it stood
         if self._plan.on_snapshot is not None:
             self._plan.on_snapshot(self._pass_id, self._snapshot_locked())
@@ -480,13 +454,3 @@ class IterablePass:
             if slot.ref is not None:
                 slot.ref.release()  # requests still queued there end with an error nobody waits for
             slot.results.clear()
-
-    def close(self) -> None:
-        with self._cond:
-            self._close_locked()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass

@@ -7,9 +7,19 @@ A :class:`Ledger` holds no lock of its own: every method runs with the pass's lo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from .basepass import Delivery
 from .views import keys_of
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How loading one batch ended: its batch (``ok``) or the error it failed with."""
+
+    ok: bool
+    value: Any
 
 
 class Ledger:
@@ -18,7 +28,7 @@ class Ledger:
     def __init__(self, auto_collation: bool):
         self.auto = auto_collation
         self.indices: dict[int, Any] = {}  # seq -> the sampler's output (keys)
-        self.results: dict[int, tuple] = {}  # seq -> (ok, value), not yet handed over
+        self.results: dict[int, Outcome] = {}  # not yet handed over
         self.requests: dict[int, dict[str, int]] = {}  # seq -> {address: request id}
         self.to_cancel: dict[str, list[int]] = {}  # address -> request ids, sent by the dispatch thread
 
@@ -39,19 +49,19 @@ class Ledger:
 
     def settle(self, seq: int, ok: bool, value: Any, others: list[str]) -> None:
         """Batch ``seq`` has its outcome: keep it, cancel its copies on ``others``."""
-        self.results[seq] = (ok, value)
+        self.results[seq] = Outcome(ok, value)
         requests = self.requests.pop(seq, {})
         for address in others:
             rid = requests.get(address)
             if rid is not None:
                 self.cancel(address, rid)
 
-    def take(self, seq: int) -> tuple[tuple, int] | None:
-        """Hand over batch ``seq``: ((ok, value), number of samples), or None if not here yet."""
+    def take(self, seq: int) -> Delivery | None:
+        """Hand over batch ``seq`` (None if it is not here yet)."""
         if seq not in self.results:
             return None
         result = self.results.pop(seq)
-        return result, len(keys_of(self.indices.pop(seq, None), self.auto))
+        return Delivery(result.ok, result.value, len(keys_of(self.indices.pop(seq, None), self.auto)))
 
     def take_cancels(self) -> dict[str, list[int]]:
         cancels, self.to_cancel = self.to_cancel, {}

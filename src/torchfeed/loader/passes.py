@@ -13,21 +13,19 @@ import logging
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
-from .. import events, notices
+from .. import events
 from ..errors import RemoteError, TorchfeedError, WorkerLost
 from . import plan as passplan
+from .basepass import POLL_SECONDS, Delivery, Pass
 from .ledger import Ledger
 from .plan import PassPlan, live, new_pass_id
+from .prefetch import Head, Loaded, Miss
 from .views import keys_of
-
-if TYPE_CHECKING:
-    from .prefetch import Head
 
 log = logging.getLogger("torchfeed.loader")
 
-_POLL = 0.05  # seconds between straggler checks while the consumer waits
 _JOIN_SECONDS = 1.0  # how long close() waits for the dispatch thread to end
 _STALL_DEFAULT = 120.0  # seconds to wait for a worker when none is left and timeout=0
 
@@ -39,7 +37,9 @@ _STALL_DEFAULT = 120.0  # seconds to wait for a worker when none is left and tim
 # * the consumer (the user's thread): ``iter(loader)`` builds the pass and pulls the
 #   first window of batches from the sampler (as torch's iterator does, so samplers that
 #   draw from torch's global generator draw at the same point); ``__next__`` waits for
-#   the next batch in order, takes it and hands it to the user. It never sends.
+#   the next batch in order, takes it and hands it to the user (basepass.py). It never
+#   sends a batch's request or cancel; once the pass delivered its last batch, it reads a
+#   cached dataset's figures from the workers (``PassObserver.finished``, passstats.py).
 # * one dispatch thread per pass (``torchfeed-dispatch``): everything that decides or
 #   sends: later pulls from the sampler, scheduler decisions, hedges, requests and
 #   cancellations to workers, and (at the end of a pass) the prediction and prefetch of
@@ -54,7 +54,7 @@ _STALL_DEFAULT = 120.0  # seconds to wait for a worker when none is left and tim
 #   ``MembershipListener``), which only record and wake, as reader threads do.
 #
 # Locks, in the order they may be taken (never the reverse):
-#   MapPass._lock (the scheduler, the ledger, flags; shared by the two
+#   the pass's _lock (the scheduler, the ledger, flags; shared by the two
 #      conditions ``_ready``, where the consumer waits, and ``_work``, where the
 #      dispatch thread waits)
 #   -> prefetch.Head._lock (the prefetched batches of the next pass: taken by the next
@@ -67,31 +67,25 @@ _STALL_DEFAULT = 120.0  # seconds to wait for a worker when none is left and tim
 # that thread; the next pass's prediction works on copies (fresh generators).
 
 
-class MapPass:
+class MapPass(Pass):
     """One pass over a map-style dataset. See the NOTE above for its threads and locks."""
 
-    def __init__(self, plan: PassPlan, head=None):
-        self._config = config = plan.config
-        self._plan = plan
-        self._source = plan.source
+    def __init__(self, plan: PassPlan, head: Head | None = None):
+        super().__init__(plan)
+        config = plan.config
         self._auto = plan.auto_collation
         self._pin = config.pin_memory
-        self._timeout = config.timeout
         self._head = head if head is not None and head.matches(plan, self._pin, config.reply_policy) else None
         if head is not None and self._head is None:
             head.discard()
         self._pass_id = self._head.pass_id if self._head is not None else new_pass_id()
-        self._lock = threading.RLock()
-        self._ready = threading.Condition(self._lock)  # the consumer waits here
         self._work = threading.Condition(self._lock)  # the dispatch thread waits here
         self._dirty = False  # the dispatch thread has something to do
-        self._notices = notices.Pending()
         self._ledger = Ledger(self._auto)  # keys, results, requests and cancels of each batch
         self._errors: dict[str, str] = {}
-        self._fatal: BaseException | None = None
-        self._closed = False
         self._stalled_since: float | None = None  # when the last serving worker was lost
-        self._next_head: Head | Literal[False] | None = None  # next pass's prefetch (False: none)
+        self._predicted = False  # whether the next pass's first batches were predicted
+        self._next_head: Head | None = None  # their prefetch, if they could be
         self.prefetched = 0  # batches of this pass loaded by the previous one
         workers = self._source.alive_workers()
         failed = plan.fetchers.ensure(workers)
@@ -101,9 +95,7 @@ class MapPass:
             events.worker_unreachable(w, exc)
         workers = [w for w in workers if w not in failed]
         self._sched = passplan.scheduler(plan, workers)
-        self._acc = plan.stats  # [stats hook] O(1) counters per batch, see stats.py
-        self._last_samples = 0
-        self._acc_pass = self._acc.pass_started(workers, self.inflight) if self._acc is not None else 0
+        self._stats.started(workers, self.inflight)
         self._source.subscribe(self)
         live.add(self)
         with self._lock:
@@ -122,12 +114,6 @@ class MapPass:
             self._wake()
         self._thread.start()
         self._notices.emit()
-
-    def __iter__(self):
-        return self
-
-    def __len__(self) -> int:
-        return passplan.loader_length(self._config, "its sampler")
 
     def _stall_limit(self) -> float:
         return self._timeout or _STALL_DEFAULT
@@ -170,9 +156,9 @@ class MapPass:
         if claim is None:  # used up, or this pass differs from the prediction
             self._head = None
             return
-        self.prefetched += claim[0] != "miss"
-        if claim[0] == "done" and claim[2][0] and self._acc is not None:  # [stats hook] loaded before
-            self._acc.delivered(claim[1], len(keys_of(idx, self._auto)), claim[3], None)
+        self.prefetched += not isinstance(claim, Miss)
+        if isinstance(claim, Loaded) and claim.outcome.ok:
+            self._stats.preloaded(claim.address, len(keys_of(idx, self._auto)), claim.nbytes)
 
     # -- the dispatch thread ---------------------------------------------------------------
     def _pump(self) -> None:
@@ -189,29 +175,27 @@ class MapPass:
             )
         if want:
             self._pull(want)
-        sends: list[tuple] = []
+        sends: list[tuple[str, int, Any]] = []  # (address, seq, keys) of each request to send
         with self._lock:
             if self._closed:
                 return
             if self._fatal is None:  # a poison batch must not go out again
                 config = self._config
                 overdue = passplan.hedges(
-                    sched, config.straggler_factor, config.straggler_min_seconds, self._acc
+                    sched, config.straggler_factor, config.straggler_min_seconds, self._stats
                 )
                 for address, seq in overdue:
                     sends.append((address, seq, self._ledger.indices.get(seq)))
-                while True:
-                    choice = sched.next_dispatch()
-                    if choice is None:
-                        break
-                    sends.append((*choice, self._ledger.indices.get(choice[1])))
+                while (choice := sched.next_dispatch()) is not None:
+                    address, seq = choice
+                    sends.append((address, seq, self._ledger.indices.get(seq)))
             cancels = self._ledger.take_cancels()
             more = sched.wants_more() and self._fatal is None
             dispatched_all = sched.exhausted and not sched.has_pending()
-            predict = self._next_head is None and self._fatal is None and dispatched_all
+            predict = not self._predicted and self._fatal is None and dispatched_all
             if predict:
-                self._next_head = False  # decided once per pass
-            head = self._next_head or None
+                self._predicted = True  # decided once per pass
+            head = self._next_head
             room = passplan.prefetch_room(sched) if head is not None else None
         for address, seq, idx in sends:
             self._send(address, seq, idx)
@@ -219,11 +203,11 @@ class MapPass:
         if predict:
             head = self._plan.next_head(self) if self._plan.next_head is not None else None
             with self._lock:
-                self._next_head = head or False
-                room = passplan.prefetch_room(sched) if head else None
-        if head and room and room[0]:
+                self._next_head = head
+                room = passplan.prefetch_room(sched) if head is not None else None
+        if head is not None and room is not None and room.free:
             head.waker = self._poke
-            head.fill(*room)
+            head.fill(room.free, room.busy, room.loading)
         if more:  # the window allows more pulls (a head's results wake this thread themselves)
             with self._lock:
                 self._wake()
@@ -299,11 +283,10 @@ class MapPass:
         for seq in requeued:
             self._ledger.requests.get(seq, {}).pop(address, None)
         if quiet:
-            events.closed(address)  # [stats hook] queued: a reader thread, the pass lock held
-        else:  # [stats hook] an event (logged), no warning: nothing to change in code
+            events.closed(address)  # queued: a reader thread, the pass lock held
+        else:  # an event (logged), no warning: nothing to change in code
             events.worker_lost(address, exc, len(requeued))
-        if self._acc is not None:
-            self._acc.requeued(address, len(requeued))
+        self._stats.requeued(address, len(requeued))
         if blamed is not None and self._sched.losses.get(blamed, 0) > self._config.max_retries:
             losses, retries = self._sched.losses[blamed], self._config.max_retries
             self._fatal = passplan.poison_error(self._ledger.keys(blamed), blamed, losses, address, retries)
@@ -326,8 +309,7 @@ class MapPass:
         failed = self._plan.fetchers.ensure([address])
         if failed:
             return
-        if self._acc is not None:  # [stats hook] no longer draining, if it was removed this pass
-            self._acc.joined(address)
+        self._stats.joined(address)  # no longer draining, if it was removed this pass
         with self._lock:
             if self._closed:
                 return
@@ -337,8 +319,7 @@ class MapPass:
             self._ready.notify()
 
     def worker_removed(self, address: str) -> None:
-        if self._acc is not None:
-            self._acc.draining(address)
+        self._stats.draining(address)
         with self._lock:
             self._sched.drain_worker(address)
             self._wake()
@@ -366,8 +347,10 @@ class MapPass:
             return
         if ok:
             accepted, others = self._sched.completed(address, seq)
-            if accepted and self._acc is not None:  # [stats hook] counters only
-                passplan.delivered(self._acc, self._sched, address, len(self._ledger.keys(seq)))
+            if accepted:  # where the reply's size is known (client.reply_bytes)
+                state = self._sched.workers.get(address)
+                spb = state.seconds_per_batch if state is not None else None
+                self._stats.reply(address, len(self._ledger.keys(seq)), spb)
         else:
             accepted = seq not in self._sched.done and seq >= self._sched.delivered
             others = self._sched.failed(address, seq) if accepted else []
@@ -398,79 +381,38 @@ class MapPass:
         self._ledger.settle(seq, False, error, others)
         self._ready.notify()
 
-    # -- consumer ------------------------------------------------------------------
-    def __next__(self):
-        acc = self._acc
-        entered = acc.enter() if acc is not None else 0.0  # [stats hook]
-        ok = None
-        try:
-            ok, value = self._next_result()
-        except (StopIteration, KeyboardInterrupt):
-            self.close()  # after Ctrl-C nothing more is loaded or reported
-            raise
-        finally:
-            self._notices.emit()
-            events.flush()
-            if acc is not None and ok is None:
-                acc.left()
-        if acc is not None:
-            acc.consumed(entered, self._last_samples)
-            if ok:
-                acc.inspect(value)
-        if not ok:
-            raise value
-        return value
+    # -- consumer (basepass.Pass.__next__ waits; these look, lock held) --------------------
+    def _poll(self) -> Delivery | None:
+        sched = self._sched
+        seq = sched.delivered
+        taken = self._ledger.take(seq)
+        if taken is not None:
+            self._plan.progress.batches += 1
+            self._plan.progress.samples += taken.samples
+            sched.take_delivered()
+            if sched.known >= seq + sched.window:  # the window held the dispatch back
+                self._wake()
+            return taken
+        if self._fatal is not None:
+            self._fail(self._fatal)
+        if sched.finished():
+            self._end()
+        return None
 
-    def _next_result(self) -> tuple:
-        deadline = time.monotonic() + self._timeout if self._timeout else None
-        with self._lock:
-            while True:
-                if self._closed:
-                    raise StopIteration
-                sched = self._sched
-                seq = sched.delivered
-                taken = self._ledger.take(seq)
-                if taken is not None:
-                    result, self._last_samples = taken
-                    self._plan.progress.batches += 1
-                    self._plan.progress.samples += self._last_samples
-                    sched.take_delivered()
-                    if sched.known >= seq + sched.window:  # the window held the dispatch back
-                        self._wake()
-                    return result
-                if self._fatal is not None:
-                    self._close_locked()
-                    raise self._fatal
-                if sched.finished():
-                    self._plan.progress.finished = True
-                    self._close_locked()
-                    raise StopIteration
-                now = time.monotonic()
-                since = self._stalled_since
-                if since is not None and (
-                    now - since > self._stall_limit() or (deadline is not None and now >= deadline)
-                ):
-                    self._close_locked()
-                    raise passplan.stalled_error(now - since, self._errors)
-                if deadline is not None and now >= deadline:
-                    raise passplan.late_error(seq, self._ledger.keys(seq), self._timeout, sched.holders(seq))
-                self._lock.release()  # warnings noticed meanwhile are emitted while waiting
-                try:
-                    self._notices.emit()
-                    events.flush()
-                finally:
-                    self._lock.acquire()
-                wait = _POLL if deadline is None else min(_POLL, deadline - now)
-                self._ready.wait(wait)
+    def _check_wait(self, now: float, deadline: float | None) -> None:
+        since = self._stalled_since
+        if since is not None and (
+            now - since > self._stall_limit() or (deadline is not None and now >= deadline)
+        ):
+            self._fail(passplan.stalled_error(now - since, self._errors))
+
+    def _late(self) -> BaseException:
+        seq = self._sched.delivered
+        return passplan.late_error(seq, self._ledger.keys(seq), self._timeout, self._sched.holders(seq))
 
     # -- shutdown ------------------------------------------------------------------
-    def _close_locked(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _closing(self) -> None:
         live.discard(self)
-        if getattr(self, "_acc", None) is not None:  # [stats hook] pass_seconds stops here
-            self._acc.pass_ended(self._acc_pass)
         if self._plan.on_estimates is not None:
             self._plan.on_estimates(self._sched.estimates())
         self._ledger.close()
@@ -481,19 +423,19 @@ class MapPass:
 
     def close(self) -> None:
         """Stop this pass: outstanding requests are cancelled."""
+        super().close()
         with self._lock:
-            self._close_locked()
             cancels = self._ledger.take_cancels()
         self._send_cancels(cancels)
         thread = getattr(self, "_thread", None)
         if thread is not None and thread is not threading.current_thread() and thread.is_alive():
             thread.join(_JOIN_SECONDS)  # it was woken by the close: it ends at once (or after a send)
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+    def _dispatch_failed(self, exc: BaseException) -> None:
+        """The dispatch thread failed with ``exc`` (the sampler's error, or ours): the consumer raises it."""
+        with self._lock:
+            self._fatal = self._fatal or exc
+            self._ready.notify()
 
 
 def _dispatch_loop(ref: weakref.ref[MapPass], work: threading.Condition) -> None:
@@ -504,14 +446,14 @@ def _dispatch_loop(ref: weakref.ref[MapPass], work: threading.Condition) -> None
         if it is None:
             return
         with work:
-            if it._closed:
+            if it.closed:
                 cancels = it._ledger.take_cancels()
                 closed = True
             else:
                 closed = False
                 if not it._dirty:
                     del it
-                    work.wait(_POLL)  # also the period of the straggler checks
+                    work.wait(POLL_SECONDS)  # also the period of the straggler checks
                     it = ref()
                     if it is None:
                         return
@@ -525,7 +467,5 @@ def _dispatch_loop(ref: weakref.ref[MapPass], work: threading.Condition) -> None
             it._pump()
         except Exception as exc:  # noqa: BLE001 - the sampler's own error (or ours) reaches the user
             log.debug("torchfeed dispatch thread", exc_info=True)
-            with work:
-                it._fatal = it._fatal or exc
-                it._ready.notify()
+            it._dispatch_failed(exc)
         del it

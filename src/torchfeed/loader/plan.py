@@ -16,12 +16,13 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-from .. import client, events
+from .. import events
 from ..client import wait_all
 from ..client.refs import RemoteRef
 from ..errors import ConnectionClosed, PoisonSampleError, RemoteError, Timeout, WorkerLost
+from .passstats import PassObserver
 from .scheduler import Scheduler
 from .views import Source
 
@@ -175,7 +176,7 @@ class PassPlan:
     on_snapshot: Callable[[int, dict], None] | None = None  # iterable-style: (pass id, snapshot) at close
     # map-style, once its last batch is dispatched: start the next pass's prefetch (a Head, or None)
     next_head: Callable[[Any], Any] | None = None
-    stats: Any = None  # stats.Accounting of the loader [stats hook]
+    stats: PassObserver = field(default_factory=PassObserver)  # what the pass counts goes here
 
 
 def loader_length(config: LoaderConfig, source_of_length: str) -> int:
@@ -196,11 +197,7 @@ def short(items: list[Any]) -> str:
 
 def scheduler(plan: PassPlan, workers: list[str]) -> Scheduler:
     """The scheduler of a map-style pass over ``workers`` (the reachable ones)."""
-    credits = pipeline_depth(
-        plan.config.prefetch_factor,
-        plan.estimates,
-        plan.stats.mean_batch_bytes() if plan.stats is not None else None,
-    )
+    credits = pipeline_depth(plan.config.prefetch_factor, plan.estimates, plan.stats.mean_batch_bytes())
     # reorder slack beyond the credits, so one slow worker does not stall the rest
     n = max(len(workers), len(plan.source.workers), 1)
     return Scheduler(
@@ -212,45 +209,35 @@ def scheduler(plan: PassPlan, workers: list[str]) -> Scheduler:
     )
 
 
-def delivered(acc, sched: Scheduler, address: str, samples: int) -> None:
-    """[stats hook] A reply of ``samples`` samples from ``address`` was accepted (on its reader
-    thread, inside the result callback, where the reply's size is known)."""
-    state = sched.workers.get(address)
-    wire, arriving = client.reply_wire()
-    acc.delivered(
-        address,
-        samples,
-        client.reply_bytes(),
-        state.seconds_per_batch if state is not None else None,
-        wire,
-        arriving,
-    )
+class Room(NamedTuple):
+    """What a pass's scheduler leaves for the next pass's prefetch (``Head.fill``'s arguments)."""
+
+    free: dict[str, int]  # unused credits per worker
+    busy: dict[str, int]  # requests each of those workers still holds
+    loading: int  # batches of the pass not loaded yet
 
 
-def prefetch_room(sched) -> tuple[dict[str, int], dict[str, int], int]:
-    """What a pass's scheduler leaves for the next pass's prefetch (``Head.fill``'s arguments):
-    unused credits per worker, requests each of those workers still holds, and the batches
-    of the pass not loaded yet."""
+def prefetch_room(sched) -> Room:
+    """What the scheduler ``sched`` of a pass leaves for the next pass's prefetch."""
     free: dict[str, int] = {}
     busy: dict[str, int] = {}
     for w in sched.workers.values():
         if w.alive and len(w.in_flight) < sched.credits:
             free[w.address] = sched.credits - len(w.in_flight)
             busy[w.address] = len(w.in_flight)
-    return free, busy, max(sched.known - sched.delivered - len(sched.done), 0)
+    return Room(free, busy, max(sched.known - sched.delivered - len(sched.done), 0))
 
 
-def hedges(sched, factor: float | None, min_seconds: float, acc=None) -> list[tuple[str, int]]:
+def hedges(sched, factor: float | None, min_seconds: float, stats: PassObserver) -> list[tuple[str, int]]:
     """Overdue batches to duplicate now, as (address, seq) (none when ``factor`` is None);
-    each is an event, and a count for the slow worker in ``acc`` (stats.Accounting)."""
+    each is an event, and counted for the slow worker in ``stats``."""
     if factor is None:
         return []
     out = sched.hedge(factor, min_seconds)
-    for address, seq in out:  # [stats hook]
+    for address, seq in out:
         slow = next((h for h in sched.holders(seq) if h != address), "?")
         events.batch_hedged(seq, slow, address)
-        if acc is not None:
-            acc.hedged(slow)
+        stats.hedged(slow)
     return out
 
 

@@ -22,6 +22,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -30,6 +31,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from .. import client
 from ..errors import WorkerLost
+from .ledger import Outcome
 from .resume import Sampling, shuffle_seed
 
 _LOOKAHEAD_RATIO = 1.5  # a worker this much slower than the fastest gets later batches
@@ -122,6 +124,34 @@ def place(
     return picks
 
 
+@dataclass(frozen=True, slots=True)
+class Miss:
+    """A claimed batch that was not prefetched (or not in time): the pass sends it itself."""
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """A claimed batch that is loaded already: its outcome, from ``address``, of ``nbytes``."""
+
+    address: str
+    outcome: Outcome
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """A claimed batch still loading on ``address`` as request ``rid`` since ``started``: its
+    result goes to the claiming pass."""
+
+    address: str
+    rid: int
+    started: float
+
+
+Claim = Miss | Loaded | Running
+MISS = Miss()
+
+
 class _Entry:
     __slots__ = ("state", "address", "rid", "started", "result", "nbytes", "owner")
 
@@ -130,7 +160,7 @@ class _Entry:
         self.address: str | None = None
         self.rid: int | None = None
         self.started = 0.0
-        self.result: tuple | None = None
+        self.result: Outcome | None = None
         self.nbytes = 0  # the reply's size, for the loader's statistics
         self.owner: weakref.ref[ResultSink] | None = None  # the pass that claimed it
 
@@ -252,7 +282,7 @@ class Head:
                     lost = not ok and isinstance(value, WorkerLost)
                     self._finish(entry, "lost" if lost else "done")
                     if not lost:
-                        entry.result = (ok, value)
+                        entry.result = Outcome(ok, value)
                         entry.nbytes = client.reply_bytes()
                 waker = self.waker if not self._dead and self._unsent else None
             else:
@@ -263,14 +293,10 @@ class Head:
             waker()  # a credit is free for the next predicted batch
 
     # -- the next pass (its lock held: takes only the head's lock) -----------------------------
-    def claim(self, seq: int, idx: Any, owner: ResultSink) -> tuple | None:
-        """What the pass ``owner`` gets for its batch ``seq`` with keys ``idx``.
-
-        ``None``: no more prefetched batches for it (the head is used up, or this batch
-        differs: the rest is dropped, its cancels via :meth:`take_cancels`).
-        ``("miss",)``: this batch was not prefetched; ``("done", address, (ok, value), reply bytes)``;
-        ``("running", address, (request id, started))``.
-        """
+    def claim(self, seq: int, idx: Any, owner: ResultSink) -> Claim | None:
+        """What the pass ``owner`` gets for its batch ``seq`` with keys ``idx`` (see :data:`Claim`);
+        None: no more prefetched batches for it (the head is used up, or this batch differs:
+        the rest is dropped, its cancels via :meth:`take_cancels`)."""
         with self._lock:
             if self._dead or seq >= len(self._entries):
                 self._dead = True
@@ -283,19 +309,19 @@ class Head:
             if state == "unsent":
                 self._unsent.remove(seq)
                 entry.state = "dropped"
-                return ("miss",)
-            if state == "done":
+                return MISS
+            if state == "done" and entry.address is not None and entry.result is not None:
                 entry.state = "claimed"
                 result, entry.result = entry.result, None
-                return ("done", entry.address, result, entry.nbytes)
-            if state == "running":
+                return Loaded(entry.address, result, entry.nbytes)
+            if state == "running" and entry.address is not None and entry.rid is not None:
                 entry.owner = weakref.ref(owner)
-                return ("running", entry.address, (entry.rid, entry.started))
+                return Running(entry.address, entry.rid, entry.started)
             if state == "sending":
                 self._finish(entry, "dropped")  # its sender cancels it once it has an id
-            return ("miss",)
+            return MISS
 
-    def adopt(self, seq: int, idx: Any, owner: ResultSink, sched, ledger) -> tuple | None:
+    def adopt(self, seq: int, idx: Any, owner: ResultSink, sched, ledger) -> Claim | None:
         """The pass ``owner`` pulled batch ``seq`` (keys ``idx``): take the prefetched copy into its
         scheduler ``sched`` and ``ledger`` (its lock held). Returns the claim (see :meth:`claim`),
         or None when this head has nothing more for it (its leftovers are then cancelled)."""
@@ -303,13 +329,12 @@ class Head:
         if claim is None:  # used up, or this pass differs from the prediction
             ledger.cancel_all(self.take_cancels())
             return None
-        if claim[0] == "done":
+        if isinstance(claim, Loaded):
             sched.preloaded(seq)
-            ledger.results[seq] = claim[2]
-        elif claim[0] == "running":
-            address, (rid, started) = claim[1], claim[2]
-            if sched.adopt(address, started, seq):
-                ledger.sent(seq, address, rid)
+            ledger.results[seq] = claim.outcome
+        elif isinstance(claim, Running):
+            if sched.adopt(claim.address, claim.started, seq):
+                ledger.sent(seq, claim.address, claim.rid)
             else:  # its worker does not serve this pass: sent again as usual
                 released = self.release(seq)
                 if released is not None:

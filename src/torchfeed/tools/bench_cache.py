@@ -98,21 +98,8 @@ def _epochs(loader, epochs: int) -> list[tuple[float, float | None]]:
         for batch in loader:
             n += len(batch)
         rate = n / (time.perf_counter() - start)
-        out.append((rate, _hit_rate(loader)))
+        out.append((rate, loader.stats().cache_hit_rate))  # the pass's, final when it ends
     return out
-
-
-def _hit_rate(loader, wait: float = 5.0) -> float | None:
-    """The pass's hit rate once the workers' figures came back (they are polled)."""
-    deadline = time.monotonic() + wait
-    last = None
-    while time.monotonic() < deadline:
-        time.sleep(0.6)  # past the probe's refresh period: a fresh reading
-        rate = loader.stats().cache_hit_rate
-        if rate is not None and rate == last:
-            return rate
-        last = rate
-    return last
 
 
 def run(log: Callable[[str], Any] = print, epochs: int = 4, count: int = 600) -> dict[str, Any]:

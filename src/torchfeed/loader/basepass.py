@@ -1,0 +1,159 @@
+"""What both kinds of pass share: the consumer's ``__next__``, its wait, its statistics, closing.
+
+A pass is the iterator of one epoch: :class:`~torchfeed.loader.passes.MapPass` over a
+map-style dataset, :class:`~torchfeed.loader.iterable.IterablePass` over an iterable-style
+one, each started by the loader with a :class:`~torchfeed.loader.plan.PassPlan`.
+:class:`Pass` owns what they do alike; a subclass says how the next batch is found
+(:meth:`Pass._poll`), what waiting too long means (:meth:`Pass._check_wait`,
+:meth:`Pass._late`) and what closing releases (:meth:`Pass._closing`).
+
+The consumer (the user's thread) waits on the condition ``_ready`` of the pass's lock;
+the threads that record results (see the NOTE in passes.py and iterable.py's docstring)
+notify it. Warnings and events noticed meanwhile are emitted by the consumer, at the
+user's line (:mod:`torchfeed.notices`, :mod:`torchfeed.events`), also while it waits.
+Statistics go to ``plan.stats`` (:class:`~torchfeed.loader.passstats.PassObserver`),
+called unconditionally.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from .. import events, notices
+from .plan import PassPlan, loader_length
+
+POLL_SECONDS = 0.05  # the longest the consumer waits before it looks again (stalls, warnings)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """The next batch of a pass: its value (when not ``ok``, the error its loading ended
+    with, raised in its turn) and its number of samples."""
+
+    ok: bool
+    value: Any
+    samples: int
+
+
+class Pass:
+    """The iterator of one pass (see the module doc); ``length_source`` names where ``len()``
+    comes from in its error."""
+
+    length_source = "its sampler"
+
+    def __init__(self, plan: PassPlan):
+        self._plan = plan
+        self._config = plan.config
+        self._source = plan.source
+        self._timeout = plan.config.timeout  # 0: none (as torch)
+        self._stats = plan.stats
+        self._lock = threading.RLock()
+        self._ready = threading.Condition(self._lock)  # the consumer waits here
+        self._notices = notices.Pending()
+        self._closed = False
+        self._complete = False  # the pass delivered its last batch
+        self._fatal: BaseException | None = None  # ends the pass at the consumer's next batch
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return loader_length(self._config, self.length_source)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- the consumer ----------------------------------------------------------------------
+    def __next__(self):
+        stats = self._stats
+        entered = stats.enter()
+        got: Delivery | None = None
+        try:
+            got = self._next_delivery()
+        except (StopIteration, KeyboardInterrupt):
+            self.close()  # after Ctrl-C nothing more is loaded or reported
+            raise
+        finally:
+            self._notices.emit()
+            events.flush()
+            if got is None:
+                stats.left()  # the wait counts as waited (the end, an error, a caught Timeout)
+                if self._complete:
+                    stats.finished()  # the figures of a finished pass are final when it ends
+        stats.consumed(entered, got.samples)
+        if not got.ok:
+            raise got.value
+        stats.inspect(got.value)
+        return got.value
+
+    def _next_delivery(self) -> Delivery:
+        """Wait for the next batch, at most the loader's ``timeout`` (none when 0)."""
+        deadline = time.monotonic() + self._timeout if self._timeout else None
+        with self._lock:
+            while True:
+                if self._closed:
+                    raise StopIteration
+                got = self._poll()
+                if got is not None:
+                    return got
+                now = time.monotonic()
+                self._check_wait(now, deadline)
+                if deadline is not None and now >= deadline:
+                    raise self._late()
+                self._lock.release()  # warnings noticed meanwhile are emitted while waiting
+                try:
+                    self._notices.emit()
+                    events.flush()
+                finally:
+                    self._lock.acquire()
+                self._ready.wait(POLL_SECONDS if deadline is None else min(POLL_SECONDS, deadline - now))
+
+    def _poll(self) -> Delivery | None:
+        """The next batch if it is here (lock held); None: wait. Raises at the end of the pass
+        (:meth:`_end`) or for an error that ends it (:meth:`_fail`)."""
+        raise NotImplementedError
+
+    def _check_wait(self, now: float, deadline: float | None) -> None:
+        """Raise if waiting until ``now`` already means the pass cannot go on (lock held)."""
+
+    def _late(self) -> BaseException:
+        """The error for a batch that did not arrive within the loader's ``timeout``."""
+        raise NotImplementedError
+
+    def _end(self) -> NoReturn:
+        """The pass delivered its last batch (lock held)."""
+        self._plan.progress.finished = True
+        self._complete = True
+        self._close_locked()
+        raise StopIteration
+
+    def _fail(self, exc: BaseException) -> NoReturn:
+        """``exc`` ends the pass (lock held)."""
+        self._close_locked()
+        raise exc
+
+    # -- shutdown --------------------------------------------------------------------------
+    def _close_locked(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stats.ended()  # pass_seconds stops here
+        self._closing()
+
+    def _closing(self) -> None:
+        """Release what the pass holds (lock held, once, when it closes)."""
+
+    def close(self) -> None:
+        """Stop this pass (requests still in flight end unused)."""
+        with self._lock:
+            self._close_locked()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - a pass collected half made (its __init__ failed)
+            pass
