@@ -171,7 +171,7 @@ def test_classes_that_could_run_code_stay_refused(cls, why):
     assert any(name.endswith(cls.__qualname__) for name in info.value.global_names)
     if cls in copyreg.dispatch_table:
         return  # pickled through a reducer registered for it (tblib's for exceptions, once imported)
-    assert type(_load([obj], replies.Policy([cls]))[0]) is cls  # allowed by name: loads
+    assert type(_load([obj], replies.ReplyPolicy([cls]))[0]) is cls  # allowed by name: loads
 
 
 def test_a_module_the_trainer_has_not_imported_is_refused():
@@ -221,9 +221,11 @@ def test_sparse_and_nested_tensors_need_one_name_each_and_the_error_names_all():
     assert "add_safe_globals([_rebuild_sparse_tensor, _rebuild_nested_tensor, Hooked, getcwd])" in str(
         info.value
     )
-    assert torch.equal(_load(sparse, replies.Policy([tu._rebuild_sparse_tensor])).to_dense(), torch.eye(3))
-    assert torch.equal(_load(csr, replies.Policy([tu._rebuild_sparse_tensor])).to_dense(), torch.eye(3))
-    back = _load(nested, replies.Policy([tu._rebuild_nested_tensor]))
+    assert torch.equal(
+        _load(sparse, replies.ReplyPolicy([tu._rebuild_sparse_tensor])).to_dense(), torch.eye(3)
+    )
+    assert torch.equal(_load(csr, replies.ReplyPolicy([tu._rebuild_sparse_tensor])).to_dense(), torch.eye(3))
+    back = _load(nested, replies.ReplyPolicy([tu._rebuild_nested_tensor]))
     assert [t.tolist() for t in back.unbind()] == [[1.0, 1.0], [1.0, 1.0, 1.0]]
     with pytest.raises(torchfeed.UnsafeReplyError, match="unknown torch layout"):
         replies.SAFE.loads(b"\x80\x02ctorch.serialization\n_get_layout\nX\x04\x00\x00\x00evil\x85R.")

@@ -20,7 +20,7 @@ import torchfeed
 from helpers import SleepDataset
 from slurm_cluster import started_for_tests
 from torchfeed.cluster import SlurmPool, pool_script
-from torchfeed.scaling.pool import Pool
+from torchfeed.scaling.pool import WorkerPool as Pool
 
 pytestmark = pytest.mark.slurm
 

@@ -35,7 +35,7 @@ from ..errors import (
 from ..protocol import auth, codec, limits, wire
 from ..protocol.buffers import allocate, pinned
 from ..protocol.errordata import rebuild_remote_error
-from ..protocol.replies import SAFE, Policy, load_data
+from ..protocol.replies import SAFE, ReplyPolicy, load_data
 
 log = logging.getLogger("torchfeed.client")
 
@@ -48,7 +48,7 @@ class Owner(Protocol):
 
     heartbeat_interval: float
     heartbeat_timeout: float
-    reply_policy: Policy  # how replies are loaded when a request names no policy
+    reply_policy: ReplyPolicy  # how replies are loaded when a request names no policy
 
     def watch(self, connection: Connection) -> None: ...
 
@@ -227,7 +227,7 @@ class Connection:
         flags: int = 0,
         pin: bool = False,
         timeout: float | None = None,
-        policy: Policy | str | None = None,
+        policy: ReplyPolicy | str | None = None,
         compression: int = codec.NONE,
     ) -> int:
         """Send a call; ``callback(ok, value)`` runs on the reader thread with the result.
@@ -391,7 +391,7 @@ class Connection:
         policy = pending.policy
         try:
             if frame.kind == wire.ERROR:
-                rules = policy if isinstance(policy, Policy) else SAFE
+                rules = policy if isinstance(policy, ReplyPolicy) else SAFE
                 ok, value = False, rebuild_remote_error(self.address, load_data(frame.meta), policy=rules)
             elif policy == JSON_REPLY:
                 ok, value = True, _json_object(self.address, frame.meta)

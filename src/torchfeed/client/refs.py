@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..protocol import codec, serialize, wire
-from ..protocol.replies import Policy
+from ..protocol.replies import ReplyPolicy
 
 if TYPE_CHECKING:
     from .connection import Connection
@@ -76,7 +76,7 @@ class RemoteRef:
         *,
         callback: Callback,
         pin: bool = False,
-        policy: Policy | None = None,
+        policy: ReplyPolicy | None = None,
         compression: int | None = None,
     ) -> Call:
         """Call the referenced object with ``args`` (plain pickle); ``callback(ok, value)`` gets
@@ -94,7 +94,7 @@ class RemoteRef:
         *,
         callback: Callback,
         pin: bool = False,
-        policy: Policy | None = None,
+        policy: ReplyPolicy | None = None,
         compression: int | None = None,
     ) -> int:
         """As :meth:`call`, returning the bare request id (to cancel many at once with :meth:`cancel`)."""

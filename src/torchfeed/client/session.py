@@ -302,7 +302,7 @@ class Session:
         conn = self.connect(address, secret, timeout)
         return self._send(conn, meta, buffers, args, kwargs, rref, pin_memory, timeout, callback, policy)
 
-    def _policy(self, safe_globals: Sequence[Any] | None, trust_worker: bool) -> replies.Policy:
+    def _policy(self, safe_globals: Sequence[Any] | None, trust_worker: bool) -> replies.ReplyPolicy:
         return replies.TRUSTED if trust_worker else self.reply_policy.with_globals(safe_globals)
 
     def _pack(self, address, func, args, kwargs, pin_memory: bool) -> tuple[bytes, list]:

@@ -27,12 +27,13 @@ from .results import ResultsHandler
 from .workers import WorkerAddresses, start_workers, stop_workers
 
 # Pool lives in torchfeed.scaling (which imports this package's modules): imported on first use
-__getattr__ = lazy_exports(__name__, {"Pool": ".scaling.dask_pool"})
+__getattr__ = lazy_exports(__name__, {"DaskPool": ".scaling.dask_pool", "Pool": ".scaling.dask_pool"})
 
 if TYPE_CHECKING:
-    from ..scaling.dask_pool import Pool
+    from ..scaling.dask_pool import DaskPool, Pool
 
 __all__ = [
+    "DaskPool",
     "Pool",
     "RankError",
     "ResultsHandler",

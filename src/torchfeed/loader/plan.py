@@ -154,7 +154,7 @@ class LoaderConfig:
     straggler_factor: float | None
     straggler_min_seconds: float
     length: int | None  # len(loader) when the pass starts; None when it has no length
-    reply_policy: Any  # how batches are loaded (protocol.replies.Policy)
+    reply_policy: Any  # how batches are loaded (protocol.replies.ReplyPolicy)
     compression: int = 0  # how batches may travel (a protocol.codec.MODES value)
 
 

@@ -185,7 +185,7 @@ class Head:
         estimates: dict[str, float],
     ):
         self.fetchers, self.source, self.auto, self.pin = fetchers, source, auto, pin
-        self.policy = policy  # how its batches are loaded (protocol.replies.Policy)
+        self.policy = policy  # how its batches are loaded (protocol.replies.ReplyPolicy)
         self.compression = compression  # how they travel (protocol.codec.MODES)
         self.epoch, self.base_seed, self.sample_seed = epoch, base_seed, sample_seed
         self.indices = indices

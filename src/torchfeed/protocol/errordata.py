@@ -32,7 +32,7 @@ from .. import errors
 from ..errors import RemoteError, TorchfeedError
 from . import tracebacks
 from .plainclass import plain_exception
-from .replies import SAFE, Policy, loaded
+from .replies import SAFE, ReplyPolicy, loaded
 
 # arguments and attributes of an exception travel when plain and at most this large
 _MAX_PLAIN = 1 << 20
@@ -105,7 +105,7 @@ _TOO_BROAD = ("builtins.Exception", "builtins.BaseException")
 _REPORTS = (errors.FrameTooLarge, errors.LimitExceeded)
 
 
-def exception_class(name: Any, policy: Policy = SAFE) -> type | None:
+def exception_class(name: Any, policy: ReplyPolicy = SAFE) -> type | None:
     """The class to rebuild a remote exception as, for one of its ``bases`` names: a
     built-in exception or an allowed one (trusted policy: any exception class already
     imported here). None where not allowed, and for torchfeed's own errors and their
@@ -145,7 +145,7 @@ def _imported(name: str) -> Any:
 
 
 def rebuild_remote_error(
-    address: str, info: Any, indices: Sequence[Any] | None = None, policy: Policy = SAFE
+    address: str, info: Any, indices: Sequence[Any] | None = None, policy: ReplyPolicy = SAFE
 ) -> RemoteError:
     """Trainer side: the exception to raise for a worker's :func:`describe_exception` dict.
 

@@ -48,13 +48,13 @@ _REBUILD_CLASS = f"{_HERE}.rebuild_class"
 def rebuild_class(name: str, payload: bytes):
     """A class the worker could only send by value (defined in the trainer's ``__main__`` or
     in a function): ``payload`` is its cloudpickle. Used as is by trusted loads only; the
-    restricted unpickler swaps in :meth:`Policy.allowed_class`, which ignores the payload."""
+    restricted unpickler swaps in :meth:`ReplyPolicy.allowed_class`, which ignores the payload."""
     import cloudpickle
 
     return cloudpickle.loads(payload)
 
 
-# what a reply may name, besides the Policy's own entries (see _Restricted.find_class): only
+# what a reply may name, besides the ReplyPolicy's own entries (see _Restricted.find_class): only
 # callables that build plain values. Containers have their own opcodes in pickle protocol 5;
 # builtins such as bytes(n) would allocate whatever a pickle asks for.
 _ALWAYS: dict[str, Any] = {
@@ -125,7 +125,7 @@ def clear_safe_globals() -> None:
 # -- policies and unpicklers ----------------------------------------------------------------
 
 
-class Policy:
+class ReplyPolicy:
     """How a reply is loaded: restricted to the allowed globals (and ``safe_globals``), or,
     with ``trusted=True``, by plain pickle."""
 
@@ -136,14 +136,16 @@ class Policy:
         self.trusted = bool(trusted)
 
     def __repr__(self) -> str:
-        return "Policy(trusted=True)" if self.trusted else f"Policy(safe_globals={sorted(self.extra)})"
+        return (
+            "ReplyPolicy(trusted=True)" if self.trusted else f"ReplyPolicy(safe_globals={sorted(self.extra)})"
+        )
 
-    def with_globals(self, safe_globals: Iterable[Any] | None) -> Policy:
+    def with_globals(self, safe_globals: Iterable[Any] | None) -> ReplyPolicy:
         """This policy with more allowed objects (itself when there are none)."""
         more = _named(safe_globals or ())
         if not more or self.trusted:
             return self
-        return Policy([(obj, name) for name, obj in {**self.extra, **more}.items()])
+        return ReplyPolicy([(obj, name) for name, obj in {**self.extra, **more}.items()])
 
     def allowed(self, name: str) -> Any:
         """The object allowed under ``name``, or None."""
@@ -197,11 +199,11 @@ class Policy:
         )
 
 
-SAFE = Policy()
-TRUSTED = Policy(trusted=True)
+SAFE = ReplyPolicy()
+TRUSTED = ReplyPolicy(trusted=True)
 
 
-def policy(safe_globals: Iterable[Any] | None = None, trust_worker: bool = False) -> Policy:
+def policy(safe_globals: Iterable[Any] | None = None, trust_worker: bool = False) -> ReplyPolicy:
     """The policy for these arguments (of a session, loader or call)."""
     if trust_worker:
         return TRUSTED
@@ -257,7 +259,7 @@ _MADE_BY = {
 
 
 class _Restricted(_Trusting):
-    def __init__(self, meta: bytes, buffers: Sequence[memoryview], rules: Policy):
+    def __init__(self, meta: bytes, buffers: Sequence[memoryview], rules: ReplyPolicy):
         super().__init__(meta, buffers)
         self._rules = rules
         self._made = rebuild.Made()

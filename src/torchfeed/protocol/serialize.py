@@ -273,7 +273,7 @@ def dumps(
 
     ``by_value=True`` uses cloudpickle (for functions, classes, lambdas); ``bytes_apart``
     sends large ``bytes`` and ``bytearray`` objects as buffers too (read with
-    :meth:`torchfeed.protocol.replies.Policy.loads`); ``reply`` (with ``by_value``) sends
+    :meth:`torchfeed.protocol.replies.ReplyPolicy.loads`); ``reply`` (with ``by_value``) sends
     classes that cannot be named apart (see ``_ReplyCloudPickler``).
     """
     buffers: list[memoryview] = []

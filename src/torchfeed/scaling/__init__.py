@@ -21,11 +21,12 @@ _EXPORTS = {
     "Decision": "policy",
     "Policy": "policy",
     "Pool": "pool",
+    "WorkerPool": "pool",
     "Reading": "policy",
     "autoscale": "controller",
 }
 
-__all__ = ["Autoscaler", "Decision", "Policy", "Pool", "Reading", "autoscale"]
+__all__ = ["Autoscaler", "Decision", "Policy", "Pool", "Reading", "WorkerPool", "autoscale"]
 assert sorted(__all__) == sorted(_EXPORTS)
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)
@@ -38,4 +39,4 @@ def __dir__():
 if TYPE_CHECKING:
     from .controller import Autoscaler, autoscale
     from .policy import Decision, Policy, Reading
-    from .pool import Pool
+    from .pool import Pool, WorkerPool

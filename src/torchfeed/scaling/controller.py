@@ -6,7 +6,7 @@ waited, how fast it would take samples and how fast one worker delivers them, an
 :class:`torchfeed.scaling.Policy` what to do (up quickly, down slowly, hysteresis,
 cool-downs, bounds). It owns every change of membership:
 
-* workers the pool reports ready (:meth:`Pool.addresses`) join the loader's dataset
+* workers the pool reports ready (:meth:`WorkerPool.addresses`) join the loader's dataset
   (:meth:`RemoteDataset.add_workers`);
 * to shrink, it removes workers from the dataset (:meth:`RemoteDataset.remove_workers`):
   running passes give them no new batch and their batches in flight finish (shown as
@@ -34,7 +34,7 @@ from typing import Any
 from ..loader.dataset import RemoteDataset
 from ..loader.views import Source
 from .policy import Decision, Policy, Reading
-from .pool import Pool
+from .pool import WorkerPool
 
 log = logging.getLogger("torchfeed.autoscale")
 
@@ -62,7 +62,7 @@ class Autoscaler:
     def __init__(
         self,
         loader: Any,
-        pool: Pool,
+        pool: WorkerPool,
         policy: Policy,
         *,
         interval: float = 2.0,
@@ -70,10 +70,10 @@ class Autoscaler:
         drain_timeout: float = 60.0,
         start_timeout: float = 120.0,
     ):
-        if not isinstance(pool, Pool):
+        if not isinstance(pool, WorkerPool):
             raise TypeError(
                 f"autoscale needs a pool with addresses(), requested(), scale(n), retire(addresses) and "
-                f"close() (torchfeed.scaling.pool.Pool), got {type(pool).__name__}"
+                f"close() (torchfeed.scaling.pool.WorkerPool), got {type(pool).__name__}"
             )
         if interval <= 0 or window < interval:
             raise ValueError(f"need 0 < interval <= window, got interval={interval}, window={window}")
@@ -335,7 +335,7 @@ class Autoscaler:
 
 def autoscale(
     loader: Any,
-    pool: Pool,
+    pool: WorkerPool,
     *,
     min_workers: int = 1,
     max_workers: int | None = None,
@@ -361,7 +361,7 @@ def autoscale(
     loader : RemoteDataLoader
         The loader whose wait drives the decisions; its dataset (a RemoteDataset, or a view of
         RemoteDatasets) gains and loses the workers.
-    pool : torchfeed.scaling.pool.Pool
+    pool : torchfeed.scaling.pool.WorkerPool
         E.g. ``torchfeed.dask.Pool(cluster)`` or ``torchfeed.cluster.SlurmPool(...)``.
     min_workers, max_workers : int
         Bounds (``max_workers`` None: no upper bound but the pool's).

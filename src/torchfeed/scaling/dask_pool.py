@@ -1,12 +1,12 @@
-"""A torchfeed worker on every Dask worker, as the cluster grows and shrinks (:class:`Pool`).
+"""A torchfeed worker on every Dask worker, as the cluster grows and shrinks (:class:`DaskPool`).
 
-The pool implements :class:`torchfeed.scaling.pool.Pool` for :func:`torchfeed.autoscale` on any
+The pool implements :class:`torchfeed.scaling.pool.WorkerPool` for :func:`torchfeed.autoscale` on any
 Dask cluster that scales (``LocalCluster``, dask-jobqueue's ``SLURMCluster``,
 dask-kubernetes): ``scale(n)`` calls ``cluster.scale(n)``; a Dask worker plugin starts one
 ``torchfeed worker`` process next to each Dask worker, including the ones that join later,
 and stops it when its Dask worker closes; ``retire`` stops the (drained) torchfeed worker
 first, then retires its Dask worker. A background thread polls the plugin on every Dask
-worker for the addresses that are ready, so :meth:`Pool.addresses` returns at once.
+worker for the addresses that are ready, so :meth:`DaskPool.addresses` returns at once.
 
 The plugin, which the scheduler hands to every Dask worker (also to the ones that join
 later), carries no secret: only a ``secret_file`` path, when one is given. A secret given
@@ -131,8 +131,8 @@ async def _stop_here(dask_worker=None) -> None:
         await asyncio.to_thread(plugin.stop_all)
 
 
-class Pool:
-    """torchfeed workers on a Dask cluster that scales: a :class:`torchfeed.scaling.pool.Pool`.
+class DaskPool:
+    """torchfeed workers on a Dask cluster that scales: a :class:`torchfeed.scaling.pool.WorkerPool`.
 
     One ``torchfeed worker`` process runs next to each Dask worker (give it more
     executor threads with ``parallel``); Dask workers that join later get theirs too.
@@ -262,7 +262,7 @@ class Pool:
             unexport()
         self._close_client()
 
-    def __enter__(self) -> Pool:
+    def __enter__(self) -> DaskPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -393,4 +393,6 @@ class Pool:
             self.cluster.scale(n)
 
 
-__all__ = ["Pool", "PoolProcesses", "POOL_PLUGIN"]
+Pool = DaskPool  # the name torchfeed.dask.Pool documents
+
+__all__ = ["DaskPool", "Pool", "PoolProcesses", "POOL_PLUGIN"]

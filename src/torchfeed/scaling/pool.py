@@ -1,4 +1,4 @@
-"""What :func:`torchfeed.autoscale` needs of a pool of workers: the :class:`Pool` protocol.
+"""What :func:`torchfeed.autoscale` needs of a pool of workers: the :class:`WorkerPool` protocol.
 
 A pool starts and stops torchfeed workers on an engine that already schedules processes
 (a Dask cluster, Slurm); it never schedules them itself. The autoscale controller owns
@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 
 
 @runtime_checkable
-class Pool(Protocol):
+class WorkerPool(Protocol):
     """A set of torchfeed workers that can grow and shrink.
 
     Every method returns promptly (no method waits for a worker to start or stop);
@@ -44,3 +44,6 @@ class Pool(Protocol):
     def close(self) -> None:
         """Stop every worker this pool started and release what it holds."""
         ...
+
+
+Pool = WorkerPool  # the name torchfeed.pools.Pool documents

@@ -1,4 +1,4 @@
-"""torchfeed workers as Ray actors, for :func:`torchfeed.autoscale` (:class:`Pool`).
+"""torchfeed workers as Ray actors, for :func:`torchfeed.autoscale` (:class:`RayPool`).
 
 One actor per torchfeed worker, one CPU each, placed by Ray resources (``resources=``) or
 node labels (``label_selector=``) so that data workers land on CPU nodes, not on the GPU
@@ -11,7 +11,7 @@ nodes the trainers use. Ray schedules; the pool only asks:
   that the secret may travel there (:mod:`torchfeed.ray.nodes`) and only then sends it
   (or a secret file's path) with the call that starts the worker;
 * ``retire(addresses)`` stops those (drained) workers and kills their actors;
-* an actor or worker that dies (a node lost, ``ray.kill``) leaves :meth:`Pool.addresses`;
+* an actor or worker that dies (a node lost, ``ray.kill``) leaves :meth:`RayPool.addresses`;
   the loader requeues its batches, and the pool starts a replacement (the target holds).
 
 One thread (``torchfeed-ray-pool``) owns every change; public methods only read or queue.
@@ -79,8 +79,8 @@ class _Member:
     node: str = ""
 
 
-class Pool:
-    """torchfeed workers as Ray actors: a :class:`torchfeed.scaling.pool.Pool` (see the module docstring).
+class RayPool:
+    """torchfeed workers as Ray actors: a :class:`torchfeed.scaling.pool.WorkerPool` (see the module docstring).
 
     Parameters
     ----------
@@ -236,7 +236,7 @@ class Pool:
             members, self._members = list(self._members.values()), {}
         self._stop(members)
 
-    def __enter__(self) -> Pool:
+    def __enter__(self) -> RayPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -419,4 +419,6 @@ class Pool:
         log.warning(text)
 
 
-__all__ = ["Pool", "actor_class"]
+Pool = RayPool  # the name torchfeed.ray.Pool documents
+
+__all__ = ["RayPool", "Pool", "actor_class"]

@@ -1,6 +1,6 @@
 """A pool of torchfeed workers run as Slurm jobs: what :func:`torchfeed.autoscale` sizes on Slurm.
 
-:class:`SlurmPool` implements :class:`torchfeed.scaling.pool.Pool`. Growing submits one job array
+:class:`SlurmPool` implements :class:`torchfeed.scaling.pool.WorkerPool`. Growing submits one job array
 (one ``sbatch`` call, however many workers: one request to slurmctld, one line in ``squeue``
 for the pending ones) whose tasks each run one ``torchfeed worker``; a task is retired by
 cancelling it alone (``scancel ARRAY_TASK``). Each worker appends its ``host:port`` to a
