@@ -18,6 +18,8 @@ __all__ = [
     "atomic_write",
     "cpu_count",
     "double_delay",
+    "env_int",
+    "env_seconds",
     "free_port",
     "fsync_dir",
     "pid_alive",
@@ -157,3 +159,32 @@ def lazy_exports(package: str, exports: Mapping[str, str]) -> Callable[[str], An
         return value
 
     return __getattr__
+
+
+# -- settings from the environment: read when used, and a bad value named in the error --------
+def env_int(name: str, default: int, low: int, high: int | None = None) -> int:
+    """The integer in environment variable ``name`` (``default`` when unset or empty); ValueError
+    names the variable, what it holds and what is allowed."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    allowed = f"an integer in [{low}, {high}]" if high is not None else f"an integer >= {low}"
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not an integer: it must be {allowed}, or unset") from None
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name}={value} is out of range: it must be {allowed}, or unset")
+    return value
+
+
+def env_seconds(name: str, default: float) -> float:
+    """The seconds in environment variable ``name`` (``default`` when unset or empty); ValueError
+    names the variable and what to write."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds: set it to e.g. {default:g}") from None

@@ -22,16 +22,8 @@ import torch
 from ..errors import Timeout
 from ..protocol import auth, wire
 from . import session as sessions
-from .connection import (
-    JSON_REPLY,
-    Address,
-    Callback,
-    Connection,
-    format_address,
-    parse_address,
-    reply_bytes,
-    reply_wire,
-)
+from .addresses import Address, format_address, parse_address
+from .connection import JSON_REPLY, Callback, Connection, reply_bytes, reply_wire
 from .refs import Call, RemoteRef
 from .session import Session
 

@@ -36,6 +36,7 @@ import torch
 from ..errors import ConnectionClosed, SerializationError
 from ..protocol import auth, codec, replies, serialize, wire
 from ..protocol.buffers import check_pinnable
+from ..util import env_seconds
 from . import connection as client
 from .reach import retry_refused as retry_refused_until
 from .refs import Call, RemoteRef
@@ -46,16 +47,6 @@ _KEEPER_PERIOD = 0.25  # seconds between the keeper's rounds
 _sessions: weakref.WeakSet[Session] = weakref.WeakSet()  # every live session, for fork and exit
 _default: Session | None = None
 _default_lock = threading.Lock()
-
-
-def _env_seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds: set it to e.g. {default:g}") from None
 
 
 class Session:
@@ -97,12 +88,12 @@ class Session:
     ):
         self.compression = codec.check_mode(compression)  # a codec.MODES value
         interval = (
-            _env_seconds("TORCHFEED_HEARTBEAT_INTERVAL", 2.0)
+            env_seconds("TORCHFEED_HEARTBEAT_INTERVAL", 2.0)
             if heartbeat_interval is None
             else heartbeat_interval
         )
         limit = (
-            _env_seconds("TORCHFEED_HEARTBEAT_TIMEOUT", 15.0)
+            env_seconds("TORCHFEED_HEARTBEAT_TIMEOUT", 15.0)
             if heartbeat_timeout is None
             else heartbeat_timeout
         )

@@ -29,7 +29,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-from ..client.connection import format_address
+from ..client.addresses import format_address
 
 log = logging.getLogger("torchfeed.dataset")
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from .. import events
-from ..client.connection import format_address, parse_address
+from ..client.addresses import format_address, parse_address
 from ..errors import WorkerLost
 from ..protocol.addrfile import read_address_file
 from ..util import double_delay

@@ -11,11 +11,11 @@ result is one pickle (the "meta" part), which the wire format limits to 4 GiB.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Sequence
 
 from ..errors import FrameTooLarge
+from ..util import env_int
 from .wire import Limits
 
 WIRE_MAX_META = (1 << 32) - 1  # the header's meta length is 32 bits
@@ -29,22 +29,6 @@ ENVIRONMENT = {
 }
 _lock = threading.Lock()
 _current: Limits | None = None  # read from the environment on first use, not at import
-
-
-def env_int(name: str, default: int, low: int, high: int | None = None) -> int:
-    """The integer in environment variable ``name`` (``default`` when unset or empty); ValueError
-    names the variable, what it holds and what is allowed."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    allowed = f"an integer in [{low}, {high}]" if high is not None else f"an integer >= {low}"
-    try:
-        value = int(text.replace("_", ""))
-    except ValueError:
-        raise ValueError(f"{name}={text!r} is not an integer: it must be {allowed}, or unset") from None
-    if value < low or (high is not None and value > high):
-        raise ValueError(f"{name}={value} is out of range: it must be {allowed}, or unset")
-    return value
 
 
 def _from_environment() -> Limits:
