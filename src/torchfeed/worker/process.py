@@ -19,6 +19,7 @@ No torch here: the command line imports it.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from typing import TextIO
 
 from ..protocol.auth import handover_line
 from ..pumps import Pump, to_stderr, to_stdout
+from .forked import ForkedWorker
 from .options import WorkerOptions
 
 ENV_SYS_PATH = "TORCHFEED_SYS_PATH"  # a parent's sys.path, for `torchfeed worker` to import from
@@ -95,6 +97,9 @@ class WorkerProcess:
     hold_errors : bool
         Keep its stderr lines until :meth:`release_errors` (a caller that reports a failed
         start in one line of its own).
+    fork : bool
+        Fork it from this process (:class:`~torchfeed.worker.forked.ForkedWorker`) instead of
+        starting a new interpreter; ``argv`` must then be a :func:`worker_command`.
     """
 
     def __init__(
@@ -108,17 +113,28 @@ class WorkerProcess:
         out: Callable[[], TextIO] = to_stdout,
         err: Callable[[], TextIO] = to_stderr,
         hold_errors: bool = False,
+        fork: bool = False,
     ):
         self.name = name
         self.address: str | None = None
-        self.popen = subprocess.Popen(
-            list(argv),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=None if env is None else dict(env),
-            start_new_session=new_session,
-        )
+        self.popen: subprocess.Popen | ForkedWorker
+        if fork:
+            if list(argv[1:3]) != ["-m", "torchfeed"]:
+                raise ValueError(
+                    f"only a `python -m torchfeed ...` command can be forked, got {list(argv)!r}"
+                )
+            self.popen = ForkedWorker(
+                argv[3:], env=os.environ if env is None else env, new_session=new_session
+            )
+        else:
+            self.popen = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=None if env is None else dict(env),
+                start_new_session=new_session,
+            )
         self.pid = self.popen.pid
         if secret:
             assert self.popen.stdin is not None  # stdin=PIPE
@@ -141,14 +157,15 @@ class WorkerProcess:
             if address:
                 self.address = address
                 return address
-            if self.popen.poll() is not None:
+            code = self.popen.poll()
+            if code is not None:
                 self._err.join(PUMP_JOIN)
                 tail = [line for line in self._err.tail if line.strip()]
                 shown = "\n".join(tail)
                 raise WorkerExited(
-                    f"{self.name} {exit_reason(self.popen.returncode)} before it was ready"
+                    f"{self.name} {exit_reason(code)} before it was ready"
                     + (f"; its stderr ends with:\n{shown}" if shown else ""),
-                    self.popen.returncode,
+                    code,
                     tail,
                 )
             if interrupted is not None and interrupted():
