@@ -61,7 +61,9 @@ class RayCluster:
             PYTHONPATH=os.pathsep.join([str(SRC), str(TESTS)]),
             RAY_USAGE_STATS_ENABLED="0",
             RAY_memory_monitor_refresh_ms="0",
+            RAY_AUTH_MODE="disabled",  # a ~/.ray/auth_token left by another Ray would switch tokens on
         )
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # the same for this process's driver
         common = [
             f"--node-ip-address={NODE_IP}",
             "--object-store-memory=80000000",
