@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 import torchfeed
 from helpers import RangeDataset, deep_equal, secret_seen_by_worker_code, wait_for
 from torchfeed import cli
-from torchfeed.addrfile import read_address_file
+from torchfeed.protocol.addrfile import read_address_file
 from torchfeed.util import cpu_count, free_port, pid_alive
 
 pytestmark = pytest.mark.timeout(60)

@@ -75,7 +75,10 @@ def test_killed_workers_lose_nothing(fresh_workers, kills):
     for v in victims:
         assert any(w.addresses[v] in m for m in warned), warned
     dead = {w.processes[v].pid for v in victims}
-    assert not dead & set(rows[60:, 1].tolist())
+    # a batch a victim finished before it was killed may still be delivered: it was received,
+    # up to the scheduler's widest reorder window ahead (4 x 4 workers x 2 credits) of batch 5
+    ahead = 4 * len(w.addresses) * loader.prefetch_factor
+    assert not dead & set(rows[(6 + ahead) * 4 :, 1].tolist())
 
 
 @pytest.mark.slow
