@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 
 from torchfeed.errors import ProtocolError
 from torchfeed.protocol import auth, wire
-from torchfeed.worker import serverconn
-from torchfeed.worker import doorman
+from torchfeed.worker import doorman, serverconn
 from torchfeed.worker import server as worker
 
 # Hypothesis draws an input and a seed; each example then runs that input and VARIANTS-1
