@@ -53,7 +53,7 @@ import time
 from collections.abc import Sequence
 
 from ..protocol import auth, wire
-from ..protocol.addrfile import announce, read_address_file  # noqa: F401  (read_address_file: old import path)
+from ..protocol.addrfile import announce
 from . import counters as workerstats
 from . import samplestore as workercache
 from .doorman import Doorman
