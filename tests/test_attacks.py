@@ -599,8 +599,8 @@ class _ThreadsRunOut:
 @pytest.mark.parametrize("which", ["torchfeed-tx", "torchfeed-rx"], ids=["writer", "reader"])
 def test_a_worker_that_cannot_start_threads_keeps_accepting(monkeypatch, which):
     """A connection whose threads cannot start is closed and forgotten; the worker goes on."""
-    from torchfeed.worker import connection as serverconn
     from torchfeed.worker import server as worker_mod
+    from torchfeed.worker import serverconn
 
     server = worker_mod.WorkerServer().start()
     monkeypatch.setattr(serverconn, "threading", _ThreadsRunOut(3, which))

@@ -58,7 +58,7 @@ class Command:
         self.pid = self.proc.pid
         self._pending = ""  # read from stdout, not yet returned
 
-    def read_lines(self, n: int, timeout: float = 30.0):
+    def read_lines(self, n: int, timeout: float = 120.0):
         """The next ``n`` stdout lines (fails if they do not come within ``timeout``)."""
         fd = self.proc.stdout.fileno()  # read the pipe itself: a buffered reader would hide lines from select
         deadline = time.monotonic() + timeout

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def _compress_everything() -> None:
     """On a worker: every reply's and error's buffers go out zstd-compressed (errors get one)."""
-    from torchfeed.worker import connection as wc
+    from torchfeed.worker import serverconn as wc
 
     plain, plain_pack = wc.ServerConnection.send, codec.Chooser.pack
     chooser = codec.Chooser(CHUNK)

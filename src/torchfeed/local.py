@@ -90,7 +90,7 @@ class LocalWorkers:
         cache_size: int | str | None = None,
         options: WorkerOptions | None = None,
         stop_timeout: float = 10.0,
-        start: str = "auto",
+        start: str = "spawn",
     ):
         if n < 1:
             raise ValueError(f"need at least one worker, got n={n}")
