@@ -14,20 +14,10 @@ import signal
 import sys
 import threading
 
-from ..worker.options import WorkerOptions
+from ..worker.options import WorkerOptions, positive
 from ..worker.process import ENV_SYS_PATH  # set by LocalWorkers: the parent's sys.path, for imports
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {value!r}")
-    return n
 
 
 def _procs(value: str) -> int:
@@ -36,7 +26,7 @@ def _procs(value: str) -> int:
 
         return cpu_count()
     try:
-        return _positive(value)
+        return positive(value)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"must be a positive number or 'auto', got {value!r}") from None
 

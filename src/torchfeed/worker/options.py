@@ -26,7 +26,8 @@ HANDSHAKE_TIMEOUT = 10.0  # seconds a new connection has to authenticate
 _LIMITS = ConnectionLimits()  # the per-client and per-worker bounds' defaults
 
 
-def _positive(value: str) -> int:
+def positive(value: str) -> int:
+    """argparse type: an integer >= 1 (the worker's counts: --procs, limits)."""
     try:
         n = int(value)
     except ValueError:
@@ -106,14 +107,14 @@ class WorkerOptions:
         default=_LIMITS.max_call_bytes,
         metadata=_cli(
             "largest call (pickled arguments plus tensors) a client may send (default 1 GiB)",
-            _positive,
+            positive,
             group=_LIMITS_GROUP,
         ),
     )
     max_queued_requests: int = field(
         default=_LIMITS.max_queued_requests,
         metadata=_cli(
-            "requests one client may have waiting for replies (default 1024)", _positive, group=_LIMITS_GROUP
+            "requests one client may have waiting for replies (default 1024)", positive, group=_LIMITS_GROUP
         ),
     )
     max_worker_queued_requests: int = field(
@@ -121,19 +122,19 @@ class WorkerOptions:
         metadata=_cli(
             "calls of all clients together a worker process holds (being received, waiting or "
             "running; default 8192)",
-            _positive,
+            positive,
             group=_LIMITS_GROUP,
         ),
     )
     max_worker_queued_bytes: int = field(
         default=_LIMITS.max_worker_queued_bytes,
-        metadata=_cli("total announced size of those calls (default 4 GiB)", _positive, group=_LIMITS_GROUP),
+        metadata=_cli("total announced size of those calls (default 4 GiB)", positive, group=_LIMITS_GROUP),
     )
     max_refs: int = field(
         default=_LIMITS.max_refs,
         metadata=_cli(
             "live remote references (datasets, fetchers) one client may hold (default 4096)",
-            _positive,
+            positive,
             group=_LIMITS_GROUP,
         ),
     )
@@ -142,7 +143,7 @@ class WorkerOptions:
         metadata=_cli(
             "unauthenticated connections held at once; beyond it the oldest of the source holding "
             "the most is dropped (default 128)",
-            _positive,
+            positive,
             group=_LIMITS_GROUP,
         ),
     )
