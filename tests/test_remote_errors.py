@@ -183,7 +183,8 @@ def test_module_not_found_on_a_worker_says_how_to_fix_it(fresh_workers, tmp_path
     monkeypatch.syspath_prepend(str(tmp_path))  # importable here only
     from trainer_only import Local
 
-    blind = fresh_workers(1, env={"TORCHFEED_SYS_PATH": ""})  # a worker that does not get our sys.path
+    # a worker that does not get our sys.path (a forked one would have our modules already)
+    blind = fresh_workers(1, env={"TORCHFEED_SYS_PATH": ""}, start="spawn")
     with pytest.raises(ModuleNotFoundError) as info:
         torchfeed.RemoteDataset(blind.addresses, Local)
     message = str(info.value)

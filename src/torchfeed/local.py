@@ -28,6 +28,11 @@ def _close_open_workers() -> None:
             pass
 
 
+def _interpreter_variables(env: dict[str, str] | None) -> list[str]:
+    """The variables of ``env`` that a Python interpreter reads when it starts (``PYTHONPATH`` ...)."""
+    return sorted(k for k in env or {} if k.startswith("PYTHON") and k != "PYTHONUNBUFFERED")
+
+
 def _parent_sys_path() -> str:
     """This process's sys.path ('' as the current directory), for the workers to import from."""
     return os.pathsep.join(os.path.abspath(p) if p else os.getcwd() for p in sys.path if isinstance(p, str))
@@ -70,12 +75,13 @@ class LocalWorkers:
         ``parallel`` and ``cache_size``, when given, replace its own.
     stop_timeout : float
         Seconds a worker has to stop after SIGTERM before it is killed (:meth:`close`).
-    start : {"spawn", "fork", "auto"}
+    start : {"auto", "spawn", "fork"}
         How the worker processes start. ``"spawn"``: a new interpreter each, which imports
         torch (a second or more per worker). ``"fork"``: forked from this process, as torch's
         DataLoader starts its workers (ready in milliseconds; they see this process's modules
-        as they are now; not after CUDA was initialised here). ``"auto"``: fork where that is
-        safe (Linux, CUDA not initialised), else spawn.
+        as they are now; not after CUDA was initialised here). ``"auto"`` (the default): fork
+        where that is safe (Linux, CUDA not initialised) and ``env`` sets no interpreter
+        variable (``PYTHON*``, which only a new interpreter reads), else spawn.
     """
 
     def __init__(
@@ -90,7 +96,7 @@ class LocalWorkers:
         cache_size: int | str | None = None,
         options: WorkerOptions | None = None,
         stop_timeout: float = 10.0,
-        start: str = "spawn",
+        start: str = "auto",
     ):
         if n < 1:
             raise ValueError(f"need at least one worker, got n={n}")
@@ -103,7 +109,15 @@ class LocalWorkers:
                 "LocalWorkers(start='fork'): cannot fork workers from this process (not Linux, or CUDA "
                 "is initialised here); use start='spawn'"
             )
-        self.fork = start == "fork" or (start == "auto" and fork_is_safe())
+        if start == "fork" and _interpreter_variables(env):
+            raise ValueError(
+                f"LocalWorkers(start='fork', env=...): a forked worker cannot apply "
+                f"{', '.join(_interpreter_variables(env))} (only a new interpreter reads them); "
+                "use start='spawn'"
+            )
+        self.fork = start == "fork" or (
+            start == "auto" and fork_is_safe() and not _interpreter_variables(env)
+        )
         self.host = host
         self.options = (options or WorkerOptions()).merged(parallel=parallel, cache_size=cache_size)
         self.stop_timeout = stop_timeout

@@ -19,6 +19,7 @@ import random
 import threading
 
 import numpy as np
+import numpy.random  # noqa: F401 - numpy 2 imports it on first use (~10 ms): a worker pays it at start, not in its first batch
 import torch
 
 __all__ = [

@@ -13,8 +13,9 @@ Rounds interleave the two sides; every round starts cold:
 * cached: ``torchfeed.cached`` over the decode (:class:`JpegDecoded`), the crop and flip in
   ``then``, on fresh workers: its epoch 1 decodes and hands every image to its owner.
 
-Also measured: the time to the first batch (from entering ``LocalWorkers(2)``; from building a
-``RemoteDataset`` on running workers; from building torch's DataLoader), the trainer's CPU per
+Also measured: the time to the first batch (from entering ``LocalWorkers(2)``, which forks its
+workers from the trainer as torch does; from building a ``RemoteDataset`` on running, idle
+workers; from building torch's DataLoader), the trainer's CPU per
 batch, and minor page faults per batch of all the processes (memory mapped and unmapped per
 batch: what slows a loader most when something else on the machine stalls page faults).
 ``benchmarks/jpeg.py`` runs it; numbers in benchmarks/README.md.
@@ -41,6 +42,7 @@ SIDE = 224
 DRAFT = (400, 300)
 BATCH = 32
 WORKERS = 2
+IDLE = 1.5  # seconds for workers to finish a closed pass's prefetched batches (4 x ~0.2 s of CPU)
 
 
 def decode(path: str) -> np.ndarray:
@@ -206,8 +208,11 @@ def run(
             start = time.perf_counter()
             with LocalWorkers(WORKERS) as w:
                 ds: Any = RemoteDataset(w.addresses, JpegPipeline, root)
-                next(iter(RemoteDataLoader(ds, batch_size=BATCH, shuffle=True)))
+                passing = iter(RemoteDataLoader(ds, batch_size=BATCH, shuffle=True))
+                next(passing)
                 first["local_workers"].append(time.perf_counter() - start)
+                del passing, ds  # the pass ends; the batches it had asked for finish within IDLE:
+                time.sleep(IDLE)  # the next measurement starts on idle running workers
                 first["running_workers"].append(
                     _first_batch(
                         lambda: RemoteDataLoader(
