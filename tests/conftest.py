@@ -18,7 +18,7 @@ os.environ["TORCHFEED_SECRET"] = SECRET
 os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
 sys.path.insert(0, str(TESTS))
 
-from torchfeed import LocalWorkers, client
+from torchfeed import LocalWorkers, client, events
 
 
 @pytest.fixture(scope="session")
@@ -63,6 +63,7 @@ def fresh_workers():
 
 @pytest.fixture(autouse=True)
 def _no_stale_connections():
+    events.new_periods()  # each test's event lines count against a budget of their own
     yield
     # connections to workers killed by a test must not leak into the next test
     session = client.default_session()

@@ -52,9 +52,9 @@ def test_cached_equals_uncached_and_decodes_each_sample_once_in_the_pool(workers
     loader = RemoteDataLoader(cached, batch_size=6, shuffle=True, seed=1, straggler_factor=None)
     list(loader)
     # one cache across the pool: once decoded, a sample is found by whichever worker its batch
-    # goes to. (A sample whose hand-off to its owner is still on the way when a later request
-    # asks that owner is decoded again: rare, seen once on a loaded CI machine, so the first
-    # passes may count a sample twice; a pass after them decodes nothing.)
+    # goes to. (A sample whose note to its owner is still on the way when a later request asks
+    # that owner is decoded again: rare, seen once on a loaded CI machine, so the first passes
+    # may count a sample twice; a pass after them decodes nothing.)
     assert set(before) == set(range(n)) and all(1 <= c <= 2 for c in before.values())
     assert sum(before.values()) <= n + 2
     assert _decodes(workers2, n) == before
@@ -134,6 +134,24 @@ def test_budget_bounds_the_cache_and_results_stay_exact(fresh_workers):
     # (a hedged batch may decode its samples once more)
     decodes = _decodes(w.addresses, n)
     assert set(decodes) == set(range(n)) and 1 in decodes.values() and max(decodes.values()) >= 2
+
+
+def test_three_workers_find_samples_through_their_owners_notes(fresh_workers):
+    """A sample is kept by the worker that decoded it; its owner (by hash) keeps a note of where.
+    With three workers the owner is often neither the keeper nor the asker: the note is followed."""
+    w = fresh_workers(3)
+    n = 48
+    cached = RemoteDataset(w.addresses, torchfeed.cached(cd.Decoded, then=cd.augment), n)
+    plain = RemoteDataset(w.addresses, cd.Uncached, n)
+    for epoch in range(3):
+        kw = dict(batch_size=4, shuffle=True, seed=5 + epoch)
+        assert _same(_batches(cached, **kw), _batches(plain, **kw)), epoch
+    decoded = _decodes(w.addresses, n)
+    assert set(decoded) == set(range(n)) and sum(decoded.values()) <= n + 2  # see the test above
+    loader = RemoteDataLoader(cached, batch_size=4, shuffle=True, seed=9, straggler_factor=None)
+    list(loader)
+    assert _decodes(w.addresses, n) == decoded
+    assert loader.stats().cache_hit_rate == 1.0
 
 
 def test_worker_killed_during_a_cached_epoch(fresh_workers):

@@ -115,6 +115,16 @@ def flush(final: bool = False) -> None:
         _lock.release()
 
 
+def new_periods() -> None:
+    """Start every kind's period now, after logging what is queued and reporting the lines
+    left out so far (a test that counts lines starts from a full budget this way)."""
+    flush()
+    with _lock:
+        now = time.monotonic()
+        for kind, budget in _budget.items():
+            _new_period(kind, budget, now)
+
+
 def _new_period(kind: str, budget: list, now: float) -> None:
     """Report the lines ``kind`` left out in its period (if any) and start a new one (lock held)."""
     if budget[2]:

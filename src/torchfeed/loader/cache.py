@@ -18,13 +18,14 @@ The copy costs about what copying the sample's bytes costs (a 3x224x224 float te
 ``then`` the kept sample goes to the collate function as it is (default_collate copies
 it into the batch).
 
-**One cache across the pool.** Every sample has an *owner* among the workers the trainer
-built the dataset on (rendezvous hashing of the sample key over their lanes): only the
-owner keeps it. A worker asked for a sample it does not own fetches it from the owner's
-*lane* (a second, small authenticated server in every worker process that only reads and
-writes the cache, so a lane never waits for an executor and peers cannot deadlock); a
-sample the owner does not have yet is decoded where it is needed and handed to the owner
-to keep. A lane that fails is left out for :data:`_DOWN_SECONDS` (its samples get other
+**One cache across the pool.** A decoded sample is kept by the worker that decoded it, and
+has an *owner* among the workers the trainer built the dataset on (rendezvous hashing of the
+sample key over their lanes), which keeps it or a note of the peer that does. A worker
+loading a batch asks the owners for the samples it does not keep, through their *lanes* (a
+second, small authenticated server in every worker process that only reads the cache and
+takes notes, so a lane never waits for an executor and peers cannot deadlock), and follows a
+note to the keeper; the answers arrive while it loads the rest. A sample nobody has yet is
+decoded where it is needed, kept there, and its owner told. A lane that fails is left out for :data:`_DOWN_SECONDS` (its samples get other
 owners and are decoded again there). The scheduler is unchanged: any worker can serve any
 batch, and losses, hedges and exactly-once delivery work as without a cache.
 """
@@ -153,7 +154,8 @@ class Counts:
 
 
 class Peers:
-    """The lanes of the workers a dataset was built on, and which of them owns a sample."""
+    """The lanes of the workers a dataset was built on, which of them owns a sample, and the
+    calls to them (asks, notes)."""
 
     def __init__(self):
         self.lanes: list[str] = []
@@ -166,7 +168,7 @@ class Peers:
         self._down = {}
 
     def owner(self, key: Any) -> str | None:
-        """The lane of the worker that keeps ``key``; None: this one."""
+        """The lane of the worker that keeps track of ``key``; None: this one."""
         if self.me is None or len(self.lanes) < 2:
             return None
         now = time.monotonic()
@@ -180,14 +182,26 @@ class Peers:
                 best, best_score = lane, score
         return None if best == self.me else best
 
+    def source(self, dataset: bytes, key: Any) -> str | None:
+        """The lane to ask for a sample not kept here: its owner's, or, when this worker owns
+        it, the lane its note names; None: nobody to ask (decode it)."""
+        owner = self.owner(key)
+        if owner is not None:
+            return owner
+        lane = store_module.store.where(dataset, key) if self.me is not None else None
+        return lane if lane is not None and lane != self.me and not self.is_down(lane) else None
+
+    def is_down(self, lane: str) -> bool:
+        return self._down.get(lane, 0.0) > time.monotonic()
+
     def down(self, lane: str) -> None:
         self._down[lane] = time.monotonic() + _DOWN_SECONDS
 
-    def fetch(self, lane: str, dataset: bytes, keys: list) -> dict:
-        """The samples of ``keys`` that ``lane`` keeps ({} when it cannot answer)."""
+    def ask(self, lane: str, dataset: bytes, keys: list) -> Ask:
+        """Start asking ``lane`` for the samples of ``keys`` (:meth:`Ask.result` waits)."""
         settings = store_module.lane()
         if settings is None:
-            return {}
+            return Ask(self, lane, None)
         try:
             fut = client.rpc_async(
                 lane,
@@ -198,36 +212,74 @@ class Peers:
                 wait_for_worker=False,
                 trust_worker=True,  # a peer holds the pool's secret: it could run code here anyway
             )
-            return fut.wait()
-        except Exception:  # noqa: BLE001 - a lost or slow peer: decode here instead
+        except Exception:  # noqa: BLE001 - cannot send: decode here instead
             self.down(lane)
-            return {}
+            return Ask(self, lane, None)
+        return Ask(self, lane, fut)
 
-    def give(self, lane: str, dataset: bytes, items: dict) -> None:
-        """Hand decoded samples to their owner (not waited for)."""
+    def fetch(self, dataset: bytes, key: Any) -> Any:
+        """One sample from the peer that keeps it (following its owner's note), or MISSING."""
+        lane = self.source(dataset, key)
+        return MISSING if lane is None else self.ask(lane, dataset, [key]).sample(dataset, key)
+
+    def note(self, lane: str, dataset: bytes, keys: list) -> None:
+        """Tell the owner at ``lane`` that this worker keeps ``keys`` (not waited for)."""
         settings = store_module.lane()
-        if settings is None:
+        if settings is None or self.me is None or not keys:
             return
         try:
             fut = client.rpc_async(
                 lane,
-                lane_put,
-                args=(dataset, items),
+                lane_note,
+                args=(dataset, keys, self.me),
                 timeout=_PEER_TIMEOUT,
                 secret=settings.secret,
                 wait_for_worker=False,
             )
-        except Exception:  # noqa: BLE001 - cannot send: the owner decodes it when asked
+        except Exception:  # noqa: BLE001 - cannot send: the owner will not know; others decode it
             return
-        # a refusal (a call over the owner's --max-call-bytes, say) only means it keeps nothing
         fut.add_done_callback(_ignore_outcome)
+
+
+class Ask:
+    """A call to a peer lane for some samples, answered while this worker decodes others."""
+
+    def __init__(self, peers: Peers, lane: str, future: Any):
+        self.peers, self.lane, self._future = peers, lane, future
+        self._answer: dict | None = None
+
+    def sample(self, dataset: bytes, key: Any) -> Any:
+        """The sample of ``key`` from the answer (waited for), following a note once; or MISSING."""
+        if self._answer is None:
+            try:
+                self._answer = {} if self._future is None else self._future.wait()
+            except Exception:  # noqa: BLE001 - a lost or slow peer: decode here instead
+                self.peers.down(self.lane)
+                self._answer = {}
+        x = self._answer.pop(key, MISSING)
+        if isinstance(x, store_module.Elsewhere):  # the owner's note: the peer that keeps it
+            if x.lane == self.peers.me or self.peers.is_down(x.lane):
+                return MISSING
+            x = self.peers.ask(x.lane, dataset, [key]).sample(dataset, key)
+            return MISSING if isinstance(x, store_module.Elsewhere) else x
+        return x
 
 
 def _ignore_outcome(fut) -> None:
     try:
         fut.value()
-    except Exception:  # noqa: BLE001 - see Peers.give
+    except Exception:  # noqa: BLE001 - see Peers.note
         pass
+
+
+class _Batch:
+    """What a worker's loading thread knows of the batch it loads: the asks under way, and the
+    owners to tell (once the batch's last sample is loaded) which samples it kept."""
+
+    def __init__(self, keys: list):
+        self.left = len(keys)
+        self.asks: dict[Any, Ask] = {}
+        self.kept: dict[str, list] = {}
 
 
 class CachedDataset(Dataset):
@@ -238,56 +290,64 @@ class CachedDataset(Dataset):
         self.then = then
         self.counts = Counts()
         self.peers = Peers()
-        self._borrowed = threading.local()  # samples fetched from peers for the batch being loaded
+        self._batch = threading.local()  # the _Batch being loaded by this thread
 
     def __len__(self) -> int:
         return len(self.shared.instance)
 
     def torchfeed_prefetch(self, keys) -> None:
-        """Before a batch (the worker's Fetcher calls it): fetch the samples peers keep, one
-        request per peer, so that ``__getitem__`` finds them."""
-        borrowed: dict = {}
-        self._borrowed.samples = borrowed
+        """Before a batch (the worker's Fetcher calls it): ask each peer, once, for the samples it
+        keeps; the answers arrive while the samples kept here or decoded here are loaded."""
+        batch = self._batch.current = _Batch(list(keys))
         if self.peers.me is None:
             return
         store, key = store_module.store, self.shared.key
         wanted: dict[str, list] = {}
         for k in keys:
-            owner = self.peers.owner(k)
-            if owner is not None and store.peek(key, k) is MISSING:
-                wanted.setdefault(owner, []).append(k)
+            if store.peek(key, k) is MISSING:
+                lane = self.peers.source(key, k)
+                if lane is not None:
+                    wanted.setdefault(lane, []).append(k)
         for lane, ks in wanted.items():
-            borrowed.update(dict.fromkeys(ks, MISSING))  # asked: not asked again one by one
-            borrowed.update(self.peers.fetch(lane, key, ks))
+            ask = self.peers.ask(lane, key, ks)
+            batch.asks.update(dict.fromkeys(ks, ask))
 
     def __getitem__(self, index):
         x = self.sample(index)
         return self.then(_fresh(x)) if self.then is not None else x
 
     def sample(self, index) -> Any:
-        """The cached (inner) sample of ``index``: kept here, kept by its owner, or decoded."""
+        """The cached (inner) sample of ``index``: kept here, kept by a peer, or decoded (and kept
+        here, its owner told)."""
         store, key = store_module.store, self.shared.key
-        x = store.peek(key, index)
-        asked = False
-        if x is MISSING:
-            borrowed = getattr(self._borrowed, "samples", {})
-            asked = index in borrowed
-            x = borrowed.pop(index, MISSING)
-        owner = None
-        if x is MISSING:
-            owner = self.peers.owner(index)
-            if owner is not None and not asked:  # not prefetched (no auto-collation): ask its owner now
-                x = self.peers.fetch(owner, key, [index]).get(index, MISSING)
-        if x is not MISSING:
-            self.counts.add(True)
+        batch: _Batch | None = getattr(self._batch, "current", None)
+        if batch is not None and batch.left <= 0:
+            batch = self._batch.current = None  # a call outside a prefetched batch
+        try:
+            x = store.peek(key, index)
+            if x is MISSING:
+                if batch is not None:  # asked before the batch, if a peer keeps it
+                    ask = batch.asks.pop(index, None)
+                    x = MISSING if ask is None else ask.sample(key, index)
+                else:  # no auto-collation: ask now
+                    x = self.peers.fetch(key, index)
+            self.counts.add(x is not MISSING)
+            if x is MISSING:
+                x = self.shared.instance[index]
+                if store.put(key, index, x):
+                    owner = self.peers.owner(index)
+                    if owner is not None and batch is not None:
+                        batch.kept.setdefault(owner, []).append(index)
+                    elif owner is not None:
+                        self.peers.note(owner, key, [index])
             return x
-        self.counts.add(False)
-        x = self.shared.instance[index]
-        if owner is None:
-            store.put(key, index, x)
-        else:
-            self.peers.give(owner, key, {index: x})
-        return x
+        finally:
+            if batch is not None:
+                batch.left -= 1
+                if batch.left <= 0:
+                    for owner, kept in batch.kept.items():
+                        self.peers.note(owner, key, kept)
+                    batch.kept = {}
 
     def __repr__(self) -> str:
         return f"cached({self.shared.instance!r}, then={self.then!r})"
@@ -308,31 +368,28 @@ class _ShardOpener:
     def __call__(self, url: str):
         store, key, entry = store_module.store, self.shared.key, ("shard", url)
         samples = store.peek(key, entry)
-        owner = None
         if samples is MISSING:
-            owner = self.peers.owner(entry)
-            if owner is not None:
-                samples = self.peers.fetch(owner, key, [entry]).get(entry, MISSING)
+            samples = self.peers.fetch(key, entry)
         if samples is not MISSING:
             self.counts.add(True)
             return self._then(samples)
         self.counts.add(False)
-        return self._decode(url, entry, owner)
+        return self._decode(url, entry)
 
     def _then(self, samples):
         for x in samples:
             yield self.then(_fresh(x)) if self.then is not None else x
 
-    def _decode(self, url: str, entry: tuple, owner: str | None):
+    def _decode(self, url: str, entry: tuple):
         kept = []
         for x in self.open_shard(url):
             kept.append(x)
             yield self.then(_fresh(x)) if self.then is not None else x
-        # read to its end: keep it (a stream that stopped early keeps nothing)
-        if owner is None:
-            store_module.store.put(self.shared.key, entry, kept)
-        else:
-            self.peers.give(owner, self.shared.key, {entry: kept})
+        # read to its end: keep it (a stream that stopped early keeps nothing) and tell its owner
+        if store_module.store.put(self.shared.key, entry, kept):
+            owner = self.peers.owner(entry)
+            if owner is not None:
+                self.peers.note(owner, self.shared.key, [entry])
 
 
 _IMMUTABLE = (str, bytes, int, float, complex, bool, type(None))
@@ -414,25 +471,30 @@ def counts(dataset) -> dict[str, int]:
 
 
 def lane_get(dataset: bytes, keys: list) -> dict:
-    """Runs on a lane: the samples of ``keys`` this worker keeps."""
+    """Runs on a lane: the samples of ``keys`` this worker keeps, and for those it only owns,
+    its notes (:class:`~torchfeed.worker.samplestore.Elsewhere`: the peer that keeps them)."""
     store = store_module.store
-    out = {}
+    out: dict = {}
     for k in keys:
         x = store.peek(dataset, k)
-        if x is not MISSING:
+        if x is MISSING:
+            lane = store.where(dataset, k)
+            if lane is not None:
+                out[k] = store_module.Elsewhere(lane)
+        else:
             out[k] = x
     return out
 
 
-def lane_put(dataset: bytes, items: dict) -> None:
-    """Runs on a lane: keep samples a peer decoded for this worker."""
-    for k, x in items.items():
-        store_module.store.put(dataset, k, x)
+def lane_note(dataset: bytes, keys: list, lane: str) -> None:
+    """Runs on a lane: a peer (at ``lane``) keeps these samples, which this worker owns."""
+    for k in keys:
+        store_module.store.note(dataset, k, lane)
 
 
 # These run beside seeded loading (on the lanes, or polled during a pass) and draw no random
 # numbers: the worker must not hand the global generators back to "outside" code for them.
-_RNG_FREE: tuple[Any, ...] = (lane_address, set_peers, counts, lane_get, lane_put)
+_RNG_FREE: tuple[Any, ...] = (lane_address, set_peers, counts, lane_get, lane_note)
 for _fn in _RNG_FREE:
     _fn.manages_rng = True
 

@@ -28,6 +28,15 @@ from typing import Any
 
 DEFAULT_SIZE = 1 << 30  # 1 GiB: ``torchfeed worker --cache-size`` unless set
 MISSING: Any = object()
+NOTE_BYTES = 160  # what a note (see Elsewhere) counts against the budget
+
+
+@dataclass(frozen=True)
+class Elsewhere:
+    """A note in place of a sample: the peer lane that keeps it (its owner keeps the note)."""
+
+    lane: str
+
 
 _UNITS = {
     "": 1,
@@ -126,14 +135,30 @@ class Store:
         """The kept sample or :data:`MISSING` (counting nothing: see :meth:`tally`)."""
         with self._lock:
             found = self._entries.get((dataset, key))
-        return MISSING if found is None else found[0]
+        return MISSING if found is None or isinstance(found[0], Elsewhere) else found[0]
+
+    def where(self, dataset: bytes, key: Any) -> str | None:
+        """The lane a note names for this sample (see :meth:`note`), or None."""
+        with self._lock:
+            found = self._entries.get((dataset, key))
+        return found[0].lane if found is not None and isinstance(found[0], Elsewhere) else None
+
+    def note(self, dataset: bytes, key: Any, lane: str) -> bool:
+        """Remember that the peer at ``lane`` keeps this sample (unless it is kept here)."""
+        return self.put(dataset, key, Elsewhere(lane), NOTE_BYTES)
 
     def put(self, dataset: bytes, key: Any, value: Any, nbytes: int | None = None) -> bool:
-        """Keep ``value`` if it fits (after evicting entries of datasets nobody holds)."""
+        """Keep ``value`` if it fits (after evicting entries of datasets nobody holds).
+
+        A sample already kept stays; a note (:class:`Elsewhere`) is replaced by what comes."""
         size = sizeof(value) if nbytes is None else nbytes
         with self._lock:
-            if (dataset, key) in self._entries:
-                return True
+            old = self._entries.get((dataset, key))
+            if old is not None:
+                if not isinstance(old[0], Elsewhere):
+                    return True
+                del self._entries[(dataset, key)]
+                self._bytes -= old[1]
             if self._bytes + size > self.budget:
                 self._evict_orphans(self._bytes + size - self.budget)
             if self._bytes + size > self.budget:
