@@ -147,7 +147,11 @@ def test_three_workers_find_samples_through_their_owners_notes(fresh_workers):
         kw = dict(batch_size=4, shuffle=True, seed=5 + epoch)
         assert _same(_batches(cached, **kw), _batches(plain, **kw)), epoch
     decoded = _decodes(w.addresses, n)
-    assert set(decoded) == set(range(n)) and sum(decoded.values()) <= n + 2  # see the test above
+    # a pass with seed= loads the next pass's first batches while it ends: a sample can be asked
+    # for before the note of the worker that just decoded it reaches its owner (a few per pass on
+    # a loaded machine), and is decoded once more. Once the notes are in, nothing is.
+    assert set(decoded) == set(range(n)) and all(c <= 2 for c in decoded.values())
+    assert sum(decoded.values()) <= n + n // 4
     loader = RemoteDataLoader(cached, batch_size=4, shuffle=True, seed=9, straggler_factor=None)
     list(loader)
     assert _decodes(w.addresses, n) == decoded
