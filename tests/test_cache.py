@@ -14,7 +14,7 @@ import cache_datasets as cd
 import torchfeed
 from torchfeed import RemoteDataLoader, RemoteDataset, client
 from torchfeed.datasets import Shards
-from torchfeed.worker.samplestore import parse_size
+from torchfeed.worker.samplestore import MISSING, NOTE_BYTES, Store, parse_size
 
 TESTS = Path(__file__).resolve().parent
 SRC = TESTS.parent / "src"
@@ -156,6 +156,19 @@ def test_three_workers_find_samples_through_their_owners_notes(fresh_workers):
     list(loader)
     assert _decodes(w.addresses, n) == decoded
     assert loader.stats().cache_hit_rate == 1.0
+
+
+def test_a_note_stands_for_a_sample_until_the_sample_comes():
+    store = Store(budget=1 << 20)
+    store.hold(b"d")
+    assert store.note(b"d", 7, "127.0.0.1:9")
+    assert store.peek(b"d", 7) is MISSING and store.where(b"d", 7) == "127.0.0.1:9"
+    assert store.figures().bytes == NOTE_BYTES
+    assert store.note(b"d", 7, "127.0.0.1:10") and store.where(b"d", 7) == "127.0.0.1:10"  # moved
+    assert store.put(b"d", 7, b"x" * 100)  # kept here now: the note goes
+    assert store.peek(b"d", 7) == b"x" * 100 and store.where(b"d", 7) is None
+    assert store.figures().bytes == 150
+    assert store.note(b"d", 7, "127.0.0.1:9") and store.peek(b"d", 7) == b"x" * 100  # a note never replaces it
 
 
 def test_worker_killed_during_a_cached_epoch(fresh_workers):

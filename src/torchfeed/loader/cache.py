@@ -248,8 +248,9 @@ class Ask:
         self.peers, self.lane, self._future = peers, lane, future
         self._answer: dict | None = None
 
-    def sample(self, dataset: bytes, key: Any) -> Any:
-        """The sample of ``key`` from the answer (waited for), following a note once; or MISSING."""
+    def sample(self, dataset: bytes, key: Any, follow: bool = True) -> Any:
+        """The sample of ``key`` from the answer (waited for), following a note once (when
+        ``follow``); or MISSING."""
         if self._answer is None:
             try:
                 self._answer = {} if self._future is None else self._future.wait()
@@ -258,10 +259,9 @@ class Ask:
                 self._answer = {}
         x = self._answer.pop(key, MISSING)
         if isinstance(x, store_module.Elsewhere):  # the owner's note: the peer that keeps it
-            if x.lane == self.peers.me or self.peers.is_down(x.lane):
+            if not follow or x.lane == self.peers.me or self.peers.is_down(x.lane):
                 return MISSING
-            x = self.peers.ask(x.lane, dataset, [key]).sample(dataset, key)
-            return MISSING if isinstance(x, store_module.Elsewhere) else x
+            return self.peers.ask(x.lane, dataset, [key]).sample(dataset, key, follow=False)
         return x
 
 
