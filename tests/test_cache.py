@@ -168,9 +168,8 @@ def test_a_note_stands_for_a_sample_until_the_sample_comes():
     assert store.put(b"d", 7, b"x" * 100)  # kept here now: the note goes
     assert store.peek(b"d", 7) == b"x" * 100 and store.where(b"d", 7) is None
     assert store.figures().bytes == 150
-    assert (
-        store.note(b"d", 7, "127.0.0.1:9") and store.peek(b"d", 7) == b"x" * 100
-    )  # a note never replaces it
+    assert store.note(b"d", 7, "127.0.0.1:9")  # a note never replaces a kept sample
+    assert store.peek(b"d", 7) == b"x" * 100
 
 
 def test_worker_killed_during_a_cached_epoch(fresh_workers):

@@ -109,15 +109,14 @@ class LocalWorkers:
                 "LocalWorkers(start='fork'): cannot fork workers from this process (not Linux, or CUDA "
                 "is initialised here); use start='spawn'"
             )
-        if start == "fork" and _interpreter_variables(env):
+        interpreter_variables = _interpreter_variables(env)
+        if start == "fork" and interpreter_variables:
             raise ValueError(
                 f"LocalWorkers(start='fork', env=...): a forked worker cannot apply "
-                f"{', '.join(_interpreter_variables(env))} (only a new interpreter reads them); "
+                f"{', '.join(interpreter_variables)} (only a new interpreter reads them); "
                 "use start='spawn'"
             )
-        self.fork = start == "fork" or (
-            start == "auto" and fork_is_safe() and not _interpreter_variables(env)
-        )
+        self.fork = start == "fork" or (start == "auto" and fork_is_safe() and not interpreter_variables)
         self.host = host
         self.options = (options or WorkerOptions()).merged(parallel=parallel, cache_size=cache_size)
         self.stop_timeout = stop_timeout

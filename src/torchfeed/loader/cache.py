@@ -25,8 +25,8 @@ loading a batch asks the owners for the samples it does not keep, through their 
 second, small authenticated server in every worker process that only reads the cache and
 takes notes, so a lane never waits for an executor and peers cannot deadlock), and follows a
 note to the keeper; the answers arrive while it loads the rest. A sample nobody has yet is
-decoded where it is needed, kept there, and its owner told. A lane that fails is left out for :data:`_DOWN_SECONDS` (its samples get other
-owners and are decoded again there). The scheduler is unchanged: any worker can serve any
+decoded where it is needed, kept there, and its owner told. A lane that fails is left out
+for :data:`_DOWN_SECONDS` (its samples get other owners and are decoded again there). The scheduler is unchanged: any worker can serve any
 batch, and losses, hedges and exactly-once delivery work as without a cache.
 """
 
@@ -198,7 +198,7 @@ class Peers:
         self._down[lane] = time.monotonic() + _DOWN_SECONDS
 
     def ask(self, lane: str, dataset: bytes, keys: list) -> Ask:
-        """Start asking ``lane`` for the samples of ``keys`` (:meth:`Ask.result` waits)."""
+        """Start asking ``lane`` for the samples of ``keys`` (:meth:`Ask.sample` waits for the answer)."""
         settings = store_module.lane()
         if settings is None:
             return Ask(self, lane, None)

@@ -11,7 +11,7 @@ Rounds interleave the two sides; every round starts cold:
   starts), then the ``RemoteDataset`` is built inside the clock: epoch 1 pays every first-use
   cost of the workers (imports, buffers, connections);
 * cached: ``torchfeed.cached`` over the decode (:class:`JpegDecoded`), the crop and flip in
-  ``then``, on fresh workers: its epoch 1 decodes and hands every image to its owner.
+  ``then``, on fresh workers: its epoch 1 decodes and keeps every image (its owner gets a note).
 
 Also measured: the time to the first batch (from entering ``LocalWorkers(2)``, which forks its
 workers from the trainer as torch does; from building a ``RemoteDataset`` on running, idle
