@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -54,3 +55,37 @@ def test_cached_shards_keep_their_samples_from_then(fresh_workers, tmp_path):
     for _ in range(3):  # decoded and kept, then read back from the cache twice
         got = sorted(int(x[0]) for x in _batches(ds, **kw))  # each sample: 4 equal values
         assert got == [100 + s * 10 + k for s in range(2) for k in range(3)]
+
+
+class _Arrays:
+    """Index 0: a writable array; index 1: a read-only one (as ``np.asarray`` of a PIL image)."""
+
+    def __init__(self, tag: str):
+        self.tag = tag  # each test's own entries in this process's cache
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int):
+        x = np.arange(6, dtype=np.uint8)
+        x.flags.writeable = i == 0
+        return x
+
+
+def test_then_gets_a_copy_of_a_writable_array_and_a_read_only_one_as_it_is():
+    given = []
+
+    def then(x):
+        given.append(x)
+        if x.flags.writeable:
+            x += 100  # in place, on its copy
+        return x
+
+    ds = torchfeed.cached(_Arrays, then=then)("in-process")
+    assert ds[0].tolist() == [100, 101, 102, 103, 104, 105]
+    assert ds[0].tolist() == [100, 101, 102, 103, 104, 105]  # the kept array did not change
+    assert ds.sample(0) is not given[0] and ds.sample(0).tolist() == list(range(6))
+    ds[1]
+    assert given[-1] is ds.sample(1)  # nothing can change it: no copy
+    with pytest.raises(ValueError, match="read-only"):
+        given[-1] += 1
