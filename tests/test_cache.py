@@ -163,13 +163,17 @@ def test_a_note_stands_for_a_sample_until_the_sample_comes():
     store.hold(b"d")
     assert store.note(b"d", 7, "127.0.0.1:9")
     assert store.peek(b"d", 7) is MISSING and store.where(b"d", 7) == "127.0.0.1:9"
-    assert store.figures().bytes == NOTE_BYTES
+    assert (store.figures().bytes, store.figures().entries, store.figures().notes) == (NOTE_BYTES, 0, 1)
     assert store.note(b"d", 7, "127.0.0.1:10") and store.where(b"d", 7) == "127.0.0.1:10"  # moved
+    assert store.figures().notes == 1
     assert store.put(b"d", 7, b"x" * 100)  # kept here now: the note goes
     assert store.peek(b"d", 7) == b"x" * 100 and store.where(b"d", 7) is None
-    assert store.figures().bytes == 150
+    assert (store.figures().bytes, store.figures().entries, store.figures().notes) == (150, 1, 0)
     assert store.note(b"d", 7, "127.0.0.1:9")  # a note never replaces a kept sample
     assert store.peek(b"d", 7) == b"x" * 100
+    store.note(b"d", 8, "127.0.0.1:9")
+    store.resize(0)  # notes leave with the samples
+    assert (store.figures().bytes, store.figures().entries, store.figures().notes) == (0, 0, 0)
 
 
 def test_worker_killed_during_a_cached_epoch(fresh_workers):

@@ -49,6 +49,7 @@ NUMBERS = (
     "cache_budget",
     "cache_bytes",
     "cache_entries",
+    "cache_notes",
     "cache_hits",
     "cache_misses",
     "cache_refused",

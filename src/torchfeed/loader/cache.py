@@ -34,13 +34,14 @@ batch, and losses, hedges and exactly-once delivery work as without a cache.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import inspect
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -276,10 +277,9 @@ def _ignore_outcome(fut) -> None:
 
 class _Batch:
     """What a worker's loading thread knows of the batch it loads: the asks under way, and the
-    owners to tell (once the batch's last sample is loaded) which samples it kept."""
+    owners to tell (when the batch ends) which samples it kept."""
 
-    def __init__(self, keys: list):
-        self.left = len(keys)
+    def __init__(self):
         self.asks: dict[Any, Ask] = {}
         self.kept: dict[str, list] = {}
 
@@ -297,22 +297,29 @@ class CachedDataset(Dataset):
     def __len__(self) -> int:
         return len(self.shared.instance)
 
-    def torchfeed_prefetch(self, keys) -> None:
-        """Before a batch (the worker's Fetcher calls it): ask each peer, once, for the samples it
-        keeps; the answers arrive while the samples kept here or decoded here are loaded."""
-        batch = self._batch.current = _Batch(list(keys))
-        if self.peers.me is None:
-            return
-        store, key = store_module.store, self.shared.key
-        wanted: dict[str, list] = {}
-        for k in keys:
-            if store.peek(key, k) is MISSING:
-                lane = self.peers.source(key, k)
-                if lane is not None:
-                    wanted.setdefault(lane, []).append(k)
-        for lane, ks in wanted.items():
-            ask = self.peers.ask(lane, key, ks)
-            batch.asks.update(dict.fromkeys(ks, ask))
+    @contextlib.contextmanager
+    def torchfeed_batch(self, keys) -> Iterator[None]:
+        """Around the loading of a batch (the worker's Fetcher enters it): first ask each peer,
+        once, for the samples it keeps (the answers arrive while the samples kept or decoded
+        here are loaded); at the end, tell the owners which samples this worker kept."""
+        batch = _Batch()
+        if self.peers.me is not None:
+            store, key = store_module.store, self.shared.key
+            wanted: dict[str, list] = {}
+            for k in keys:
+                if store.peek(key, k) is MISSING:
+                    lane = self.peers.source(key, k)
+                    if lane is not None:
+                        wanted.setdefault(lane, []).append(k)
+            for lane, ks in wanted.items():
+                batch.asks.update(dict.fromkeys(ks, self.peers.ask(lane, key, ks)))
+        self._batch.current = batch
+        try:
+            yield
+        finally:
+            self._batch.current = None
+            for owner, kept in batch.kept.items():
+                self.peers.note(owner, self.shared.key, kept)
 
     def __getitem__(self, index):
         x = self.sample(index)
@@ -323,33 +330,23 @@ class CachedDataset(Dataset):
         here, its owner told)."""
         store, key = store_module.store, self.shared.key
         batch: _Batch | None = getattr(self._batch, "current", None)
-        if batch is not None and batch.left <= 0:
-            batch = self._batch.current = None  # a call outside a prefetched batch
-        try:
-            x = store.peek(key, index)
-            if x is MISSING:
-                if batch is not None:  # asked before the batch, if a peer keeps it
-                    ask = batch.asks.pop(index, None)
-                    x = MISSING if ask is None else ask.sample(key, index)
-                else:  # no auto-collation: ask now
-                    x = self.peers.fetch(key, index)
-            self.counts.add(x is not MISSING)
-            if x is MISSING:
-                x = self.shared.instance[index]
-                if store.put(key, index, x):
-                    owner = self.peers.owner(index)
-                    if owner is not None and batch is not None:
-                        batch.kept.setdefault(owner, []).append(index)
-                    elif owner is not None:
-                        self.peers.note(owner, key, [index])
-            return x
-        finally:
-            if batch is not None:
-                batch.left -= 1
-                if batch.left <= 0:
-                    for owner, kept in batch.kept.items():
-                        self.peers.note(owner, key, kept)
-                    batch.kept = {}
+        x = store.peek(key, index)
+        if x is MISSING:
+            if batch is not None:  # asked before the batch, if a peer keeps it
+                ask = batch.asks.pop(index, None)
+                x = MISSING if ask is None else ask.sample(key, index)
+            else:  # outside a batch (no auto-collation): ask now
+                x = self.peers.fetch(key, index)
+        self.counts.add(x is not MISSING)
+        if x is MISSING:
+            x = self.shared.instance[index]
+            if store.put(key, index, x):
+                owner = self.peers.owner(index)
+                if owner is not None and batch is not None:
+                    batch.kept.setdefault(owner, []).append(index)
+                elif owner is not None:
+                    self.peers.note(owner, key, [index])
+        return x
 
     def __repr__(self) -> str:
         return f"cached({self.shared.instance!r}, then={self.then!r})"

@@ -122,9 +122,14 @@ class Fetcher:
                 seeding.enter_seeded()  # the worker's own states come back before any other call runs
                 seed_all(mix_seed(seed, index_key(index)))
             return dataset[index]
-        prefetch = getattr(dataset, "torchfeed_prefetch", None)
-        if prefetch is not None:  # a cached dataset: samples its peers keep, fetched before seeding
-            prefetch(index)
+        loading = getattr(dataset, "torchfeed_batch", None)
+        if loading is None:
+            return self._load_batch(dataset, index, seed)
+        with loading(index):  # a cached dataset: asks its peers before seeding, tells owners after
+            return self._load_batch(dataset, index, seed)
+
+    def _load_batch(self, dataset, index, seed: int | None) -> list:
+        """The samples of a batch's keys, each under its own seed when ``seed`` is set."""
         getitems = getattr(dataset, "__getitems__", None)
         if seed is None:
             return getitems(index) if getitems else [dataset[i] for i in index]

@@ -105,7 +105,8 @@ class Figures:
 
     budget: int
     bytes: int
-    entries: int
+    entries: int  # samples kept here
+    notes: int  # samples this worker owns and a peer keeps (see Elsewhere)
     hits: int
     misses: int
     refused: int  # samples not stored: over the budget
@@ -121,6 +122,7 @@ class Store:
         self._entries: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()  # oldest first
         self._holders: dict[bytes, int] = {}  # dataset key -> datasets built on it and alive
         self._bytes = 0
+        self._notes = 0  # entries that are notes
         self.hits = self.misses = self.refused = self.evicted = 0
 
     def tally(self, hit: bool) -> None:
@@ -157,8 +159,7 @@ class Store:
             if old is not None:
                 if not isinstance(old[0], Elsewhere):
                     return True
-                del self._entries[(dataset, key)]
-                self._bytes -= old[1]
+                self._drop((dataset, key))
             if self._bytes + size > self.budget:
                 self._evict_orphans(self._bytes + size - self.budget)
             if self._bytes + size > self.budget:
@@ -166,7 +167,15 @@ class Store:
                 return False
             self._entries[(dataset, key)] = (value, size)
             self._bytes += size
+            self._notes += isinstance(value, Elsewhere)
             return True
+
+    def _drop(self, entry_key: tuple) -> int:
+        """Remove an entry (the lock held); its size."""
+        value, size = self._entries.pop(entry_key)
+        self._bytes -= size
+        self._notes -= isinstance(value, Elsewhere)
+        return size
 
     def _evict_orphans(self, needed: int) -> None:
         for entry_key in list(self._entries):
@@ -174,9 +183,7 @@ class Store:
                 return
             if self._holders.get(entry_key[0], 0) > 0:
                 continue
-            _, size = self._entries.pop(entry_key)
-            self._bytes -= size
-            needed -= size
+            needed -= self._drop(entry_key)
             self.evicted += 1
 
     def hold(self, dataset: bytes) -> None:
@@ -196,15 +203,15 @@ class Store:
         with self._lock:
             self.budget = budget
             while self._bytes > budget and self._entries:
-                _, (_, size) = self._entries.popitem()
-                self._bytes -= size
+                self._drop(next(reversed(self._entries)))
 
     def figures(self) -> Figures:
         with self._lock:
             return Figures(
                 self.budget,
                 self._bytes,
-                len(self._entries),
+                len(self._entries) - self._notes,
+                self._notes,
                 self.hits,
                 self.misses,
                 self.refused,
@@ -268,6 +275,7 @@ def figures() -> dict[str, int]:
         "cache_budget": f.budget,
         "cache_bytes": f.bytes,
         "cache_entries": f.entries,
+        "cache_notes": f.notes,
         "cache_hits": f.hits,
         "cache_misses": f.misses,
         "cache_refused": f.refused,
