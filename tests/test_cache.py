@@ -172,8 +172,11 @@ def test_a_note_stands_for_a_sample_until_the_sample_comes():
     assert store.note(b"d", 7, "127.0.0.1:9")  # a note never replaces a kept sample
     assert store.peek(b"d", 7) == b"x" * 100
     store.note(b"d", 8, "127.0.0.1:9")
+    assert not store.put(b"d", 8, b"x" * (2 << 20))  # too big: the note stays
+    assert store.where(b"d", 8) == "127.0.0.1:9" and store.figures().refused == 1
     store.resize(0)  # notes leave with the samples
     assert (store.figures().bytes, store.figures().entries, store.figures().notes) == (0, 0, 0)
+    assert not store.note(b"d", 9, "127.0.0.1:9") and store.figures().refused == 1  # samples only
 
 
 def test_worker_killed_during_a_cached_epoch(fresh_workers):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -72,20 +74,15 @@ class _Arrays:
         return x
 
 
-def test_then_gets_a_copy_of_a_writable_array_and_a_read_only_one_as_it_is():
-    given = []
+def _add_100(x: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():  # torch warns that the array is not writable, and writes
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(x).add_(100)
 
-    def then(x):
-        given.append(x)
-        if x.flags.writeable:
-            x += 100  # in place, on its copy
-        return x
 
-    ds = torchfeed.cached(_Arrays, then=then)("in-process")
-    assert ds[0].tolist() == [100, 101, 102, 103, 104, 105]
-    assert ds[0].tolist() == [100, 101, 102, 103, 104, 105]  # the kept array did not change
-    assert ds.sample(0) is not given[0] and ds.sample(0).tolist() == list(range(6))
-    ds[1]
-    assert given[-1] is ds.sample(1)  # nothing can change it: no copy
-    with pytest.raises(ValueError, match="read-only"):
-        given[-1] += 1
+def test_then_works_on_a_copy_of_arrays_read_only_ones_too():
+    ds = torchfeed.cached(_Arrays, then=_add_100)("in-process")
+    for i in (0, 1):  # writable, read-only
+        assert ds[i].tolist() == [100, 101, 102, 103, 104, 105]
+        assert ds[i].tolist() == [100, 101, 102, 103, 104, 105]  # the kept array did not change
+        assert ds.sample(i).tolist() == list(range(6))

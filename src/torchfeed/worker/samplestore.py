@@ -109,7 +109,7 @@ class Figures:
     notes: int  # samples this worker owns and a peer keeps (see Elsewhere)
     hits: int
     misses: int
-    refused: int  # samples not stored: over the budget
+    refused: int  # samples not stored: over the budget (notes not counted)
     evicted: int  # entries of datasets no trainer holds, dropped to make room
 
 
@@ -152,20 +152,23 @@ class Store:
     def put(self, dataset: bytes, key: Any, value: Any, nbytes: int | None = None) -> bool:
         """Keep ``value`` if it fits (after evicting entries of datasets nobody holds).
 
-        A sample already kept stays; a note (:class:`Elsewhere`) is replaced by what comes."""
+        A sample already kept stays; a note (:class:`Elsewhere`) is replaced by what comes,
+        and stays when that does not fit."""
         size = sizeof(value) if nbytes is None else nbytes
+        entry_key = (dataset, key)
         with self._lock:
-            old = self._entries.get((dataset, key))
-            if old is not None:
-                if not isinstance(old[0], Elsewhere):
-                    return True
-                self._drop((dataset, key))
-            if self._bytes + size > self.budget:
+            old = self._entries.get(entry_key)
+            if old is not None and not isinstance(old[0], Elsewhere):
+                return True
+            if self._bytes - (old[1] if old else 0) + size > self.budget:
                 self._evict_orphans(self._bytes + size - self.budget)
-            if self._bytes + size > self.budget:
-                self.refused += 1
+                old = self._entries.get(entry_key)  # evicted, if its dataset is orphaned
+            if self._bytes - (old[1] if old else 0) + size > self.budget:
+                self.refused += not isinstance(value, Elsewhere)
                 return False
-            self._entries[(dataset, key)] = (value, size)
+            if old is not None:
+                self._drop(entry_key)
+            self._entries[entry_key] = (value, size)
             self._bytes += size
             self._notes += isinstance(value, Elsewhere)
             return True
