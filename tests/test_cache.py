@@ -163,21 +163,26 @@ def test_three_workers_find_samples_through_their_owners_notes(fresh_workers):
 def test_a_note_stands_for_a_sample_until_the_sample_comes():
     store = Store(budget=1 << 20)
     store.hold(b"d")
+
+    def held() -> tuple[int, int, int]:
+        f = store.figures()
+        return f.bytes, f.entries, f.notes
+
     assert store.note(b"d", 7, "127.0.0.1:9")
     assert store.peek(b"d", 7) is MISSING and store.where(b"d", 7) == "127.0.0.1:9"
-    assert (store.figures().bytes, store.figures().entries, store.figures().notes) == (NOTE_BYTES, 0, 1)
+    assert held() == (NOTE_BYTES, 0, 1)
     assert store.note(b"d", 7, "127.0.0.1:10") and store.where(b"d", 7) == "127.0.0.1:10"  # moved
     assert store.figures().notes == 1
     assert store.put(b"d", 7, b"x" * 100)  # kept here now: the note goes
     assert store.peek(b"d", 7) == b"x" * 100 and store.where(b"d", 7) is None
-    assert (store.figures().bytes, store.figures().entries, store.figures().notes) == (150, 1, 0)
+    assert held() == (150, 1, 0)
     assert store.note(b"d", 7, "127.0.0.1:9")  # a note never replaces a kept sample
     assert store.peek(b"d", 7) == b"x" * 100
     store.note(b"d", 8, "127.0.0.1:9")
     assert not store.put(b"d", 8, b"x" * (2 << 20))  # too big: the note stays
     assert store.where(b"d", 8) == "127.0.0.1:9" and store.figures().refused == 1
     store.resize(0)  # notes leave with the samples
-    assert (store.figures().bytes, store.figures().entries, store.figures().notes) == (0, 0, 0)
+    assert held() == (0, 0, 0)
     assert not store.note(b"d", 9, "127.0.0.1:9") and store.figures().refused == 1  # samples only
 
 

@@ -27,8 +27,9 @@ second, small authenticated server in every worker process that only reads the c
 takes notes, so a lane never waits for an executor and peers cannot deadlock), and follows a
 note to the keeper; the answers arrive while it loads the rest. A sample nobody has yet is
 decoded where it is needed, kept there, and its owner told. A lane that fails is left out
-for :data:`_DOWN_SECONDS` (its samples get other owners and are decoded again there). The scheduler is unchanged: any worker can serve any
-batch, and losses, hedges and exactly-once delivery work as without a cache.
+for :data:`_DOWN_SECONDS` (its samples get other owners and are decoded again there). The
+scheduler is unchanged: any worker can serve any batch, and losses, hedges and exactly-once
+delivery work as without a cache.
 """
 
 from __future__ import annotations
