@@ -114,3 +114,51 @@ def test_pinned_allocation_without_cuda_falls_back_and_warns_once(monkeypatch):
 def test_pinned_allocation_with_cuda_is_page_locked():
     views = buffers.allocate([100, 3 * MB], pin=True)
     assert all(torch.frombuffer(v, dtype=torch.uint8).is_pinned() for v in views)
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds ``address`` (Linux)."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    return []
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE"), reason="no transparent huge pages here")
+def test_large_blocks_start_on_a_huge_page_in_memory_advised_to_use_them():
+    block = buffers.mapped(5 * MB + 3)
+    assert block.nbytes == 5 * MB + 3 and block.flags.writeable
+    assert _addr(block) % buffers.HUGE_PAGE == 0 and "hg" in _vm_flags(_addr(block))
+    block[:] = 7
+    small = buffers.mapped(MB)  # below a huge page: malloc's memory
+    assert "hg" not in _vm_flags(_addr(small))
+    pooled = buffers.BlockPool().lease(4 * MB)
+    assert "hg" in _vm_flags(_addr(pooled))
+
+
+def test_the_arena_hands_out_separate_parts_and_unmaps_a_chunk_with_its_last_part():
+    from torchfeed.worker.arena import Arena
+
+    arena = Arena(chunk=4 * MB)
+    parts = [arena.take(n) for n in (100, 1, 3 * MB // 4, 64)]
+    spans = sorted((_addr(p), _addr(p) + p.nbytes) for p in parts)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no overlap
+    assert all(_addr(p) % buffers.ALIGN == 0 for p in parts)
+    for k, p in enumerate(parts):
+        p[:] = k
+    assert [int(p.max()) for p in parts] == [0, 1, 2, 3]  # nobody wrote into another's part
+    big = arena.take(2 * MB)  # over a quarter of a chunk: a mapping of its own
+    assert not any(_addr(p) <= _addr(big) < _addr(p) + 4 * MB for p in parts)
+    where = _addr(parts[0])
+    for _ in range(4):  # past what the first chunk has left: a second chunk
+        arena.take(MB)
+    assert _vm_flags(where)  # still mapped: its parts are alive
+    del parts, p
+    gc.collect()
+    assert not _vm_flags(where)  # its last part gone (and the arena moved on): unmapped

@@ -86,3 +86,69 @@ def test_then_works_on_a_copy_of_arrays_read_only_ones_too():
         assert ds[i].tolist() == [100, 101, 102, 103, 104, 105]
         assert ds[i].tolist() == [100, 101, 102, 103, 104, 105]  # the kept array did not change
         assert ds.sample(i).tolist() == list(range(6))
+
+
+class _Kept:
+    """Samples of every shape the cache copies into its arena, and one it keeps as it is."""
+
+    def __init__(self, tag: str):
+        self.tag = tag
+        self.given: list = []  # what __getitem__ returned, in order
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int):
+        image = np.arange(24, dtype=np.uint8).reshape(2, 4, 3)[:, ::2]  # not contiguous
+        x: object = {
+            "image": image,
+            "label": np.int64(i),
+            "parts": [torch.arange(4.0).view(2, 2).t(), "name"],
+        }
+        if i == 1:
+            x = (x, _Opaque())  # not plain: kept as it is
+        self.given.append(x)
+        return x
+
+
+class _Opaque:
+    pass
+
+
+def _seen(x):
+    return x
+
+
+def _mapped_with_huge_pages(address: int) -> bool:
+    """Whether ``address`` lies in a mapping of this process advised MADV_HUGEPAGE (Linux)."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return "hg" in line.split()
+    return False
+
+
+def test_then_gets_the_decoded_sample_on_a_miss_and_a_copy_of_the_kept_one_later():
+    ds = torchfeed.cached(_Kept, then=_seen)("then-gets")
+    inner = ds.shared.instance
+    first = ds[0]
+    assert first is inner.given[-1]  # the decoded sample itself, as without the cache
+    kept = ds.sample(0)
+    assert kept is not first and kept["image"] is not first["image"]
+    again = ds[0]  # kept: then gets a copy
+    assert again is not kept and again["image"] is not kept["image"] and len(inner.given) == 1
+    for x in (kept, again):
+        assert np.array_equal(x["image"], first["image"]) and x["label"] == 0
+        assert torch.equal(x["parts"][0], first["parts"][0]) and x["parts"][1] == "name"
+    if hasattr(__import__("mmap"), "MADV_HUGEPAGE"):
+        assert _mapped_with_huge_pages(kept["image"].ctypes.data)
+        assert _mapped_with_huge_pages(kept["parts"][0].data_ptr())
+    # a sample holding something the arena cannot copy is kept as it is; then gets copies
+    second = ds[1]
+    assert ds.sample(1) is inner.given[-1] and second is not inner.given[-1]
+    assert np.array_equal(second[0]["image"], inner.given[-1][0]["image"])
