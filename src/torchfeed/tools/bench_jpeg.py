@@ -3,7 +3,9 @@
 600 JPEGs (800x600, made here) are decoded with Pillow (DCT-scaled to 400x300, ~360 KB a
 decoded image), random-resized-cropped to 224x224 and flipped (:class:`JpegPipeline`), batch
 32, 2 loading processes on each side, shuffled; the consumer touches every page of every batch.
-Rounds interleave the two sides; every round starts cold:
+Every round runs the three sides below, each from a cold start, in an order that rotates from
+round to round (so no side always follows the same one); a ratio is the median over rounds
+of the round's ratio, so that the machine's drifts between rounds cancel:
 
 * torch: a new ``DataLoader(num_workers=2, persistent_workers=True)``; epoch 1 includes forking
   its workers, as a user's first epoch does;
@@ -163,7 +165,6 @@ def run(
     log: Callable[[str], Any] = print, rounds: int = 3, epochs: int = 3, count: int = 600
 ) -> dict[str, Any]:
     """Every measurement; returns JSON-friendly numbers (medians over ``rounds``)."""
-    import torchfeed
     from torchfeed import LocalWorkers, RemoteDataLoader, RemoteDataset
 
     torch.manual_seed(0)
@@ -173,37 +174,9 @@ def run(
     with tempfile.TemporaryDirectory(prefix="torchfeed-jpeg-bench-") as root:
         make_jpegs(root, count)
         for r in range(rounds):
-            # torch: workers forked inside epoch 1
-            start = time.perf_counter()
-            loader: Any = DataLoader(
-                JpegPipeline(root),
-                batch_size=BATCH,
-                shuffle=True,
-                num_workers=WORKERS,
-                persistent_workers=True,
-            )
-            t = Epochs(loader, children)
-            t.run(start)
-            for _ in range(epochs - 1):
-                t.run()
-            del loader, t.loader  # its persistent workers end with its iterator
-            runs["torch"].append(t)
-            # torchfeed: fresh workers, the dataset built inside the clock
-            for kind in ("torchfeed", "cached"):
-                with LocalWorkers(WORKERS, cache_size="1GiB") as w:
-                    pids = [p.pid for p in w.processes]
-                    start = time.perf_counter()
-                    factory: Any = (
-                        JpegPipeline if kind == "torchfeed" else torchfeed.cached(JpegDecoded, then=crop_flip)
-                    )
-                    ours: Any = RemoteDataLoader(
-                        RemoteDataset(w.addresses, factory, root), batch_size=BATCH, shuffle=True
-                    )
-                    e = Epochs(ours, pids.copy)
-                    e.run(start)
-                    for _ in range(epochs - 1):
-                        e.run()
-                    runs[kind].append(e)
+            sides = list(runs)  # the order rotates: no side always follows the same one
+            for kind in sides[r % 3 :] + sides[: r % 3]:
+                runs[kind].append(_side(kind, root, epochs))
             # time to the first batch, three ways
             start = time.perf_counter()
             with LocalWorkers(WORKERS) as w:
@@ -236,6 +209,11 @@ def run(
                 f"{first['torch'][-1]:.3f} s"
             )
     med = statistics.median
+
+    def paired(a: str, b: str, pick: Callable[[Epochs], float]) -> float:
+        """The median over rounds of a round's ratio: drifts of the machine between rounds cancel."""
+        return med(pick(x) / pick(y) for x, y in zip(runs[a], runs[b]))
+
     for kind, es in runs.items():
         out[kind] = {
             "epoch1": med(e.rates[0] for e in es),
@@ -247,18 +225,58 @@ def run(
         }
     out["first_batch_s"] = {k: med(v) for k, v in first.items()}
     out["first_batch_runs"] = first
-    out["epoch1_ratio"] = out["torchfeed"]["epoch1"] / out["torch"]["epoch1"]
-    out["later_ratio"] = out["torchfeed"]["later"] / out["torch"]["later"]
-    out["cached_epoch1_over_uncached"] = out["cached"]["epoch1"] / out["torchfeed"]["epoch1"]
+    epoch1, later = (lambda e: e.rates[0]), (lambda e: med(e.rates[1:]))
+    out["epoch1_ratio"] = paired("torchfeed", "torch", epoch1)
+    out["later_ratio"] = paired("torchfeed", "torch", later)
+    out["cached_epoch1_over_uncached"] = paired("cached", "torchfeed", epoch1)
+    out["ratios_of_medians"] = {
+        "epoch1": out["torchfeed"]["epoch1"] / out["torch"]["epoch1"],
+        "later": out["torchfeed"]["later"] / out["torch"]["later"],
+        "cached_epoch1": out["cached"]["epoch1"] / out["torchfeed"]["epoch1"],
+    }
     return out
+
+
+def _side(kind: str, root: str, epochs: int) -> Epochs:
+    """One round of one side, from a cold start: ``torch``, ``torchfeed`` or ``cached``."""
+    import torchfeed
+    from torchfeed import LocalWorkers, RemoteDataLoader, RemoteDataset
+
+    if kind == "torch":  # workers forked inside epoch 1
+        start = time.perf_counter()
+        loader: Any = DataLoader(
+            JpegPipeline(root), batch_size=BATCH, shuffle=True, num_workers=WORKERS, persistent_workers=True
+        )
+        e = Epochs(loader, children)
+        e.run(start)
+        for _ in range(epochs - 1):
+            e.run()
+        del loader, e.loader  # its persistent workers end with its iterator
+        return e
+    # fresh workers, the dataset built inside the clock
+    with LocalWorkers(WORKERS, cache_size="1GiB") as w:
+        pids = [p.pid for p in w.processes]
+        start = time.perf_counter()
+        factory: Any = JpegPipeline if kind == "torchfeed" else torchfeed.cached(JpegDecoded, then=crop_flip)
+        ours = RemoteDataLoader(RemoteDataset(w.addresses, factory, root), batch_size=BATCH, shuffle=True)
+        e = Epochs(ours, pids.copy)
+        e.run(start)
+        for _ in range(epochs - 1):
+            e.run()
+        return e
 
 
 def iter_summary(result: dict[str, Any]) -> Iterator[str]:
     """Lines for a person: the ratios and what they are measured against."""
     fb = result["first_batch_s"]
-    yield f"epoch 1: torchfeed {result['epoch1_ratio']:.2f}x torch's DataLoader (target >= 1.00)"
-    yield f"later epochs: {result['later_ratio']:.2f}x torch"
-    yield f"cached epoch 1: {result['cached_epoch1_over_uncached']:.2f}x the uncached epoch 1 (target >= 0.95)"
+    rm = result["ratios_of_medians"]
+    yield "ratios: the median of the rounds' ratios (in brackets: the ratio of the median rates)"
+    yield f"epoch 1: torchfeed {result['epoch1_ratio']:.2f}x ({rm['epoch1']:.2f}x) torch's DataLoader (target >= 1.00)"
+    yield f"later epochs: {result['later_ratio']:.2f}x ({rm['later']:.2f}x) torch"
+    yield (
+        f"cached epoch 1: {result['cached_epoch1_over_uncached']:.2f}x ({rm['cached_epoch1']:.2f}x) "
+        "the uncached epoch 1 (target >= 0.95)"
+    )
     yield f"first batch: {fb['local_workers']:.2f} s from entering LocalWorkers(2) (target <= 1)"
     yield f"first batch: {fb['running_workers']:.3f} s on running workers (target <= 0.25); torch {fb['torch']:.3f} s"
     for side in ("torch", "torchfeed"):
