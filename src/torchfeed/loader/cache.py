@@ -11,15 +11,13 @@ each sample as the stream yields it.
 **Sharing.** Datasets built from equal pickles of ``(factory, args, kwargs)`` on one worker
 share one instance (map-style) and one set of cached samples, whatever their ``then``:
 two jobs of a hyperparameter search pay for one decode. So a kept sample is never given
-to ``then`` itself (:mod:`~torchfeed.loader.samplecopy`): when a sample is decoded, the
-cache keeps a copy of it (its arrays and tensors in huge-page memory, see
-:mod:`~torchfeed.worker.arena`) and ``then`` gets the decoded sample, as it would without
-the cache; at later accesses ``then`` gets a copy of the kept sample. Either way ``then``
-may change what it gets in place (``x.mul_(2)``) without changing what another job, or its
-own next epoch, receives. A copy costs about what copying the sample's bytes costs (a
-3x224x224 float tensor: 17 us, a 3x16x16 one 3 us, on a 2-core machine); without ``then``
-the kept sample goes to the collate function as it is (default_collate copies it into the
-batch).
+to ``then`` itself: ``then`` gets a deep copy (:func:`_fresh`), which it may change in
+place (``x.mul_(2)``) without changing what another job, or its own next epoch, receives
+(read-only arrays too: ``torch.from_numpy`` of one is a writable tensor over its memory).
+The copy costs about what copying the sample's bytes costs (a 3x224x224 float tensor:
+17 us, a 3x16x16 one 3 us, on a 2-core machine), once per sample per access; without
+``then`` the kept sample goes to the collate function as it is (default_collate copies
+it into the batch).
 
 **One cache across the pool.** A decoded sample is kept by the worker that decoded it, and
 has an *owner* among the workers the trainer built the dataset on (rendezvous hashing of the
@@ -37,6 +35,7 @@ delivery work as without a cache.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import inspect
 import threading
@@ -45,13 +44,14 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from .. import client
 from ..protocol import serialize
 from ..worker import samplestore as store_module
 from ..worker.samplestore import MISSING
-from .samplecopy import fresh, kept_copy
 
 _DOWN_SECONDS = 30.0  # a peer lane that failed is not asked again for this long
 _PEER_TIMEOUT = 10.0  # seconds a peer lane has to answer
@@ -322,27 +322,12 @@ class CachedDataset(Dataset):
                 self.peers.note(owner, self.shared.key, kept)
 
     def __getitem__(self, index):
-        x = self._found(index)
-        if x is not MISSING:  # the kept sample: then works on a copy
-            return x if self.then is None else self.then(fresh(x))
-        x = self.shared.instance[index]
-        kept = self._keep(index, x)
-        if self.then is None:
-            return x
-        return self.then(fresh(x) if kept is x else x)
+        x = self.sample(index)
+        return self.then(_fresh(x)) if self.then is not None else x
 
     def sample(self, index) -> Any:
-        """The cached (inner) sample of ``index`` as kept: here, at a peer, or decoded now and kept
-        (the decoded sample itself where the budget refuses it)."""
-        x = self._found(index)
-        if x is MISSING:
-            x = self.shared.instance[index]
-            kept = self._keep(index, x)
-            return x if kept is MISSING else kept
-        return x
-
-    def _found(self, index) -> Any:
-        """The kept sample of ``index``, here or at a peer; or MISSING (counted either way)."""
+        """The cached (inner) sample of ``index``: kept here, kept by a peer, or decoded (and kept
+        here, its owner told)."""
         store, key = store_module.store, self.shared.key
         batch: _Batch | None = getattr(self._batch, "current", None)
         x = store.peek(key, index)
@@ -353,22 +338,15 @@ class CachedDataset(Dataset):
             else:  # outside a batch (no auto-collation): ask now
                 x = self.peers.fetch(key, index)
         self.counts.add(x is not MISSING)
+        if x is MISSING:
+            x = self.shared.instance[index]
+            if store.put(key, index, x):
+                owner = self.peers.owner(index)
+                if owner is not None and batch is not None:
+                    batch.kept.setdefault(owner, []).append(index)
+                elif owner is not None:
+                    self.peers.note(owner, key, [index])
         return x
-
-    def _keep(self, index, x) -> Any:
-        """Keep the decoded ``x`` here if the budget allows and tell its owner; what is kept
-        (a copy in the arena, or ``x`` itself: see :func:`kept_copy`), or MISSING."""
-        store, key = store_module.store, self.shared.key
-        kept = kept_copy(x) if store.has_room(store_module.sizeof(x)) else x  # no copy only to be refused
-        if not store.put(key, index, kept):
-            return MISSING
-        owner = self.peers.owner(index)
-        batch: _Batch | None = getattr(self._batch, "current", None)
-        if owner is not None and batch is not None:
-            batch.kept.setdefault(owner, []).append(index)
-        elif owner is not None:
-            self.peers.note(owner, key, [index])
-        return kept
 
     def __repr__(self) -> str:
         return f"cached({self.shared.instance!r}, then={self.then!r})"
@@ -399,22 +377,40 @@ class _ShardOpener:
 
     def _then(self, samples):
         for x in samples:
-            yield self.then(fresh(x)) if self.then is not None else x
+            yield self.then(_fresh(x)) if self.then is not None else x
 
     def _decode(self, url: str, entry: tuple):
-        kept, size = [], 0
+        kept = []
         for x in self.open_shard(url):
-            size += store_module.sizeof(x)
-            kept.append(kept_copy(x) if store_module.store.has_room(size) else x)
-            if self.then is None:
-                yield x
-            else:
-                yield self.then(fresh(x) if kept[-1] is x else x)
+            kept.append(x)
+            yield self.then(_fresh(x)) if self.then is not None else x
         # read to its end: keep it (a stream that stopped early keeps nothing) and tell its owner
         if store_module.store.put(self.shared.key, entry, kept):
             owner = self.peers.owner(entry)
             if owner is not None:
                 self.peers.note(owner, self.shared.key, [entry])
+
+
+_IMMUTABLE = (str, bytes, int, float, complex, bool, type(None))
+
+
+def _fresh(sample: Any, depth: int = 0) -> Any:
+    """A copy of a kept sample for ``then`` (tensors cloned, arrays and containers copied,
+    other objects deep-copied): what ``then`` does in place stays in its copy."""
+    kind = type(sample)
+    if kind in _IMMUTABLE:
+        return sample
+    if isinstance(sample, torch.Tensor) and kind is torch.Tensor:
+        return sample.clone()
+    if kind is np.ndarray and sample.dtype != object:
+        # read-only ones too: torch.from_numpy gives a writable tensor over any array
+        return sample.copy()
+    if depth < 32:
+        if kind in (list, tuple):
+            return kind(_fresh(v, depth + 1) for v in sample)
+        if kind is dict:
+            return {k: _fresh(v, depth + 1) for k, v in sample.items()}
+    return copy.deepcopy(sample)  # anything else (shared parts stay shared within it)
 
 
 def _cached_shards(shared: Shared, then: Callable | None):

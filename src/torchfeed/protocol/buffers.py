@@ -6,15 +6,10 @@ of the data plane allocate such blocks for every batch: the worker when it stack
 batch, the trainer when it receives one. A :class:`BlockPool` hands out views of cached
 blocks and takes a block back automatically when the last tensor or array using it is
 garbage collected, so steady-state batches land in memory that is already mapped.
-
-Blocks of 2 MiB and more are mappings of their own (:func:`mapped`), advised to use the
-kernel's transparent huge pages: a new block then costs one page fault per 2 MiB instead of
-one per 4 KiB (a 4.8 MB batch block: 3 faults against about 1,200).
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 import weakref
@@ -28,31 +23,6 @@ from .. import notices
 ALIGN = 64  # every buffer of a message starts on a 64-byte boundary of its receive block
 MIN_POOLED = 1 << 20  # smaller allocations are cheap enough for malloc
 _GRAIN = 1 << 16  # block sizes are rounded up to this, so similar sizes share blocks
-HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and arm64 (4 KiB base pages)
-
-
-def mapped(nbytes: int) -> np.ndarray:
-    """A new uint8 array of ``nbytes`` in a private anonymous mapping of its own,
-    advised ``MADV_HUGEPAGE``; unmapped when the array and every view of it are gone.
-
-    The kernel backs a range with a huge page only where the range covers an aligned 2 MiB,
-    so the mapping is rounded up and the array starts on a 2 MiB boundary (up to 2 MiB of
-    address space, never touched, is left over). Where the kernel gives no huge pages
-    (``transparent_hugepage`` set to ``never``, or no ``madvise``) this is ordinary memory.
-    Smaller than :data:`HUGE_PAGE`: ``numpy.empty`` (malloc's memory, reused at once).
-    """
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if nbytes < HUGE_PAGE or advice is None:
-        return np.empty(nbytes, dtype=np.uint8)
-    rounded = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    area = mmap.mmap(-1, rounded + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = np.frombuffer(area, dtype=np.uint8)
-    start = -whole.ctypes.data % HUGE_PAGE
-    try:
-        area.madvise(advice, start, rounded)
-    except OSError:  # a kernel without transparent huge pages: ordinary pages
-        pass
-    return whole[start : start + nbytes]
 
 
 class BlockPool:
@@ -87,7 +57,7 @@ class BlockPool:
                 block = None
                 self.misses += 1
         if block is None:
-            block = mapped(size)
+            block = np.empty(size, dtype=np.uint8)
         lease = block[:nbytes]
         weakref.finalize(lease, self._give_back, block)
         # numpy points a slice's .base straight at the array that owns the memory (the

@@ -149,11 +149,6 @@ class Store:
         """Remember that the peer at ``lane`` keeps this sample (unless it is kept here)."""
         return self.put(dataset, key, Elsewhere(lane), NOTE_BYTES)
 
-    def has_room(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more fit now, without evicting (a hint: :meth:`put` decides)."""
-        with self._lock:
-            return self._bytes + nbytes <= self.budget
-
     def put(self, dataset: bytes, key: Any, value: Any, nbytes: int | None = None) -> bool:
         """Keep ``value`` if it fits (after evicting entries of datasets nobody holds).
 
