@@ -186,6 +186,18 @@ def test_a_note_stands_for_a_sample_until_the_sample_comes():
     assert not store.note(b"d", 9, "127.0.0.1:9") and store.figures().refused == 1  # samples only
 
 
+def test_a_sample_replacing_a_note_evicts_only_what_it_needs():
+    store = Store(budget=1000)
+    store.hold(b"d")
+    for k in range(5):  # 100 bytes each, of a dataset nobody holds any more
+        assert store.put(b"orphan", k, "o", nbytes=100)
+    assert store.note(b"d", 1, "127.0.0.1:9")  # 660 bytes kept
+    assert store.put(b"d", 1, "s", nbytes=560)  # 60 bytes over once the note goes: one orphan out
+    f = store.figures()
+    assert (f.evicted, f.bytes, f.entries, f.notes) == (1, 960, 5, 0)
+    assert store.peek(b"orphan", 0) is MISSING and store.peek(b"orphan", 1) == "o"  # oldest first
+
+
 def test_worker_killed_during_a_cached_epoch(fresh_workers):
     w = fresh_workers(3)
     n = 60

@@ -160,18 +160,22 @@ class Store:
             old = self._entries.get(entry_key)
             if old is not None and not isinstance(old[0], Elsewhere):
                 return True
-            if self._bytes - (old[1] if old else 0) + size > self.budget:
-                self._evict_orphans(self._bytes + size - self.budget)
-                old = self._entries.get(entry_key)  # evicted, if its dataset is orphaned
-            if self._bytes - (old[1] if old else 0) + size > self.budget:
+            if self._excess(entry_key, size) > 0:
+                self._evict_orphans(self._excess(entry_key, size))
+            if self._excess(entry_key, size) > 0:
                 self.refused += not isinstance(value, Elsewhere)
                 return False
-            if old is not None:
+            if entry_key in self._entries:  # the note it replaces (unless evicted above)
                 self._drop(entry_key)
             self._entries[entry_key] = (value, size)
             self._bytes += size
             self._notes += isinstance(value, Elsewhere)
             return True
+
+    def _excess(self, entry_key: tuple, size: int) -> int:
+        """Bytes over the budget once ``size`` bytes replace the entry at ``entry_key`` (the lock held)."""
+        old = self._entries.get(entry_key)
+        return self._bytes - (old[1] if old is not None else 0) + size - self.budget
 
     def _drop(self, entry_key: tuple) -> int:
         """Remove an entry (the lock held); its size."""
