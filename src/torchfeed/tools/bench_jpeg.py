@@ -258,7 +258,9 @@ def _side(kind: str, root: str, epochs: int) -> Epochs:
         pids = [p.pid for p in w.processes]
         start = time.perf_counter()
         factory: Any = JpegPipeline if kind == "torchfeed" else torchfeed.cached(JpegDecoded, then=crop_flip)
-        ours: Any = RemoteDataLoader(RemoteDataset(w.addresses, factory, root), batch_size=BATCH, shuffle=True)
+        ours: Any = RemoteDataLoader(
+            RemoteDataset(w.addresses, factory, root), batch_size=BATCH, shuffle=True
+        )
         e = Epochs(ours, pids.copy)
         e.run(start)
         for _ in range(epochs - 1):
