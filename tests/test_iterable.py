@@ -170,3 +170,20 @@ def test_streams_on_one_worker_keep_dataset_state_apart(fresh_workers):
         if len(ours) == 5:
             w.kill(1)
     assert deep_equal(ours, torch_batches(DatasetStateful(40), batch_size=3, num_workers=4))
+
+
+def test_a_pass_left_open_is_closed_at_exit_like_a_map_pass(workers2, monkeypatch):
+    """At interpreter exit open passes close before the connections do (their streams are
+    released on the workers, and no worker counts as lost); iterable ones too."""
+    from torchfeed.loader import plan
+    from torchfeed.loader.iterable import IterablePass
+
+    monkeypatch.setattr(plan.live, "exiting", False)  # close_all sets it: undone after the test
+    loader = torchfeed.RemoteDataLoader(torchfeed.RemoteDataset(workers2, Counting, 100), batch_size=4)
+    passing = iter(loader)
+    next(passing)
+    running = [p for p in plan.live.passes if isinstance(p, IterablePass)]
+    assert len(running) == 1 and not running[0].closed
+    plan.live.close_all()  # what atexit runs
+    assert running[0].closed and running[0] not in plan.live.passes
+    assert loader.state_dict()["streams"]["slots"]  # where it stood is kept, as for a pass left early

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from .. import events, notices
-from .plan import PassPlan, loader_length
+from .plan import PassPlan, live, loader_length
 
 POLL_SECONDS = 0.05  # the longest the consumer waits before it looks again (stalls, warnings)
 
@@ -56,6 +56,7 @@ class Pass:
         self._closed = False
         self._complete = False  # the pass delivered its last batch
         self._fatal: BaseException | None = None  # ends the pass at the consumer's next batch
+        live.add(self)  # closed first at interpreter exit, if still open then
 
     def __iter__(self):
         return self
@@ -141,6 +142,7 @@ class Pass:
         if self._closed:
             return
         self._closed = True
+        live.discard(self)
         self._stats.ended()  # pass_seconds stops here
         self._closing()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -32,6 +33,17 @@ from .views import Source
 log = logging.getLogger("torchfeed.loader")
 
 T_co = TypeVar("T_co", covariant=True)
+
+
+@dataclass
+class _LatestIterablePass:
+    """The loader's latest iterable-style pass: read while it runs, its snapshot once it closed
+    (what ``state_dict`` saves)."""
+
+    pass_id: int
+    running: weakref.ref[IterablePass]
+    snapshot: dict | None = None
+
 
 # Assigning these after construction raises, as in torch.
 _FROZEN = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
@@ -183,8 +195,7 @@ class RemoteDataLoader(DataLoader[T_co]):
         self._cache_probe = Probe(dataset) if cached else None
         self.num_workers = len(source.workers) if num_workers is None else num_workers
         self._num_streams = num_workers  # iterable-style: the number of streams (None: one per worker)
-        # (pass id, weakref, snapshot once closed) of the latest iterable-style pass
-        self._iterable_pass: tuple[int, weakref.ref[IterablePass], Any] | None = None
+        self._iterable_pass: _LatestIterablePass | None = None
         self.multiprocessing_context = multiprocessing_context  # checked by the property, as in torch
         checks.log_ignored(
             len(self._source.workers),
@@ -303,9 +314,10 @@ class RemoteDataLoader(DataLoader[T_co]):
             # an iterator was made and not read yet: the next pass starts afresh, as it will
             return resume.state_of(None, self._epoch, self.seed)
         state = resume.state_of(self._progress, self._epoch, self.seed)
-        if state["active"] and self._iterable_pass is not None:
-            running = self._iterable_pass[1]()
-            streams = running.snapshot() if running is not None else self._iterable_pass[2]
+        latest = self._iterable_pass
+        if state["active"] and latest is not None:
+            running = latest.running()
+            streams = running.snapshot() if running is not None else latest.snapshot
             if streams is not None:
                 state["streams"] = streams
         return state
@@ -313,8 +325,8 @@ class RemoteDataLoader(DataLoader[T_co]):
     def _iterable_closed(self, pass_id: int, snapshot: dict) -> None:
         """Called by an iterable-style pass when it closes (``PassPlan.on_snapshot``): if it is
         the latest, keep where it stood."""
-        if self._iterable_pass is not None and self._iterable_pass[0] == pass_id:
-            self._iterable_pass = (pass_id, self._iterable_pass[1], snapshot)
+        if self._iterable_pass is not None and self._iterable_pass.pass_id == pass_id:
+            self._iterable_pass.snapshot = snapshot
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`: the next pass continues where that one stopped."""
@@ -390,7 +402,7 @@ class RemoteDataLoader(DataLoader[T_co]):
             count = self._stream_count()
             ranks = checks.stream_ranks(self.rank_streams, count)
             running = IterablePass(plan, streams, stream_count=count, ranks=ranks)
-            self._iterable_pass = (running.pass_id, weakref.ref(running), None)
+            self._iterable_pass = _LatestIterablePass(running.pass_id, weakref.ref(running))
             return running
         head, self._head = self._head, None
         return MapPass(plan, head)

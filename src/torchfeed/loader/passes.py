@@ -20,7 +20,7 @@ from ..errors import RemoteError, TorchfeedError, WorkerLost
 from . import plan as passplan
 from .basepass import POLL_SECONDS, Delivery, Pass
 from .ledger import Ledger
-from .plan import PassPlan, live, new_pass_id
+from .plan import PassPlan, new_pass_id
 from .prefetch import Head, Loaded, Miss
 from .views import keys_of
 
@@ -97,7 +97,6 @@ class MapPass(Pass):
         self._sched = passplan.scheduler(plan, workers)
         self._stats.started(workers, self.inflight)
         self._source.subscribe(self)
-        live.add(self)
         with self._lock:
             if not workers:
                 self._no_worker_left()
@@ -412,7 +411,6 @@ class MapPass(Pass):
 
     # -- shutdown ------------------------------------------------------------------
     def _closing(self) -> None:
-        live.discard(self)
         if self._plan.on_estimates is not None:
             self._plan.on_estimates(self._sched.estimates())
         self._ledger.close()
