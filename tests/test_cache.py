@@ -198,6 +198,37 @@ def test_a_sample_replacing_a_note_evicts_only_what_it_needs():
     assert store.peek(b"orphan", 0) is MISSING and store.peek(b"orphan", 1) == "o"  # oldest first
 
 
+def test_a_note_of_a_dataset_nobody_holds_is_replaced_not_evicted_for_its_sample():
+    store = Store(budget=1000)
+    assert store.note(b"gone", 1, "127.0.0.1:9")  # the oldest entry; nobody holds b"gone"
+    for k in range(8):
+        assert store.put(b"gone", 10 + k, "o", nbytes=100)  # 960 bytes kept
+    assert store.put(b"gone", 1, "s", nbytes=900)  # 60 + 800 over once the note goes: 7 out
+    f = store.figures()
+    assert (f.evicted, f.bytes, f.entries, f.notes, f.refused) == (7, 1000, 2, 0, 0)
+    assert store.peek(b"gone", 1) == "s" and store.peek(b"gone", 17) == "o"
+    assert not store.put(b"gone", 2, "t", nbytes=2000)  # too big even with everything evicted:
+    f = store.figures()  # nothing is evicted for it
+    assert (f.refused, f.evicted, f.entries) == (1, 7, 2)
+
+
+def test_a_full_cache_refuses_without_looking_through_its_entries(monkeypatch):
+    """Past the budget every new sample is refused: that must not cost a scan of the entries
+    (with a lock held that the peers' lanes wait for) when no dataset's entries can go."""
+    store = Store(budget=10_000)
+    store.hold(b"d")
+    for k in range(100):
+        assert store.put(b"d", k, "x", nbytes=100)
+    scans = []
+    evict = store._evict_orphans
+    monkeypatch.setattr(store, "_evict_orphans", lambda *a, **kw: scans.append(a) or evict(*a, **kw))
+    assert not store.put(b"d", 100, "x", nbytes=100) and not store.note(b"d", 101, "127.0.0.1:9")
+    assert scans == [] and store.figures().refused == 1
+    store.release(b"d")  # its entries may go now: a new dataset's sample evicts the oldest one
+    assert store.put(b"e", 0, "y", nbytes=100) and len(scans) == 1
+    assert store.peek(b"d", 0) is MISSING and store.peek(b"d", 1) == "x"
+
+
 def test_worker_killed_during_a_cached_epoch(fresh_workers):
     w = fresh_workers(3)
     n = 60

@@ -10,7 +10,7 @@ from torch.utils.data import Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 import torchfeed
-from helpers import RandomAugmentDataset, RangeDataset, deep_equal
+from helpers import RandomAugmentDataset, RangeDataset, SlowRange, deep_equal
 
 N = 41
 
@@ -239,8 +239,9 @@ def test_deeper_pipeline_keeps_every_batch_in_order(workers2, monkeypatch):
     """From the second pass on, tiny fast batches run with twice the depth: torch's batches still.
 
     Whether a batch counts as fast depends on the machine's load (test_pipeline_depth_rule
-    tests the rule): here every batch does, and the test checks that the passes after the
-    first are scheduled deeper and still deliver torch's batches in torch's order."""
+    tests the rule): here every batch does. The samples are slow, so requests queue at the
+    workers up to the depth: the passes after the first hold more than one request per
+    worker, and still deliver torch's batches in torch's order."""
     from torch.utils.data import DataLoader
 
     from torchfeed.loader import plan
@@ -255,10 +256,16 @@ def test_deeper_pipeline_keeps_every_batch_in_order(workers2, monkeypatch):
         return sched
 
     monkeypatch.setattr(plan, "scheduler", recorded)
-    n = 300
-    rds = torchfeed.RemoteDataset(workers2, RangeDataset, n)
+    n = 60
+    rds = torchfeed.RemoteDataset(workers2, SlowRange, n)
     loader = torchfeed.RemoteDataLoader(rds, batch_size=1, prefetch_factor=1, seed=5)
     expected = list(DataLoader(RangeDataset(n), batch_size=1))
-    for _ in range(3):  # the first pass measures; the next ones run deeper
-        assert deep_equal(list(loader), expected)
+    assert deep_equal(list(loader), expected)  # the first pass measures
+    for _ in range(2):
+        got, inflight = [], []
+        for batch in loader:
+            got.append(batch)
+            inflight.append(sum(w.inflight for w in loader.stats().workers.values()))
+        assert deep_equal(got, expected)
+        assert max(inflight) > len(workers2), inflight  # more than one request per worker at a time
     assert depths[0] == 1 and depths[1:] and all(d == 2 for d in depths[1:]), depths

@@ -56,7 +56,11 @@ class Pass:
         self._closed = False
         self._complete = False  # the pass delivered its last batch
         self._fatal: BaseException | None = None  # ends the pass at the consumer's next batch
-        live.add(self)  # closed first at interpreter exit, if still open then
+
+    def _track(self) -> None:
+        """From here (the end of a subclass's set-up) the pass is closed at interpreter exit,
+        before the connections, if it is still open then (``plan.live``)."""
+        live.add(self)
 
     def __iter__(self):
         return self

@@ -325,8 +325,9 @@ class RemoteDataLoader(DataLoader[T_co]):
     def _iterable_closed(self, pass_id: int, snapshot: dict) -> None:
         """Called by an iterable-style pass when it closes (``PassPlan.on_snapshot``): if it is
         the latest, keep where it stood."""
-        if self._iterable_pass is not None and self._iterable_pass.pass_id == pass_id:
-            self._iterable_pass.snapshot = snapshot
+        latest = self._iterable_pass  # read once: a new pass may replace it meanwhile
+        if latest is not None and latest.pass_id == pass_id:
+            latest.snapshot = snapshot
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`: the next pass continues where that one stopped."""

@@ -132,6 +132,7 @@ class IterablePass(Pass):
             for slot in self._slots:
                 if not slot.ended:
                     self._open_locked(slot, workers[slot.index % len(workers)])
+        self._track()
 
     # -- workers --------------------------------------------------------------------
     def inflight(self) -> dict[str, int]:

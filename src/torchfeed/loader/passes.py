@@ -97,6 +97,7 @@ class MapPass(Pass):
         self._sched = passplan.scheduler(plan, workers)
         self._stats.started(workers, self.inflight)
         self._source.subscribe(self)
+        self._track()
         with self._lock:
             if not workers:
                 self._no_worker_left()

@@ -3,9 +3,9 @@
 600 JPEGs (800x600, made here) are decoded with Pillow (DCT-scaled to 400x300, ~360 KB a
 decoded image), random-resized-cropped to 224x224 and flipped (:class:`JpegPipeline`), batch
 32, 2 loading processes on each side, shuffled; the consumer touches every page of every batch.
-Every round runs the three sides below, each from a cold start, in an order that rotates from
-round to round (so no side always follows the same one); a ratio is the median over rounds
-of the round's ratio, so that the machine's drifts between rounds cancel:
+Every round runs the three sides below, each from a cold start; the rounds take the six orders
+of the sides in turn (so each side follows each other one as often); a ratio is the median
+over rounds of the round's ratio, so that the machine's drifts between rounds cancel:
 
 * torch: a new ``DataLoader(num_workers=2, persistent_workers=True)``; epoch 1 includes forking
   its workers, as a user's first epoch does;
@@ -25,6 +25,7 @@ batch: what slows a loader most when something else on the machine stalls page f
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import statistics
@@ -174,8 +175,8 @@ def run(
     with tempfile.TemporaryDirectory(prefix="torchfeed-jpeg-bench-") as root:
         make_jpegs(root, count)
         for r in range(rounds):
-            sides = list(runs)  # the order rotates: no side always follows the same one
-            for kind in sides[r % 3 :] + sides[: r % 3]:
+            orders = list(itertools.permutations(runs))  # in turn: each side follows each other as often
+            for kind in orders[r % len(orders)]:
                 runs[kind].append(_side(kind, root, epochs))
             # time to the first batch, three ways
             start = time.perf_counter()

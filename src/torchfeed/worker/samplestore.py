@@ -121,6 +121,7 @@ class Store:
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()  # oldest first
         self._holders: dict[bytes, int] = {}  # dataset key -> datasets built on it and alive
+        self._dataset_bytes: dict[bytes, int] = {}  # dataset key -> bytes of its entries
         self._bytes = 0
         self._notes = 0  # entries that are notes
         self.hits = self.misses = self.refused = self.evicted = 0
@@ -160,15 +161,17 @@ class Store:
             old = self._entries.get(entry_key)
             if old is not None and not isinstance(old[0], Elsewhere):
                 return True
-            if self._excess(entry_key, size) > 0:
-                self._evict_orphans(self._excess(entry_key, size))
+            excess = self._excess(entry_key, size)
+            if 0 < excess <= self._orphan_bytes(keep=entry_key):  # else evicting would not do
+                self._evict_orphans(excess, keep=entry_key)  # (the note it replaces stays)
             if self._excess(entry_key, size) > 0:
                 self.refused += not isinstance(value, Elsewhere)
                 return False
-            if entry_key in self._entries:  # the note it replaces (unless evicted above)
+            if old is not None:
                 self._drop(entry_key)
             self._entries[entry_key] = (value, size)
             self._bytes += size
+            self._dataset_bytes[dataset] = self._dataset_bytes.get(dataset, 0) + size
             self._notes += isinstance(value, Elsewhere)
             return True
 
@@ -181,14 +184,28 @@ class Store:
         """Remove an entry (the lock held); its size."""
         value, size = self._entries.pop(entry_key)
         self._bytes -= size
+        left = self._dataset_bytes[entry_key[0]] - size
+        if left:
+            self._dataset_bytes[entry_key[0]] = left
+        else:
+            del self._dataset_bytes[entry_key[0]]
         self._notes -= isinstance(value, Elsewhere)
         return size
 
-    def _evict_orphans(self, needed: int) -> None:
+    def _orphan_bytes(self, keep: tuple) -> int:
+        """Bytes of the entries of datasets nobody holds, but ``keep``'s (the lock held): what
+        evicting could free. A sum over datasets, so a full cache refuses without a scan."""
+        total = sum(n for d, n in self._dataset_bytes.items() if self._holders.get(d, 0) == 0)
+        kept = self._entries.get(keep)
+        if kept is not None and self._holders.get(keep[0], 0) == 0:
+            total -= kept[1]
+        return total
+
+    def _evict_orphans(self, needed: int, keep: tuple) -> None:
         for entry_key in list(self._entries):
             if needed <= 0:
                 return
-            if self._holders.get(entry_key[0], 0) > 0:
+            if entry_key == keep or self._holders.get(entry_key[0], 0) > 0:
                 continue
             needed -= self._drop(entry_key)
             self.evicted += 1
