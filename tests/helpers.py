@@ -27,18 +27,6 @@ class RangeDataset(Dataset):
         return torch.full((self.width,), float(i)), i
 
 
-class SlowRange(RangeDataset):
-    """RangeDataset whose samples take ``seconds`` each: the worker, not the round trip, bounds."""
-
-    def __init__(self, n: int, seconds: float = 0.02):
-        super().__init__(n)
-        self.seconds = seconds
-
-    def __getitem__(self, i):
-        time.sleep(self.seconds)
-        return super().__getitem__(i)
-
-
 class DictDataset(Dataset):
     def __init__(self, n: int):
         self.n = n

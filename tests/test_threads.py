@@ -10,7 +10,7 @@ from torch.utils.data import Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 import torchfeed
-from helpers import RandomAugmentDataset, RangeDataset, SlowRange, deep_equal
+from helpers import RandomAugmentDataset, RangeDataset, SleepDataset, deep_equal
 
 N = 41
 
@@ -257,7 +257,7 @@ def test_deeper_pipeline_keeps_every_batch_in_order(workers2, monkeypatch):
 
     monkeypatch.setattr(plan, "scheduler", recorded)
     n = 60
-    rds = torchfeed.RemoteDataset(workers2, SlowRange, n)
+    rds = torchfeed.RemoteDataset(workers2, SleepDataset, n, 0.02)  # the worker bounds, not the round trip
     loader = torchfeed.RemoteDataLoader(rds, batch_size=1, prefetch_factor=1, seed=5)
     expected = list(DataLoader(RangeDataset(n), batch_size=1))
     assert deep_equal(list(loader), expected)  # the first pass measures

@@ -142,6 +142,12 @@ class Epochs:
         self.faults.append((sum(map(minor_faults, pids)) - faults) / batches)
         return rate
 
+    def passes(self, start: float, epochs: int) -> None:
+        """``epochs`` passes, the first timed from ``start``."""
+        self.run(start)
+        for _ in range(epochs - 1):
+            self.run()
+
 
 def children() -> list[int]:
     """This process's child processes (Linux /proc): torch's forked workers while a pass runs."""
@@ -174,8 +180,8 @@ def run(
     first: dict[str, list[float]] = {"local_workers": [], "running_workers": [], "torch": []}
     with tempfile.TemporaryDirectory(prefix="torchfeed-jpeg-bench-") as root:
         make_jpegs(root, count)
+        orders = list(itertools.permutations(runs))  # in turn: each side follows each other as often
         for r in range(rounds):
-            orders = list(itertools.permutations(runs))  # in turn: each side follows each other as often
             for kind in orders[r % len(orders)]:
                 runs[kind].append(_side(kind, root, epochs))
             # time to the first batch, three ways
@@ -249,9 +255,7 @@ def _side(kind: str, root: str, epochs: int) -> Epochs:
             JpegPipeline(root), batch_size=BATCH, shuffle=True, num_workers=WORKERS, persistent_workers=True
         )
         e = Epochs(loader, children)
-        e.run(start)
-        for _ in range(epochs - 1):
-            e.run()
+        e.passes(start, epochs)
         del loader, e.loader  # its persistent workers end with its iterator
         return e
     # fresh workers, the dataset built inside the clock
@@ -263,9 +267,7 @@ def _side(kind: str, root: str, epochs: int) -> Epochs:
             RemoteDataset(w.addresses, factory, root), batch_size=BATCH, shuffle=True
         )
         e = Epochs(ours, pids.copy)
-        e.run(start)
-        for _ in range(epochs - 1):
-            e.run()
+        e.passes(start, epochs)
         return e
 
 
