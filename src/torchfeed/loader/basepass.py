@@ -74,6 +74,7 @@ class Pass:
 
     # -- the consumer ----------------------------------------------------------------------
     def __next__(self):
+        self._plan.progress.confirm()  # the consumer is done with the batch it had
         stats = self._stats
         entered = stats.enter()
         got: Delivery | None = None

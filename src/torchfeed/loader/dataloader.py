@@ -43,6 +43,7 @@ class _LatestIterablePass:
     pass_id: int
     running: weakref.ref[IterablePass]
     snapshot: dict | None = None
+    trained: dict | None = None  # the snapshot without a batch the consumer did not come back from
 
 
 # Assigning these after construction raises, as in torch.
@@ -307,27 +308,35 @@ class RemoteDataLoader(DataLoader[T_co]):
         """Where loading stands: small plain data to store in a checkpoint.
 
         Loaded into a new loader (same dataset, sampler settings and seed; any workers),
-        the next pass yields exactly the batches this pass had not yet yielded.
+        the next pass yields exactly the batches this pass had not yet yielded. A batch counts
+        as yielded once the consumer asks for the next one, or when the state is taken on the
+        consumer's normal path; a state taken while an exception unwinds or in a signal handler
+        (a checkpoint on Ctrl-C, on an error, on SIGTERM) leaves out the batch the consumer had
+        not come back from, which may not have been trained on: a resume loads it again.
         """
         pending = self._pending() if self._pending is not None else None
         if pending is not None and not pending.started:
             # an iterator was made and not read yet: the next pass starts afresh, as it will
             return resume.state_of(None, self._epoch, self.seed)
-        state = resume.state_of(self._progress, self._epoch, self.seed)
+        trained_only = resume.interrupted()
+        state = resume.state_of(self._progress, self._epoch, self.seed, trained_only=trained_only)
         latest = self._iterable_pass
         if state["active"] and latest is not None:
             running = latest.running()
-            streams = running.snapshot() if running is not None else latest.snapshot
+            if running is not None:
+                streams = running.snapshot(trained_only)
+            else:
+                streams = latest.trained if trained_only else latest.snapshot
             if streams is not None:
                 state["streams"] = streams
         return state
 
-    def _iterable_closed(self, pass_id: int, snapshot: dict) -> None:
+    def _iterable_closed(self, pass_id: int, snapshot: dict, trained: dict) -> None:
         """Called by an iterable-style pass when it closes (``PassPlan.on_snapshot``): if it is
-        the latest, keep where it stood."""
+        the latest, keep where it stood (and where it stood without an unconfirmed batch)."""
         latest = self._iterable_pass  # read once: a new pass may replace it meanwhile
         if latest is not None and latest.pass_id == pass_id:
-            latest.snapshot = snapshot
+            latest.snapshot, latest.trained = snapshot, trained
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`: the next pass continues where that one stopped."""

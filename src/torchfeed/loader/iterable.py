@@ -127,6 +127,7 @@ class IterablePass(Pass):
                 slot.latest_taken = slot.taken
                 slot.grants = list(saved["grants"])
         self._samples = config.batch_size or 1
+        self._before_last: dict | None = None  # the snapshot before the batch last handed out
         self._stats.started(workers, self.inflight)
         with self._lock:
             for slot in self._slots:
@@ -399,6 +400,7 @@ class IterablePass(Pass):
             if result is None:
                 break
             live = [s for s in self._slots if not s.ended]
+            before = self._snapshot_locked()  # where the pass stood if this is a batch
             slot.delivered += 1
             if result.kind == END:
                 slot.ended = True
@@ -408,7 +410,8 @@ class IterablePass(Pass):
             self._turn = (live.index(slot) + 1) % len(live)
             if result.kind == BATCH and result.state is not None:
                 slot.state, slot.rng, slot.taken = result.state, result.rng, result.taken
-            self._plan.progress.batches += 1
+            self._plan.progress.handed(self._samples)
+            self._before_last = before
             self._top_up(slot)
             if result.kind == ERROR:
                 raise result.payload
@@ -433,10 +436,17 @@ class IterablePass(Pass):
     def pass_id(self) -> int:
         return self._pass_id
 
-    def snapshot(self) -> dict:
-        """Plain data: what a new loader needs to yield exactly the batches not yielded yet."""
+    def snapshot(self, trained_only: bool = False) -> dict:
+        """Plain data: what a new loader needs to yield exactly the batches not yielded yet;
+        with ``trained_only``, the batch last handed out too while the consumer has not come
+        back for the next (see :func:`torchfeed.loader.resume.state_of`)."""
         with self._lock:
-            return self._snapshot_locked()
+            return self._trained_locked() if trained_only else self._snapshot_locked()
+
+    def _trained_locked(self) -> dict:
+        if self._plan.progress.unconfirmed is not None and self._before_last is not None:
+            return self._before_last
+        return self._snapshot_locked()
 
     def _snapshot_locked(self) -> dict:
         return {
@@ -450,7 +460,7 @@ class IterablePass(Pass):
     def _closing(self) -> None:
         # a pass left early (break, del) can still be resumed: the loader keeps where it stood
         if self._plan.on_snapshot is not None:
-            self._plan.on_snapshot(self._pass_id, self._snapshot_locked())
+            self._plan.on_snapshot(self._pass_id, self._snapshot_locked(), self._trained_locked())
         for slot in self._slots:
             if slot.ref is not None:
                 slot.ref.release()  # requests still queued there end with an error nobody waits for

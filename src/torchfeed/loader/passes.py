@@ -387,8 +387,7 @@ class MapPass(Pass):
         seq = sched.delivered
         taken = self._ledger.take(seq)
         if taken is not None:
-            self._plan.progress.batches += 1
-            self._plan.progress.samples += taken.samples
+            self._plan.progress.handed(taken.samples)
             sched.take_delivered()
             if sched.known >= seq + sched.window:  # the window held the dispatch back
                 self._wake()

@@ -173,7 +173,8 @@ class PassPlan:
     # -- what the loader hears from the pass (hooks; called with no pass lock held) --------
     estimates: dict[str, float] = field(default_factory=dict)  # the previous pass's batch times
     on_estimates: Callable[[dict[str, float]], None] | None = None  # map-style: when it closes
-    on_snapshot: Callable[[int, dict], None] | None = None  # iterable-style: (pass id, snapshot) at close
+    # iterable-style, at close: (pass id, snapshot, the snapshot without an unconfirmed last batch)
+    on_snapshot: Callable[[int, dict, dict], None] | None = None
     # map-style, once its last batch is dispatched: start the next pass's prefetch (a Head, or None)
     next_head: Callable[[Any], Any] | None = None
     stats: PassObserver = field(default_factory=PassObserver)  # what the pass counts goes here

@@ -12,6 +12,8 @@ skip by themselves, by global position, so the number of ranks may change.
 from __future__ import annotations
 
 import itertools
+import signal
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -21,10 +23,14 @@ import torch
 
 from .sampling import DistributedSampler, mix_seed
 
-FORMAT = "torchfeed.RemoteDataLoader/2"
-# format 1: torchfeed.DistributedSampler shuffled with another seeding (such states are refused
-# when they hold that sampler's position; the others resume as they are)
-_OLD_FORMATS = ("torchfeed.RemoteDataLoader/1",)
+FORMAT = "torchfeed.RemoteDataLoader/3"
+# Older formats resume as they are unless they hold a torchfeed.DistributedSampler position
+# that cannot be trusted: format 1 shuffled with another seeding (every such state is refused);
+# format 2 counted the samples of a resumed pass twice (its states whose sampler had moved
+# past the user's start, all taken after a resume, are refused).
+_FORMAT_1 = "torchfeed.RemoteDataLoader/1"
+_FORMAT_2 = "torchfeed.RemoteDataLoader/2"
+_OLD_FORMATS = (_FORMAT_1, _FORMAT_2)
 _SHUFFLE_TAG = 0x5F1E
 _INT63 = (1 << 63) - 1
 
@@ -44,12 +50,31 @@ class PassRecord:
 
 @dataclass
 class Progress:
-    """How far the current pass got (shared by a loader and its latest iterator)."""
+    """How far the current pass got (shared by a loader and its latest iterator).
+
+    ``batches`` and ``samples`` count the epoch on this rank, a resumed pass's included;
+    ``folded`` of those samples are already in ``record.sampler``'s start (an elastic sampler
+    resumed there). ``unconfirmed`` holds the samples of the batch last handed out until the
+    consumer asks for the next one: a state taken while that batch may not have been trained
+    on (an exception unwinds, a signal handler runs) leaves it out (:func:`state_of`).
+    """
 
     record: PassRecord
     batches: int = 0
     samples: int = 0
     finished: bool = False
+    folded: int = 0
+    unconfirmed: int | None = None
+
+    def handed(self, samples: int) -> None:
+        """A batch of ``samples`` samples was handed to the consumer."""
+        self.batches += 1
+        self.samples += samples
+        self.unconfirmed = samples
+
+    def confirm(self) -> None:
+        """The consumer came back for the next batch: the last one is done."""
+        self.unconfirmed = None
 
 
 def _to_bytes(state: torch.Tensor) -> bytes:
@@ -131,20 +156,32 @@ def _elastic(loader: Sampling) -> DistributedSampler | None:
 
 
 def check_state(state: dict[str, Any], seed: int | None) -> None:
-    """Refuse what is not a loader state, or one taken with another ``seed``."""
-    if isinstance(state, dict) and state.get("format") in _OLD_FORMATS and state.get("sampler") is not None:
+    """Refuse what is not a loader state, one taken with another ``seed``, one an older
+    torchfeed took wrongly, or one whose counts no loader makes."""
+    if not isinstance(state, dict) or state.get("format") not in (FORMAT, *_OLD_FORMATS):
+        raise ValueError("this is not a RemoteDataLoader state (made by RemoteDataLoader.state_dict())")
+    sampler = state.get("sampler")
+    if state["format"] == _FORMAT_1 and sampler is not None:
         raise ValueError(
             f"this loader state ({state['format']}) was taken by an older torchfeed whose "
             "DistributedSampler shuffled with another seeding (now torch's): resuming it would load "
             "other samples. Finish that epoch with the torchfeed that took it, or start the epoch again"
         )
-    if not isinstance(state, dict) or state.get("format") not in (FORMAT, *_OLD_FORMATS):
-        raise ValueError("this is not a RemoteDataLoader state (made by RemoteDataLoader.state_dict())")
+    if state["format"] == _FORMAT_2 and sampler is not None and sampler.get("start", 0) > 0:
+        raise ValueError(
+            f"this loader state ({state['format']}) was taken after a resume by an older torchfeed, "
+            "which counted the resumed pass's samples twice: resuming it would skip samples. Start "
+            "the epoch again (or resume from the checkpoint taken before the first resume)"
+        )
     if state["seed"] != seed:
         raise ValueError(
             f"the state was taken with seed={state['seed']}, this loader has seed={seed}: "
             "create the loader with the same seed to resume"
         )
+    for name in ("batches", "samples", "epoch"):
+        value = state.get(name)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < _INT63:
+            raise ValueError(f"this loader state's {name!r} is {value!r}: not a count a loader makes")
 
 
 def begin_pass(
@@ -179,7 +216,10 @@ def begin_pass(
             user_global = torch.get_rng_state()
             torch.set_rng_state(_from_bytes(resume["global_rng"]))
         if elastic is not None and resume["sampler"] is not None:
-            elastic.load_state_dict({**resume["sampler"], "consumed_on_rank": resume["samples"]})
+            sampler_state = resume["sampler"]
+            if resume["format"] == _FORMAT_2:  # its sampler entry is the pass's start
+                sampler_state = {**sampler_state, "consumed_on_rank": resume["samples"]}
+            elastic.load_state_dict(sampler_state)
     record = PassRecord(
         epoch=epoch,
         seed=loader.seed,
@@ -224,11 +264,17 @@ def begin_pass(
             torch.set_rng_state(user_global)
             indices = itertools.chain(head, indices)
         progress.batches, progress.samples = resume["batches"], resume["samples"]
+        if elastic is not None and resume["sampler"] is not None:
+            progress.folded = resume["samples"]  # the sampler starts after them
     return indices, progress
 
 
-def state_of(progress: Progress | None, next_epoch: int, seed: int | None) -> dict[str, Any]:
-    """Plain-data state: small (bytes, ints), safe to put in a checkpoint."""
+def state_of(
+    progress: Progress | None, next_epoch: int, seed: int | None, *, trained_only: bool = False
+) -> dict[str, Any]:
+    """Plain-data state: small (bytes, ints), safe to put in a checkpoint. With
+    ``trained_only`` a batch handed out that the consumer did not come back from is left out
+    (it is loaded again after a resume)."""
     if progress is None or progress.finished:
         return {
             "format": FORMAT,
@@ -242,6 +288,42 @@ def state_of(progress: Progress | None, next_epoch: int, seed: int | None) -> di
             "generators": {},
             "sampler": None,
         }
+    batches, samples = progress.batches, progress.samples
+    if trained_only and progress.unconfirmed is not None:
+        batches, samples = batches - 1, samples - progress.unconfirmed
     rec = asdict(progress.record)
-    rec.update(format=FORMAT, active=True, batches=progress.batches, samples=progress.samples)
+    rec.update(format=FORMAT, active=True, batches=batches, samples=samples)
+    if rec["sampler"] is not None:  # where the elastic sampler stands: its start and what followed
+        rec["sampler"]["consumed_on_rank"] = samples - progress.folded
     return rec
+
+
+def interrupted() -> bool:
+    """Whether the caller runs while an exception unwinds (an ``except``, ``finally`` or
+    ``__exit__`` up the stack: Lightning's ``on_exception``, a save in ``except
+    KeyboardInterrupt``) or inside a Python signal handler (a save on SIGTERM or SIGUSR1):
+    then the batch last handed out may not have been trained on."""
+    exc = sys.exc_info()[1]
+    if exc is not None and not isinstance(exc, (StopIteration, GeneratorExit)):
+        return True
+    handlers = set()
+    for signum in signal.valid_signals():
+        code = _code_of(signal.getsignal(signum))
+        if code is not None:
+            handlers.add(code)
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in handlers:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _code_of(handler: Any) -> Any:
+    if not callable(handler):
+        return None  # SIG_DFL, SIG_IGN, None (set outside Python)
+    for fn in (handler, getattr(handler, "__func__", None), getattr(type(handler), "__call__", None)):
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            return code
+    return None

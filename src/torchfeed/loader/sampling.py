@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterator, Sized
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler as TorchDistributedSampler
 
 from ..seeding import INT63, mix_seed, seed_all
 from .checks import job_ranks
@@ -34,8 +34,13 @@ def set_random_seeds(base_seed: int, worker_id: int) -> None:
     seed_all(mix_seed(base_seed, worker_id))
 
 
-class DistributedSampler(Sampler[int]):
+class DistributedSampler(TorchDistributedSampler):
     """Elastic distributed sampler: one seeded global order shared by all ranks.
+
+    It is a ``torch.utils.data.DistributedSampler`` to every framework that checks (Lightning
+    keeps it instead of putting its own in, Accelerate and the HF Trainer see a sharded loader),
+    with torch's attributes (``num_replicas``, ``rank``, ``epoch``, ``num_samples``,
+    ``total_size``); torch's ``__init__`` is not run, so no process group is needed.
 
     Rank ``r`` of ``W`` takes positions ``start + r, start + r + W, ...`` of the global
     order for the epoch. With ``start=0`` this is exactly torch's ``DistributedSampler``:
@@ -83,6 +88,7 @@ class DistributedSampler(Sampler[int]):
             job_rank, job_world = job_ranks()
             num_replicas = job_world if num_replicas is None else num_replicas
             rank = job_rank if rank is None else rank
+        self.dataset = dataset
         self.num_samples_total = dataset if isinstance(dataset, int) else len(dataset)
         self.num_replicas = num_replicas
         self.rank = rank
@@ -122,6 +128,23 @@ class DistributedSampler(Sampler[int]):
     def __len__(self) -> int:
         return self._rank_count(0)
 
+    # torch's DistributedSampler keeps these as attributes; here they follow the settings
+    @property  # type: ignore[override]
+    def num_samples(self) -> int:
+        return self._rank_count(0)
+
+    @num_samples.setter
+    def num_samples(self, value: int) -> None:
+        raise AttributeError("num_samples follows the dataset, num_replicas and drop_last: set those")
+
+    @property  # type: ignore[override]
+    def total_size(self) -> int:
+        return self._rank_count(0) * self.num_replicas
+
+    @total_size.setter
+    def total_size(self, value: int) -> None:
+        raise AttributeError("total_size follows the dataset, num_replicas and drop_last: set those")
+
     def __iter__(self) -> Iterator[int]:
         order = self._global_order()
         remaining = order[self.start :]
@@ -140,9 +163,30 @@ class DistributedSampler(Sampler[int]):
             "epoch": self.epoch,
             "start": self.start,
             "world_size": self.num_replicas,
+            "rank": self.rank,
+            "pad": self.pad and not self.drop_last,
             "consumed_on_rank": int(consumed_on_rank),
             "num_samples_total": self.num_samples_total,
         }
+
+    def position(self, state: dict[str, int]) -> int:
+        """The global position after ``state``: every rank of its job consumed
+        ``consumed_on_rank`` samples from ``start`` (ranks move in step), so the first
+        ``start + consumed * world_size`` positions are used, all of them once the saving rank
+        had used its whole share (without padding the ranks' shares differ by one)."""
+        total = self.num_samples_total
+        start, world, consumed = int(state["start"]), int(state["world_size"]), int(state["consumed_on_rank"])
+        if not (0 <= start <= total and world >= 1 and consumed >= 0):
+            raise ValueError(
+                f"this sampler state is not one a DistributedSampler of {total} samples makes "
+                f"(start {start}, world_size {world}, consumed_on_rank {consumed})"
+            )
+        rank = state.get("rank")
+        if rank is not None and not 0 <= int(rank) < world:
+            raise ValueError(f"this sampler state names rank {rank} of a world of {world}")
+        if rank is not None and not state.get("pad", True) and consumed >= len(range(start + int(rank), total, world)):
+            return total
+        return min(start + consumed * world, total)
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue after ``state``, with this sampler's (possibly different) world size."""
@@ -151,7 +195,7 @@ class DistributedSampler(Sampler[int]):
                 f"the state is for a dataset of {state['num_samples_total']} samples, "
                 f"this sampler has {self.num_samples_total}"
             )
+        position = self.position(state)
         self.seed = state["seed"]
         self.epoch = state["epoch"]
-        consumed = state["start"] + state["consumed_on_rank"] * state["world_size"]
-        self.start = min(consumed, self.num_samples_total)
+        self.start = position
