@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import RandomAugmentDataset
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torchfeed
+from helpers import RandomAugmentDataset
 
 N = 45
 BATCH = 4
@@ -74,7 +74,9 @@ def test_any_chain_of_resumes_delivers_each_sample_once_with_its_draws(rds, worl
     expected = uninterrupted(rds)
     delivered = run_chain(rds, worlds, stops, picks)
     keys = [int(r[0]) for r in delivered]
-    assert sorted(keys) == list(range(N)), f"missing {set(range(N)) - set(keys)}, repeated {len(keys) - len(set(keys))}"
+    assert sorted(keys) == list(range(N)), (
+        f"missing {set(range(N)) - set(keys)}, repeated {len(keys) - len(set(keys))}"
+    )
     assert all(expected[int(r[0])] == r for r in delivered)
 
 
@@ -211,7 +213,11 @@ def test_a_format_2_state_taken_after_a_resume_is_refused_and_a_first_pass_one_r
     it = iter(loader)
     first = [int(r[0]) for _ in range(2) for r in rows(next(it))]
     state = loader.state_dict()
-    old = {**state, "format": "torchfeed.RemoteDataLoader/2", "sampler": {**state["sampler"], "consumed_on_rank": 0}}
+    old = {
+        **state,
+        "format": "torchfeed.RemoteDataLoader/2",
+        "sampler": {**state["sampler"], "consumed_on_rank": 0},
+    }
     resumed = elastic_loader(rds, 1, 0)
     resumed.load_state_dict(old)
     assert sorted(first + [int(r[0]) for b in resumed for r in rows(b)]) == list(range(N))

@@ -323,6 +323,7 @@ class RemoteDataLoader(DataLoader[T_co]):
         latest = self._iterable_pass
         if state["active"] and latest is not None:
             running = latest.running()
+            streams: dict | None
             if running is not None:
                 streams = running.snapshot(trained_only)
             else:

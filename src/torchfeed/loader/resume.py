@@ -16,6 +16,7 @@ import signal
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -311,7 +312,7 @@ def interrupted() -> bool:
         code = _code_of(signal.getsignal(signum))
         if code is not None:
             handlers.add(code)
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code in handlers:
             return True
@@ -322,7 +323,8 @@ def interrupted() -> bool:
 def _code_of(handler: Any) -> Any:
     if not callable(handler):
         return None  # SIG_DFL, SIG_IGN, None (set outside Python)
-    for fn in (handler, getattr(handler, "__func__", None), getattr(type(handler), "__call__", None)):
+    call = type(handler).__dict__.get("__call__")  # an object whose class defines __call__
+    for fn in (handler, getattr(handler, "__func__", None), call):
         code = getattr(fn, "__code__", None)
         if code is not None:
             return code

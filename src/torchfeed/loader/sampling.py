@@ -88,7 +88,7 @@ class DistributedSampler(TorchDistributedSampler):
             job_rank, job_world = job_ranks()
             num_replicas = job_world if num_replicas is None else num_replicas
             rank = job_rank if rank is None else rank
-        self.dataset = dataset
+        self.dataset = dataset  # type: ignore[assignment]  # torch names a Dataset; a length does here
         self.num_samples_total = dataset if isinstance(dataset, int) else len(dataset)
         self.num_replicas = num_replicas
         self.rank = rank
@@ -129,7 +129,7 @@ class DistributedSampler(TorchDistributedSampler):
         return self._rank_count(0)
 
     # torch's DistributedSampler keeps these as attributes; here they follow the settings
-    @property  # type: ignore[override]
+    @property
     def num_samples(self) -> int:
         return self._rank_count(0)
 
@@ -137,7 +137,7 @@ class DistributedSampler(TorchDistributedSampler):
     def num_samples(self, value: int) -> None:
         raise AttributeError("num_samples follows the dataset, num_replicas and drop_last: set those")
 
-    @property  # type: ignore[override]
+    @property
     def total_size(self) -> int:
         return self._rank_count(0) * self.num_replicas
 
@@ -184,7 +184,11 @@ class DistributedSampler(TorchDistributedSampler):
         rank = state.get("rank")
         if rank is not None and not 0 <= int(rank) < world:
             raise ValueError(f"this sampler state names rank {rank} of a world of {world}")
-        if rank is not None and not state.get("pad", True) and consumed >= len(range(start + int(rank), total, world)):
+        if (
+            rank is not None
+            and not state.get("pad", True)
+            and consumed >= len(range(start + int(rank), total, world))
+        ):
             return total
         return min(start + consumed * world, total)
 
