@@ -319,7 +319,12 @@ class RemoteDataLoader(DataLoader[T_co]):
             # an iterator was made and not read yet: the next pass starts afresh, as it will
             return resume.state_of(None, self._epoch, self.seed)
         trained_only = resume.interrupted()
-        state = resume.state_of(self._progress, self._epoch, self.seed, trained_only=trained_only)
+        full = self.batch_size if self._auto_collation else 1
+        if full is None:  # a batch sampler of the user's
+            full = getattr(self.batch_sampler, "batch_size", None)
+        state = resume.state_of(
+            self._progress, self._epoch, self.seed, trained_only=trained_only, batch_size=full
+        )
         latest = self._iterable_pass
         if state["active"] and latest is not None:
             running = latest.running()

@@ -54,8 +54,9 @@ class Progress:
     """How far the current pass got (shared by a loader and its latest iterator).
 
     ``batches`` and ``samples`` count the epoch on this rank, a resumed pass's included;
-    ``folded`` of those samples are already in ``record.sampler``'s start (an elastic sampler
-    resumed there). ``unconfirmed`` holds the samples of the batch last handed out until the
+    ``folded_batches`` and ``folded_samples`` of those are already in ``record.sampler``'s start
+    (an elastic sampler resumed there); ``largest`` is the largest batch handed out since (the
+    batch size, for the sampler's position at the end of an epoch). ``unconfirmed`` holds the samples of the batch last handed out until the
     consumer asks for the next one: a state taken while that batch may not have been trained
     on (an exception unwinds, a signal handler runs) leaves it out (:func:`state_of`).
     """
@@ -64,13 +65,16 @@ class Progress:
     batches: int = 0
     samples: int = 0
     finished: bool = False
-    folded: int = 0
+    folded_batches: int = 0
+    folded_samples: int = 0
+    largest: int = 0
     unconfirmed: int | None = None
 
     def handed(self, samples: int) -> None:
         """A batch of ``samples`` samples was handed to the consumer."""
         self.batches += 1
         self.samples += samples
+        self.largest = max(self.largest, samples)
         self.unconfirmed = samples
 
     def confirm(self) -> None:
@@ -266,16 +270,23 @@ def begin_pass(
             indices = itertools.chain(head, indices)
         progress.batches, progress.samples = resume["batches"], resume["samples"]
         if elastic is not None and resume["sampler"] is not None:
-            progress.folded = resume["samples"]  # the sampler starts after them
+            # the sampler starts after them
+            progress.folded_batches, progress.folded_samples = resume["batches"], resume["samples"]
     return indices, progress
 
 
 def state_of(
-    progress: Progress | None, next_epoch: int, seed: int | None, *, trained_only: bool = False
+    progress: Progress | None,
+    next_epoch: int,
+    seed: int | None,
+    *,
+    trained_only: bool = False,
+    batch_size: int | None = None,
 ) -> dict[str, Any]:
     """Plain-data state: small (bytes, ints), safe to put in a checkpoint. With
     ``trained_only`` a batch handed out that the consumer did not come back from is left out
-    (it is loaded again after a resume)."""
+    (it is loaded again after a resume). ``batch_size`` is what a full batch holds, when the
+    loader knows it (else the largest batch handed out counts as full)."""
     if progress is None or progress.finished:
         return {
             "format": FORMAT,
@@ -295,7 +306,9 @@ def state_of(
     rec = asdict(progress.record)
     rec.update(format=FORMAT, active=True, batches=batches, samples=samples)
     if rec["sampler"] is not None:  # where the elastic sampler stands: its start and what followed
-        rec["sampler"]["consumed_on_rank"] = samples - progress.folded
+        rec["sampler"]["consumed_on_rank"] = samples - progress.folded_samples
+        full = max(batch_size or 0, progress.largest)
+        rec["sampler"]["capacity"] = (batches - progress.folded_batches) * full
     return rec
 
 

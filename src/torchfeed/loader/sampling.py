@@ -170,10 +170,10 @@ class DistributedSampler(TorchDistributedSampler):
         }
 
     def position(self, state: dict[str, int]) -> int:
-        """The global position after ``state``: every rank of its job consumed
-        ``consumed_on_rank`` samples from ``start`` (ranks move in step), so the first
-        ``start + consumed * world_size`` positions are used, all of them once the saving rank
-        had used its whole share (without padding the ranks' shares differ by one)."""
+        """The global position after ``state``: the ranks of its job move in step, so when the
+        saving rank had consumed ``consumed_on_rank`` samples from ``start`` in batches that
+        could hold ``capacity``, every rank had consumed as many of its share as that capacity
+        holds, and the positions before are all used."""
         total = self.num_samples_total
         start, world, consumed = int(state["start"]), int(state["world_size"]), int(state["consumed_on_rank"])
         if not (0 <= start <= total and world >= 1 and consumed >= 0):
@@ -181,16 +181,17 @@ class DistributedSampler(TorchDistributedSampler):
                 f"this sampler state is not one a DistributedSampler of {total} samples makes "
                 f"(start {start}, world_size {world}, consumed_on_rank {consumed})"
             )
-        rank = state.get("rank")
+        rank, capacity = state.get("rank"), state.get("capacity")
         if rank is not None and not 0 <= int(rank) < world:
             raise ValueError(f"this sampler state names rank {rank} of a world of {world}")
-        if (
-            rank is not None
-            and not state.get("pad", True)
-            and consumed >= len(range(start + int(rank), total, world))
-        ):
-            return total
-        return min(start + consumed * world, total)
+        if rank is None or capacity is None or state.get("pad", True):
+            # padded shares are equal: every rank consumed as many
+            return min(start + consumed * world, total)
+        share = len(range(start + int(rank), total, world))
+        if consumed < share:  # its batches were full so far: every rank filled as many
+            capacity = consumed
+        # without padding the shares differ by one: each rank consumed what its batches held
+        return start + sum(min(int(capacity), len(range(start + r, total, world))) for r in range(world))
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue after ``state``, with this sampler's (possibly different) world size."""
