@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.utils.data import IterableDataset
+from torch.utils.data import DistributedSampler, IterableDataset
 
+from ..loader import resume
 from ..loader.dataloader import RemoteDataLoader
 
 # the constructor arguments a prepared loader keeps (every one is a public attribute)
@@ -83,6 +84,7 @@ def prepare_loader(accelerator: Any, loader: RemoteDataLoader, device_placement:
         raise TypeError(
             f"expected a RemoteDataLoader, got {type(loader).__name__}: use accelerator.prepare for it"
         )
+    check_unsharded(loader, accelerator.num_processes)
     shard = accelerator.prepare_data_loader(loader, device_placement=device_placement)
     if shard.base_dataloader.dataset is not loader.dataset:
         raise TypeError(_WRAPPED)
@@ -90,10 +92,28 @@ def prepare_loader(accelerator: Any, loader: RemoteDataLoader, device_placement:
 
 
 _WRAPPED = (
-    "Accelerate shards this loader by wrapping its dataset (an iterable-style dataset, or "
-    "dispatch_batches=True), which would load it in the trainer: give each process its own "
-    "RemoteDataLoader (sampler=DistributedSampler for map-style data) and do not prepare it"
+    "Accelerate shards this loader by wrapping its dataset (an iterable-style dataset), which "
+    "would load it in the trainer: give each process its own RemoteDataLoader (with "
+    "rank_streams=True) and do not prepare it"
 )
+
+
+def check_unsharded(loader: Any, processes: int) -> None:
+    """Refuse a loader whose sampler already shards the data among ranks when Accelerate will
+    shard its batches among ``processes`` again (each process would train on a fraction of its
+    share, silently). Accelerate does so whatever the sampler is, for torch's loaders too."""
+    for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+        if isinstance(sampler, DistributedSampler) and sampler.num_replicas > 1 and processes > 1:
+            raise ValueError(
+                f"this loader's {type(sampler).__name__} already gives each of {sampler.num_replicas} "
+                f"ranks its share, and Accelerate shards the batches among its {processes} processes "
+                "again: each process would see 1/"
+                f"{sampler.num_replicas * processes} of the data. Either drop the sampler (pass "
+                "shuffle=True) and let prepare() shard the loader, or keep the sampler and do not "
+                "prepare the loader (iterate it directly)"
+            )
+
+
 # what a torch DataLoader holds of its arguments (public attributes), kept by remote_shard
 _TORCH_KEPT = _KEPT[: _KEPT.index("seed")]
 
@@ -113,4 +133,29 @@ def remote_shard(shard: Any, **options: Any) -> Any:
     shard.dl_state_dict = remote.state_dict()
     # save_state/load_state then keep the loader's state, as for a torchdata StatefulDataLoader
     shard.use_stateful_dataloader = True
+    shard.state_dict = ShardState(shard, remote)
     return shard
+
+
+class ShardState:
+    """The prepared loader's ``state_dict``: Accelerate's own (``dl_state_dict``, taken before
+    the batch in the user's hands was yielded, counting it as used), except when a state is
+    taken while an exception unwinds or in a signal handler with a batch in the user's hands:
+    then that batch may not have been trained on, and the state leaves it out (a resume loads
+    it again). Accelerate reads one batch ahead, so the loader has then handed out one more
+    than the user has, unless the epoch ended with the batch in hand."""
+
+    def __init__(self, shard: Any, loader: RemoteDataLoader):
+        self._shard = shard
+        self._loader = loader
+
+    def __call__(self) -> dict:
+        shard = self._shard
+        captured: dict = shard.dl_state_dict
+        # Accelerate lists a loader from the start of its iteration until the user came back
+        # after its last batch
+        iterating = any(ref is shard for ref in shard.gradient_state.dataloader_references)
+        if not iterating or not resume.interrupted():
+            return captured
+        ahead = 1 if captured.get("active") else 0  # the epoch ended: nothing was read ahead
+        return self._loader.state_dict(leave_out=1 + ahead)

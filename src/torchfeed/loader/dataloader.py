@@ -304,7 +304,7 @@ class RemoteDataLoader(DataLoader[T_co]):
         """Epoch of the next pass."""
         return self._epoch
 
-    def state_dict(self) -> dict:
+    def state_dict(self, *, leave_out: int | None = None) -> dict:
         """Where loading stands: small plain data to store in a checkpoint.
 
         Loaded into a new loader (same dataset, sampler settings and seed; any workers),
@@ -313,26 +313,34 @@ class RemoteDataLoader(DataLoader[T_co]):
         consumer's normal path; a state taken while an exception unwinds or in a signal handler
         (a checkpoint on Ctrl-C, on an error, on SIGTERM) leaves out the batch the consumer had
         not come back from, which may not have been trained on: a resume loads it again.
+
+        ``leave_out``: how many of the last batches handed out count as not used, for a
+        wrapper that reads ahead of its own consumer (at most 2 for a map-style pass, 1 for an
+        iterable-style one); default as above.
         """
         pending = self._pending() if self._pending is not None else None
         if pending is not None and not pending.started:
             # an iterator was made and not read yet: the next pass starts afresh, as it will
             return resume.state_of(None, self._epoch, self.seed)
-        trained_only = resume.interrupted()
+        progress = self._progress
+        if leave_out is None:
+            leave_out = int(progress is not None and not progress.confirmed and resume.interrupted())
+        elif not 0 <= leave_out <= resume.RECENT:
+            raise ValueError(f"leave_out must be between 0 and {resume.RECENT}, got {leave_out}")
+        latest = self._iterable_pass
+        if latest is not None and leave_out > 1:
+            raise ValueError("an iterable-style pass can leave out only the batch last handed out")
         full = self.batch_size if self._auto_collation else 1
         if full is None:  # a batch sampler of the user's
             full = getattr(self.batch_sampler, "batch_size", None)
-        state = resume.state_of(
-            self._progress, self._epoch, self.seed, trained_only=trained_only, batch_size=full
-        )
-        latest = self._iterable_pass
+        state = resume.state_of(progress, self._epoch, self.seed, leave_out=leave_out, batch_size=full)
         if state["active"] and latest is not None:
             running = latest.running()
             streams: dict | None
             if running is not None:
-                streams = running.snapshot(trained_only)
+                streams = running.snapshot(trained_only=leave_out > 0)
             else:
-                streams = latest.trained if trained_only else latest.snapshot
+                streams = latest.trained if leave_out else latest.snapshot
             if streams is not None:
                 state["streams"] = streams
         return state

@@ -444,7 +444,7 @@ class IterablePass(Pass):
             return self._trained_locked() if trained_only else self._snapshot_locked()
 
     def _trained_locked(self) -> dict:
-        if self._plan.progress.unconfirmed is not None and self._before_last is not None:
+        if not self._plan.progress.confirmed and self._before_last is not None:
             return self._before_last
         return self._snapshot_locked()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import signal
 import sys
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from types import FrameType
@@ -56,9 +57,9 @@ class Progress:
     ``batches`` and ``samples`` count the epoch on this rank, a resumed pass's included;
     ``folded_batches`` and ``folded_samples`` of those are already in ``record.sampler``'s start
     (an elastic sampler resumed there); ``largest`` is the largest batch handed out since (the
-    batch size, for the sampler's position at the end of an epoch). ``unconfirmed`` holds the samples of the batch last handed out until the
-    consumer asks for the next one: a state taken while that batch may not have been trained
-    on (an exception unwinds, a signal handler runs) leaves it out (:func:`state_of`).
+    batch size, for the sampler's position at the end of an epoch). ``recent`` holds the sizes
+    of the last batches handed out, so a state can leave them out (:func:`state_of`), and
+    ``confirmed`` says whether the consumer came back for a batch after the last one.
     """
 
     record: PassRecord
@@ -68,18 +69,23 @@ class Progress:
     folded_batches: int = 0
     folded_samples: int = 0
     largest: int = 0
-    unconfirmed: int | None = None
+    recent: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT))
+    confirmed: bool = True
 
     def handed(self, samples: int) -> None:
         """A batch of ``samples`` samples was handed to the consumer."""
         self.batches += 1
         self.samples += samples
         self.largest = max(self.largest, samples)
-        self.unconfirmed = samples
+        self.recent.append(samples)
+        self.confirmed = False
 
     def confirm(self) -> None:
         """The consumer came back for the next batch: the last one is done."""
-        self.unconfirmed = None
+        self.confirmed = True
+
+
+RECENT = 2  # how many of the last batches a state can leave out (a consumer that reads one ahead)
 
 
 def _to_bytes(state: torch.Tensor) -> bytes:
@@ -280,14 +286,18 @@ def state_of(
     next_epoch: int,
     seed: int | None,
     *,
-    trained_only: bool = False,
+    leave_out: int = 0,
     batch_size: int | None = None,
 ) -> dict[str, Any]:
-    """Plain-data state: small (bytes, ints), safe to put in a checkpoint. With
-    ``trained_only`` a batch handed out that the consumer did not come back from is left out
-    (it is loaded again after a resume). ``batch_size`` is what a full batch holds, when the
-    loader knows it (else the largest batch handed out counts as full)."""
-    if progress is None or progress.finished:
+    """Plain-data state: small (bytes, ints), safe to put in a checkpoint.
+
+    ``leave_out`` of the last batches handed out (at most :data:`RECENT`, none from before a
+    resume) count as not consumed: a resume loads them again; a finished pass is then
+    resumable at its last batches. ``batch_size`` is what a full batch holds, when the loader
+    knows it (else the largest batch handed out counts as full)."""
+    if progress is not None:
+        leave_out = min(leave_out, len(progress.recent), progress.batches - progress.folded_batches)
+    if progress is None or (progress.finished and leave_out <= 0):
         return {
             "format": FORMAT,
             "epoch": next_epoch,
@@ -300,9 +310,8 @@ def state_of(
             "generators": {},
             "sampler": None,
         }
-    batches, samples = progress.batches, progress.samples
-    if trained_only and progress.unconfirmed is not None:
-        batches, samples = batches - 1, samples - progress.unconfirmed
+    left = list(progress.recent)[len(progress.recent) - leave_out :] if leave_out > 0 else []
+    batches, samples = progress.batches - len(left), progress.samples - sum(left)
     rec = asdict(progress.record)
     rec.update(format=FORMAT, active=True, batches=batches, samples=samples)
     if rec["sampler"] is not None:  # where the elastic sampler stands: its start and what followed
