@@ -124,6 +124,30 @@ def run_torchrun(out: dict) -> None:
         "len": len(full),
     }
 
+    # two checkpoints in one epoch with an exactly-once sampler: 2 batches, save, resume in a new
+    # loader, 2 more, save, resume again, to the end; every rank's indices gathered
+    def elastic():
+        return torchfeed.RemoteDataLoader(
+            rds, BATCH, sampler=torchfeed.DistributedSampler(rds, seed=0, pad=False), seed=0
+        )
+
+    mine: list[int] = []
+    state = None
+    for stop in (2, 2, None):
+        loader = elastic()
+        if state is not None:
+            loader.load_state_dict(state)
+        it = iter(loader)
+        for _ in range(stop) if stop is not None else iter(int, 1):
+            batch = next(it, None)
+            if batch is None:
+                break
+            mine += indices(batch)
+        state = loader.state_dict()
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    out["two_resumes"] = sorted(i for rank in every for i in rank)
+
 
 # -- Lightning --------------------------------------------------------------------------
 def run_lightning(out: dict) -> None:
@@ -196,6 +220,23 @@ def run_lightning(out: dict) -> None:
         seen = {"train": [], "val": []}
         trainer(max_epochs=1, limit_val_batches=0).fit(Model(make, makers["torch"][1], seen))
         out[name] = seen
+    # torchfeed's DistributedSampler is kept by Lightning (a torch DistributedSampler to it)
+    for name, make in (
+        (
+            "torch_sampler",
+            lambda: DataLoader(Indexed(), BATCH, sampler=TorchDistributedSampler(Indexed(), seed=0)),
+        ),
+        (
+            "remote_sampler",
+            lambda: torchfeed.RemoteDataLoader(
+                rds, BATCH, sampler=torchfeed.DistributedSampler(rds, seed=0), seed=0
+            ),
+        ),
+    ):
+        seen = {"train": [], "val": []}
+        trainer(limit_val_batches=0).fit(Model(make, makers["torch"][1], seen))
+        out[name] = seen
+    run_lightning_interrupt(out, L, Model, trainer, rds, makers["remote"][1])
     # resume from a checkpoint taken inside epoch 1 (after its 2nd batch), in a new Trainer
     ckpt = os.path.join(os.environ["FRAMEWORKS_TMP"], "lightning.ckpt")
 
@@ -216,6 +257,51 @@ def run_lightning(out: dict) -> None:
     t = trainer(max_epochs=3)
     t.fit(Model(make, make_val, tail), ckpt_path=ckpt)
     out["resume"] = {"full": full["train"], "tail": tail["train"]}
+
+
+def run_lightning_interrupt(out: dict, L, Model, trainer, rds, make_val) -> None:
+    """Ctrl-C (SIGINT) inside training_step of epoch 1's third batch on every rank, a checkpoint
+    by OnExceptionCheckpoint, then a new Trainer resumes from it: the run trains exactly the
+    batches of an uninterrupted one, the interrupted batch included."""
+    import signal
+
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    folder = os.path.join(os.environ["FRAMEWORKS_TMP"], "lightning-interrupt")
+
+    class Interrupted(Model):
+        stop_at: tuple | None = (1, 2)
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            if (self.current_epoch, batch_idx) == self.stop_at:
+                os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the step runs
+            return loss
+
+    make = lambda: torchfeed.RemoteDataLoader(rds, BATCH, shuffle=True, seed=21)  # noqa: E731
+    L.seed_everything(7, workers=True)
+    full: dict = {"train": [], "val": []}
+    trainer(limit_val_batches=0).fit(Model(make, make_val, full))
+    L.seed_everything(7, workers=True)
+    first: dict = {"train": [], "val": []}
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        trainer(
+            limit_val_batches=0,
+            enable_checkpointing=True,
+            default_root_dir=folder,
+            callbacks=[OnExceptionCheckpoint(folder)],
+        ).fit(Interrupted(make, make_val, first))
+    except SystemExit:  # Lightning's answer to Ctrl-C, after its on_exception hooks
+        pass
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT from there on
+    L.seed_everything(7, workers=True)
+    tail: dict = {"train": [], "val": []}
+    trainer(limit_val_batches=0).fit(
+        Model(make, make_val, tail), ckpt_path=os.path.join(folder, "on_exception.ckpt")
+    )
+    out["interrupt"] = {"full": full["train"], "first": first["train"], "tail": tail["train"]}
 
 
 # -- Lightning Fabric ---------------------------------------------------------------------
@@ -269,6 +355,13 @@ def run_accelerate(out: dict) -> None:
     def torch_prepare(accelerator, *objs):
         return accelerator.prepare(*objs)
 
+    # a loader its sampler already shards is refused, naming the fix (Accelerate shards it again)
+    try:
+        sharded = torchfeed.RemoteDataLoader(rds, BATCH, sampler=torchfeed.DistributedSampler(rds))
+        tf_accelerate.prepare(Accelerator(cpu=True), sharded)
+        out["sharded_refusal"] = None
+    except ValueError as e:
+        out["sharded_refusal"] = str(e)
     out["torch"] = train("torch", lambda: DataLoader(Indexed(), BATCH, shuffle=True), torch_prepare)
     make = lambda: torchfeed.RemoteDataLoader(rds, BATCH, shuffle=True)  # noqa: E731
     out["remote"] = train("remote", make, tf_accelerate.prepare)

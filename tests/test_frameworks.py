@@ -115,6 +115,9 @@ def test_torchrun_ddp(job):
         assert resume["head"] == resume["expected"][:3]
         assert resume["tail"] == resume["expected"][3:]
         assert resume["len_after_load"] == resume["len"] == 6
+        # two checkpoints in one epoch (2 + 2 batches, then the rest), pad=False: the job's
+        # ranks together see every sample exactly once
+        assert r["two_resumes"] == list(range(N))
     assert_sharded([ranks[0]["remote"], ranks[1]["remote"]])
 
 
@@ -141,6 +144,23 @@ def test_lightning_trainer(job):
         assert all(full[(e, b)] == (idx, draws) for e, b, idx, draws in tail)
     epochs = [[[row[2] for row in r["remote"]["train"] if row[0] == e] for e in range(2)] for r in ranks]
     assert_sharded(epochs)
+    # torchfeed's DistributedSampler is kept (not replaced by Lightning's): the shards and order of
+    # torch's DistributedSampler, every epoch the whole dataset across the ranks
+    for r in ranks:
+        assert [row[:3] for row in r["remote_sampler"]["train"]] == [
+            row[:3] for row in r["torch_sampler"]["train"]
+        ]
+    epochs = [
+        [[row[2] for row in r["remote_sampler"]["train"] if row[0] == e] for e in range(2)] for r in ranks
+    ]
+    assert_sharded(epochs)
+    # Ctrl-C inside a step, OnExceptionCheckpoint, fit(ckpt_path=...): the interrupted batch is
+    # trained after the resume, and the whole run is the uninterrupted one's
+    for r in ranks:
+        cut = r["interrupt"]
+        stop = next(i for i, row in enumerate(cut["first"]) if row[:2] == [1, 2])
+        assert cut["tail"][0][:4] == cut["first"][stop][:4]
+        assert [row[:4] for row in cut["first"][:stop] + cut["tail"]] == [row[:4] for row in cut["full"]]
     streams = [[row[2] for row in r["remote_iterable"]["train"]] for r in ranks]
     assert sorted(i for rank in streams for b in rank for i in b) == list(range(N))  # no duplicates
 
@@ -158,6 +178,8 @@ def test_lightning_fabric(job):
 def test_accelerate(job):
     ranks = run("accelerate", job)
     for r in ranks:
+        assert "drop the sampler" in r["sharded_refusal"]
+
         # Accelerate's own shards, order and end-of-loader gradient syncs (gradient
         # accumulation of 4 over 6 batches: syncs after the 4th and the last)
         def seen(rows):

@@ -217,7 +217,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("glue", ("scaling",)),  # torchfeed.autoscale, its policy and the engines' pools (issue 23)
     ("glue", ("frameworks",)),  # Accelerate and the HF Trainer (issue 28)
-    ("glue", ("metrics", "ray")),  # Prometheus and Ray (issue 31)
+    ("glue", ("metrics", "ray", "audit")),  # Prometheus and Ray (issue 31)
 ]
 SIDES = {"client": "worker", "worker": "client"}  # same height, no edges between them
 RANK = {"base": 0, "protocol": 1, "client": 2, "worker": 2, "loader": 3, "datasets": 4, "glue": 5}

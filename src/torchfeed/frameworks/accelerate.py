@@ -38,6 +38,7 @@ _KEPT = (
     "pin_memory_device",
     "in_order",
     "seed",
+    "audit",
     "per_sample_seeding",
     "max_retries",
     "straggler_factor",

@@ -31,11 +31,12 @@ POLL_SECONDS = 0.05  # the longest the consumer waits before it looks again (sta
 @dataclass(frozen=True, slots=True)
 class Delivery:
     """The next batch of a pass: its value (when not ``ok``, the error its loading ended
-    with, raised in its turn) and its number of samples."""
+    with, raised in its turn), its number of samples and, map-style, its sample keys."""
 
     ok: bool
     value: Any
     samples: int
+    keys: Any = None
 
 
 class Pass:

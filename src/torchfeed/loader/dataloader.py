@@ -135,6 +135,11 @@ class RemoteDataLoader(DataLoader[T_co]):
         cannot ask ``torch.distributed`` for the trainer's rank); ``Shards`` hands each rank its
         share of the shards. False: every rank reads every stream, as torch's DataLoader does.
         None (default): as False, said once at WARNING in such a job.
+    audit : bool
+        Record the integer sample keys each epoch delivers in the loader's state
+        (``state_dict()["audit"]``), so :func:`torchfeed.audit.verify` can prove from a job's
+        saved states that an epoch delivered every sample exactly once across its ranks and
+        resumes (:mod:`torchfeed.loader.audit`). Map-style datasets only.
     """
 
     def __init__(
@@ -168,6 +173,7 @@ class RemoteDataLoader(DataLoader[T_co]):
         safe_globals: Sequence[Any] | None = None,
         compression: str | None = "session",
         rank_streams: bool | None = None,
+        audit: bool = False,
     ):
         if callable(num_workers):
             raise TypeError(
@@ -179,6 +185,11 @@ class RemoteDataLoader(DataLoader[T_co]):
         source = Source(dataset)
         if source.iterable:
             checks.iterable_args(shuffle, sampler, batch_sampler)
+            if audit:
+                raise ValueError(
+                    "audit=True records the sample keys an epoch delivered: an iterable-style "
+                    "dataset has none (audit a map-style dataset)"
+                )
         if seed is not None and generator is not None:
             raise ValueError(
                 "give seed= or generator=, not both: with seed the shuffle order and every "
@@ -235,6 +246,7 @@ class RemoteDataLoader(DataLoader[T_co]):
         self.persistent_workers = persistent_workers
         self.seed = seed
         self.per_sample_seeding = per_sample_seeding
+        self.audit = audit
         self.max_retries = max_retries
         self.straggler_factor = straggler_factor
         self.straggler_min_seconds = straggler_min_seconds
@@ -438,6 +450,7 @@ class RemoteDataLoader(DataLoader[T_co]):
             sampler=self.sampler,
             batch_sampler=self.batch_sampler,
             per_sample_seeding=self.per_sample_seeding,
+            audit=self.audit,
         )
 
     def _config(self) -> LoaderConfig:

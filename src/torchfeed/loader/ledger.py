@@ -61,7 +61,8 @@ class Ledger:
         if seq not in self.results:
             return None
         result = self.results.pop(seq)
-        return Delivery(result.ok, result.value, len(keys_of(self.indices.pop(seq, None), self.auto)))
+        keys = keys_of(self.indices.pop(seq, None), self.auto)
+        return Delivery(result.ok, result.value, len(keys), keys)
 
     def take_cancels(self) -> dict[str, list[int]]:
         cancels, self.to_cancel = self.to_cancel, {}

@@ -387,7 +387,7 @@ class MapPass(Pass):
         seq = sched.delivered
         taken = self._ledger.take(seq)
         if taken is not None:
-            self._plan.progress.handed(taken.samples)
+            self._plan.progress.handed(taken.samples, taken.keys)
             sched.take_delivered()
             if sched.known >= seq + sched.window:  # the window held the dispatch back
                 self._wake()

@@ -11,11 +11,12 @@ skip by themselves, by global position, so the number of ranks may change.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import signal
 import sys
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from types import FrameType
 from typing import Any
@@ -23,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .audit import Audit
+from .checks import job_ranks
 from .sampling import DistributedSampler, mix_seed
 
 FORMAT = "torchfeed.RemoteDataLoader/3"
@@ -57,9 +60,12 @@ class Progress:
     ``batches`` and ``samples`` count the epoch on this rank, a resumed pass's included;
     ``folded_batches`` and ``folded_samples`` of those are already in ``record.sampler``'s start
     (an elastic sampler resumed there); ``largest`` is the largest batch handed out since (the
-    batch size, for the sampler's position at the end of an epoch). ``recent`` holds the sizes
-    of the last batches handed out, so a state can leave them out (:func:`state_of`), and
-    ``confirmed`` says whether the consumer came back for a batch after the last one.
+    batch size, for the sampler's position at the end of an epoch). ``recent`` holds the last
+    batches handed out (their sizes and keys), so a state can leave them out
+    (:func:`state_of`), and ``confirmed`` says whether the consumer came back for a batch after
+    the last one. ``audit`` records the keys handed out (``audit=True``), ``position`` says
+    where a state stands job-wide (for the audit: the elastic sampler's global position, else
+    the batches consumed).
     """
 
     record: PassRecord
@@ -69,20 +75,33 @@ class Progress:
     folded_batches: int = 0
     folded_samples: int = 0
     largest: int = 0
-    recent: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT))
+    recent: deque[Handed] = field(default_factory=lambda: deque(maxlen=RECENT))
     confirmed: bool = True
+    audit: Audit | None = None
+    position: Callable[[dict[str, Any]], int] = field(default=lambda state: int(state["batches"]))
+    end: int | None = None  # the job-wide position where the epoch ends, when known
 
-    def handed(self, samples: int) -> None:
-        """A batch of ``samples`` samples was handed to the consumer."""
+    def handed(self, samples: int, keys: Sequence[Any] | None = None) -> None:
+        """A batch of ``samples`` samples (``keys``, map-style) was handed to the consumer."""
         self.batches += 1
         self.samples += samples
         self.largest = max(self.largest, samples)
-        self.recent.append(samples)
+        self.recent.append(Handed(samples, keys or ()))
         self.confirmed = False
+        if self.audit is not None:
+            self.audit.handed(keys or ())
 
     def confirm(self) -> None:
         """The consumer came back for the next batch: the last one is done."""
         self.confirmed = True
+
+
+@dataclass(frozen=True)
+class Handed:
+    """A batch handed to the consumer: its size and (map-style) keys."""
+
+    samples: int
+    keys: Sequence[Any]
 
 
 RECENT = 2  # how many of the last batches a state can leave out (a consumer that reads one ahead)
@@ -107,6 +126,7 @@ class Sampling:
     sampler: Any
     batch_sampler: Any
     per_sample_seeding: bool
+    audit: bool = False
 
 
 @dataclass(frozen=True)
@@ -278,7 +298,37 @@ def begin_pass(
         if elastic is not None and resume["sampler"] is not None:
             # the sampler starts after them
             progress.folded_batches, progress.folded_samples = resume["batches"], resume["samples"]
+    if loader.audit:
+        progress.audit = _audit(loader, elastic, epoch, resume, progress)
     return indices, progress
+
+
+def _audit(
+    loader: Sampling, elastic: DistributedSampler | None, epoch: int, resume: dict | None, progress: Progress
+) -> Audit:
+    """The audit record of a pass: its rank and world (the sampler's, else the job's), where
+    it begins job-wide, and what the state it resumes carried."""
+    shard = elastic
+    if shard is None:
+        for s in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+            if isinstance(getattr(s, "num_replicas", None), int) and isinstance(
+                getattr(s, "rank", None), int
+            ):
+                shard = s
+                break
+    rank, world = (shard.rank, shard.num_replicas) if shard is not None else job_ranks()
+    if elastic is not None:
+        progress.position = lambda state: elastic.position(state["sampler"])
+        progress.end = elastic.num_samples_total
+        origin = elastic.start
+    else:
+        origin = progress.batches
+        try:
+            progress.end = len(loader.batch_sampler if loader.batch_sampler is not None else loader.sampler)
+        except TypeError:  # a sampler without a length: the epoch is complete when the pass ends
+            pass
+    resumed = resume.get("audit") if resume is not None else None
+    return Audit(epoch, rank, world, origin, resumed)
 
 
 def state_of(
@@ -296,9 +346,9 @@ def state_of(
     resumable at its last batches. ``batch_size`` is what a full batch holds, when the loader
     knows it (else the largest batch handed out counts as full)."""
     if progress is not None:
-        leave_out = min(leave_out, len(progress.recent), progress.batches - progress.folded_batches)
-    if progress is None or (progress.finished and leave_out <= 0):
-        return {
+        leave_out = max(min(leave_out, len(progress.recent), progress.batches - progress.folded_batches), 0)
+    if progress is None or (progress.finished and leave_out == 0):
+        state = {
             "format": FORMAT,
             "epoch": next_epoch,
             "seed": seed,
@@ -310,15 +360,33 @@ def state_of(
             "generators": {},
             "sampler": None,
         }
-    left = list(progress.recent)[len(progress.recent) - leave_out :] if leave_out > 0 else []
-    batches, samples = progress.batches - len(left), progress.samples - sum(left)
+        if progress is not None and progress.audit is not None:  # the record of the epoch that ended
+            state["audit"] = progress.audit.to_state(progress.position(_ended(progress)), complete=True)
+        return state
+    left = list(progress.recent)[len(progress.recent) - leave_out :] if leave_out else []
+    batches, samples = progress.batches - len(left), progress.samples - sum(h.samples for h in left)
     rec = asdict(progress.record)
     rec.update(format=FORMAT, active=True, batches=batches, samples=samples)
     if rec["sampler"] is not None:  # where the elastic sampler stands: its start and what followed
         rec["sampler"]["consumed_on_rank"] = samples - progress.folded_samples
         full = max(batch_size or 0, progress.largest)
         rec["sampler"]["capacity"] = (batches - progress.folded_batches) * full
+    if progress.audit is not None:
+        upto = progress.position(rec)
+        rec["audit"] = progress.audit.to_state(
+            upto,
+            complete=progress.end is not None and upto >= progress.end,  # its last batch consumed
+            left_out=[k for h in left for k in h.keys],
+        )
     return rec
+
+
+def _ended(progress: Progress) -> dict[str, Any]:
+    """A state of a finished pass, for its job-wide position (the end of the epoch)."""
+    sampler = progress.record.sampler
+    if sampler is not None:
+        sampler = {**sampler, "consumed_on_rank": 0, "start": sampler["num_samples_total"]}
+    return {"batches": progress.batches, "sampler": sampler}
 
 
 def interrupted() -> bool:
@@ -334,7 +402,8 @@ def interrupted() -> bool:
         code = _code_of(signal.getsignal(signum))
         if code is not None:
             handlers.add(code)
-    frame: FrameType | None = sys._getframe(1)
+    here = inspect.currentframe()
+    frame: FrameType | None = here.f_back if here is not None else None
     while frame is not None:
         if frame.f_code in handlers:
             return True
