@@ -228,3 +228,45 @@ def test_a_format_2_state_taken_after_a_resume_is_refused_and_a_first_pass_one_r
     after_resume = {**old, "sampler": {**old["sampler"], "start": 8}, "samples": 16}
     with pytest.raises(ValueError, match="counted the resumed pass's samples twice"):
         elastic_loader(rds, 1, 0).load_state_dict(after_resume)
+
+
+def torch_sharded(rds, world: int, rank: int):
+    sampler = torch.utils.data.DistributedSampler(range(N), num_replicas=world, rank=rank, seed=2)
+    return torchfeed.RemoteDataLoader(rds, BATCH, sampler=sampler, seed=5)
+
+
+def shuffled(rds, world: int, rank: int):
+    return torchfeed.RemoteDataLoader(rds, BATCH, shuffle=True, seed=5)
+
+
+@pytest.mark.slow
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@given(stops=st.lists(st.integers(1, 3), min_size=1, max_size=4), sharded=st.booleans())
+def test_any_chain_of_checkpoints_without_torchfeeds_sampler_is_exact(rds, stops, sharded):
+    """A fixed world (torch's DistributedSampler, 2 ranks; or shuffle=True on one rank): any
+    number of checkpoints in one epoch, each resumed in new loaders, gives the uninterrupted
+    epoch's batches and draws, in order."""
+    make, world = (torch_sharded, 2) if sharded else (shuffled, 1)
+    whole = [[rows(b) for b in make(rds, world, r)] for r in range(world)]
+    got: list[list] = [[] for _ in range(world)]
+    states = None
+    for stop in [*stops, None]:
+        loaders = [make(rds, world, r) for r in range(world)]
+        for r, loader in enumerate(loaders):
+            if states is not None:
+                loader.load_state_dict(states[r])
+        its = [iter(loader) for loader in loaders]
+        step, ended = 0, False
+        while stop is None or step < stop:
+            batches = [next(it, None) for it in its]
+            if all(b is None for b in batches):
+                ended = True  # the epoch ended before this checkpoint: the chain ends with it
+                break
+            for r, b in enumerate(batches):
+                if b is not None:
+                    got[r].append(rows(b))
+            step += 1
+        if ended:
+            break
+        states = [loader.state_dict() for loader in loaders]
+    assert got == whole
