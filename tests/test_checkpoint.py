@@ -136,3 +136,28 @@ def test_requeue(monkeypatch, tmp_path, caplog):
     assert record.read_text().split() == ["requeue", "4242"]
     with Preemption(["USR2"], requeue=False) as pre:
         assert pre.requeue() is False
+
+
+class _RunsCode:
+    """A crafted checkpoint: unpickling it calls os.system (here a harmless file touch)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_crafted_checkpoint_runs_no_code_by_default(tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "crafted.pt"
+    torch.save({"model": {}, "payload": _RunsCode(marker)}, path)
+    with pytest.raises(Exception, match="weights_only"):
+        checkpoint.load(path)
+    assert not marker.exists()
+    # a training checkpoint of model, optimizer and loader states loads as it is
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model.state_dict(), "opt": opt.state_dict(), "loader": {"generators": {"x": b"\x01"}}}
+    checkpoint.save(state, tmp_path / "ok.pt")
+    assert checkpoint.load(tmp_path / "ok.pt")["loader"] == state["loader"]

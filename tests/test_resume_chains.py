@@ -270,3 +270,33 @@ def test_any_chain_of_checkpoints_without_torchfeeds_sampler_is_exact(rds, stops
             break
         states = [loader.state_dict() for loader in loaders]
     assert got == whole
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"streams": 10**7}, {"turn": 5}, {"slots": "x"}],
+)
+def test_a_crafted_iterable_state_is_refused_at_once(workers2, change):
+    from helpers import WorkerShare
+
+    ds = torchfeed.RemoteDataset(workers2, WorkerShare, 20)
+    loader = torchfeed.RemoteDataLoader(ds, 2, num_workers=2)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    state["streams"] = {**state["streams"], **change}
+    resumed = torchfeed.RemoteDataLoader(ds, 2, num_workers=2)
+    resumed.load_state_dict(state)
+    with pytest.raises(ValueError, match="iterable-style state"):
+        next(iter(resumed))
+
+
+def test_a_state_further_into_the_epoch_than_the_sampler_goes_is_refused(rds):
+    loader = torchfeed.RemoteDataLoader(rds, BATCH, shuffle=True, seed=5)
+    it = iter(loader)
+    next(it)
+    state = {**loader.state_dict(), "batches": 2**62}
+    resumed = torchfeed.RemoteDataLoader(rds, BATCH, shuffle=True, seed=5)
+    resumed.load_state_dict(state)
+    with pytest.raises(ValueError, match="batches into its epoch"):
+        next(iter(resumed))

@@ -122,7 +122,7 @@ def load(
     path_or_url: PathOrURL,
     *,
     map_location: Any = "cpu",
-    weights_only: bool = False,
+    weights_only: bool = True,
     storage_options: dict[str, Any] | None = None,
 ) -> Any:
     """Load a checkpoint written by :func:`save`.
@@ -134,8 +134,10 @@ def load(
     map_location : optional
         As in ``torch.load`` (default: everything on the CPU).
     weights_only : bool
-        ``torch.load``'s safe mode. False by default because checkpoints hold optimizer
-        and loader state too; load only checkpoints you wrote.
+        ``torch.load``'s safe mode, as torch's own default: tensors, containers, numbers,
+        strings and bytes load (model, optimizer and loader states do), and a crafted file
+        runs no code. Pass False only for a checkpoint you wrote that holds objects of your
+        own classes (or allow them with ``torch.serialization.add_safe_globals``).
     storage_options : dict, optional
         Passed to fsspec for URLs.
     """

@@ -286,8 +286,12 @@ def begin_pass(
     progress = Progress(record)
     if resume is not None:
         skip = 0 if (elastic is not None and resume["sampler"] is not None) else resume["batches"]
-        for _ in itertools.islice(indices, skip):
-            pass
+        skipped = sum(1 for _ in itertools.islice(indices, skip))
+        if skipped < skip:
+            raise ValueError(
+                f"this loader state is {skip} batches into its epoch, but this loader's sampler gives "
+                f"{skipped}: it was taken with another dataset, sampler or batch size"
+            )
         if user_global is not None:
             # samplers draw from the global generator lazily: pull the first batch under
             # the replayed state, then give the user back their own generator state
