@@ -6,6 +6,7 @@ sampler's position as the bug this audit was made for did)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import torchfeed
 import torchfeed.audit
@@ -69,7 +70,7 @@ def test_a_chain_of_resumes_over_changing_worlds_is_verified(rds):
 
 def test_a_states_record_is_small(rds):
     saved = chain(rds, [2, 1, 3], [2, 2, 0])
-    assert max(len(KeySet.from_state(e["keys"]).bits) for s in saved for e in s["audit"]["entries"]) <= N
+    assert max(len(KeySet.from_state(e["keys"], N).bits) for s in saved for e in s["audit"]["entries"]) <= N
     assert all(len(e["keys"]["bits"]) < 64 for s in saved for e in s["audit"]["entries"])
 
 
@@ -138,7 +139,13 @@ def test_gather_without_a_process_group_is_this_ranks_record(rds):
 
 @pytest.mark.parametrize(
     "change, message",
-    [({"size": 1 << 40}, "key count"), ({"size": 7}, "does not match"), ({"repeats": [[-1, 2]]}, "repeat")],
+    [
+        ({"size": 1 << 33}, "names 8589934592 keys, for a dataset of 45"),  # 1 GiB of bits if believed
+        ({"size": 7}, "does not match"),
+        ({"repeats": [[-1, 2]]}, "repeat"),
+        ({"bits": "text"}, "not what torchfeed writes"),
+        ({"bits": b"not zlib"}, "does not decompress"),
+    ],
 )
 def test_a_crafted_record_is_refused(rds, change, message):
     loader = loader_of(rds, 1, 0)
@@ -149,3 +156,29 @@ def test_a_crafted_record_is_refused(rds, change, message):
     entry["keys"] = {**entry["keys"], **change}
     with pytest.raises(ValueError, match=message):
         torchfeed.audit.verify([state], N)
+
+
+@pytest.mark.parametrize("entry", [None, "x", {"epoch": 0}])
+def test_a_crafted_entry_is_refused_with_a_value_error(rds, entry):
+    with pytest.raises(ValueError, match="audit entry|not one torchfeed writes"):
+        torchfeed.audit.verify([{"audit": {"format": "torchfeed.audit/1", "entries": [entry]}}], N)
+
+
+def test_drop_last_ranks_agree_on_the_end_of_the_epoch(workers2):
+    """7 samples, 2 ranks, batches of 2, drop_last: each rank's last state says the epoch ended."""
+    ds = torchfeed.RemoteDataset(workers2, RangeDataset, 7)
+    loaders = [
+        torchfeed.RemoteDataLoader(
+            ds, 2, sampler=torchfeed.DistributedSampler(ds, 2, r, seed=0, drop_last=True), seed=1, audit=True
+        )
+        for r in range(2)
+    ]
+    its = [iter(loader) for loader in loaders]
+    for _ in range(2):  # the epoch's batches, without the call that ends it
+        for it in its:
+            next(it)
+    entries = [loader.state_dict()["audit"]["entries"][-1] for loader in loaders]
+    assert [(e["upto"], e["complete"]) for e in entries] == [(6, True), (6, True)]
+    report = torchfeed.audit.verify([loader.state_dict() for loader in loaders], 7)
+    order = torch.randperm(7, generator=torch.Generator().manual_seed(0)).tolist()
+    assert report.missing == [order[6]] and not report.duplicates  # the tail drop_last leaves out

@@ -138,7 +138,9 @@ def test_a_state_taken_while_an_exception_unwinds_leaves_out_the_batch_in_hand(r
         assert loader.state_dict()["batches"] == 3
 
 
-def test_a_state_taken_in_a_signal_handler_leaves_out_the_batch_in_hand(rds):
+def test_a_save_in_a_signal_handler_leaves_out_the_batch_in_hand_when_it_says_so(rds):
+    """A handler runs anywhere, often inside the step: it passes leave_out=1. The same save
+    function called on the normal path (after a step) counts the batch."""
     import signal
 
     loader = torchfeed.RemoteDataLoader(rds, BATCH, shuffle=True, seed=3)
@@ -146,13 +148,21 @@ def test_a_state_taken_in_a_signal_handler_leaves_out_the_batch_in_hand(rds):
     next(it)
     next(it)
     taken: list[dict] = []
-    previous = signal.signal(signal.SIGUSR1, lambda *_: taken.append(loader.state_dict()))
+
+    def save(*_):
+        taken.append(loader.state_dict())
+
+    previous = signal.signal(signal.SIGUSR1, lambda *_: taken.append(loader.state_dict(leave_out=1)))
     try:
         signal.raise_signal(signal.SIGUSR1)
+        signal.signal(signal.SIGUSR2, save)
+        save()  # a periodic checkpoint through the function that is also a handler
     finally:
         signal.signal(signal.SIGUSR1, previous)
-    assert taken[0]["batches"] == 1
-    assert loader.state_dict()["batches"] == 2
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+    assert [t["batches"] for t in taken] == [1, 2]
+    with pytest.raises(ValueError, match="leave_out"):
+        loader.state_dict(leave_out=3)
 
 
 def test_an_iterable_state_taken_while_an_exception_unwinds_replays_the_batch_in_hand(workers2):
@@ -300,3 +310,17 @@ def test_a_state_further_into_the_epoch_than_the_sampler_goes_is_refused(rds):
     resumed.load_state_dict(state)
     with pytest.raises(ValueError, match="batches into its epoch"):
         next(iter(resumed))
+
+
+def test_a_state_taken_after_a_load_and_before_the_resume_is_the_loaded_one(rds):
+    loader = elastic_loader(rds, 1, 0)
+    it = iter(loader)
+    seen = [rows(next(it)) for _ in range(3)]
+    state = loader.state_dict()
+    again = elastic_loader(rds, 1, 0)
+    again.load_state_dict(state)
+    iter(again)  # an iterator made, not read: a job stopped before its first step
+    later = elastic_loader(rds, 1, 0)
+    later.load_state_dict(again.state_dict())
+    rest = [rows(b) for b in later]
+    assert sorted(int(r[0]) for b in seen + rest for r in b) == list(range(N))

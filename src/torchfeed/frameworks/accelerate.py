@@ -141,8 +141,7 @@ def remote_shard(shard: Any, **options: Any) -> Any:
 class ShardState:
     """The prepared loader's ``state_dict``: Accelerate's own (``dl_state_dict``, taken before
     the batch in the user's hands was yielded, counting it as used), except when a state is
-    taken while an exception unwinds or in a signal handler with a batch in the user's hands:
-    then that batch may not have been trained on, and the state leaves it out (a resume loads
+    taken while an exception unwinds with a batch in the user's hands: then that batch may not have been trained on, and the state leaves it out (a resume loads
     it again). Accelerate reads one batch ahead, so the loader has then handed out one more
     than the user has, unless the epoch ended with the batch in hand."""
 

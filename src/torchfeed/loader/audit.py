@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 FORMAT = "torchfeed.audit/1"
-MAX_KEYS = 1 << 34  # a bitmap of 2 GiB: far beyond any dataset a state describes
+MAX_KEYS = 1 << 28  # keys an audit records (a bitmap of 32 MiB in a state: 268 million samples)
 
 
 class KeySet:
@@ -48,6 +48,10 @@ class KeySet:
         except TypeError as e:
             raise TypeError(f"{e}; audit=True records integer sample keys (map-style datasets)") from None
         top = int(arr.max()) + 1
+        if top > MAX_KEYS:
+            raise ValueError(
+                f"sample key {top - 1} is beyond what audit=True records (keys below {MAX_KEYS})"
+            )
         if top > len(self.bits):
             self.bits = np.concatenate(
                 [self.bits, np.zeros(max(top, 2 * len(self.bits)) - len(self.bits), bool)]
@@ -93,21 +97,37 @@ class KeySet:
         }
 
     @classmethod
-    def from_state(cls, state: dict) -> KeySet:
-        size = state["size"]
-        if not isinstance(size, int) or not 0 <= size <= MAX_KEYS:
-            raise ValueError(f"an audit record's key count {size!r} is not one torchfeed writes")
+    def from_state(cls, state: Any, length: int) -> KeySet:
+        """The keys a state's record holds, for a dataset of ``length`` keys: a record that
+        names more keys, or is not what :meth:`to_state` writes, is refused before anything
+        of its size is allocated."""
+        bits, repeats = (state.get("bits"), state.get("repeats")) if isinstance(state, dict) else (None, None)
+        size = state.get("size") if isinstance(state, dict) else None
+        if not (isinstance(size, int) and _count(size) and size <= min(length, MAX_KEYS)):
+            raise ValueError(
+                f"an audit record names {size!r} keys, for a dataset of {length}: not a record of this dataset"
+            )
+        if not isinstance(bits, bytes) or not isinstance(repeats, list):
+            raise ValueError("an audit record's keys are not what torchfeed writes")
         raw = zlib.decompressobj()
-        packed = raw.decompress(state["bits"], (size + 7) // 8 + 1)
+        try:
+            packed = raw.decompress(bits, (size + 7) // 8 + 1)
+        except zlib.error as e:
+            raise ValueError(f"an audit record's bitmap does not decompress: {e}") from None
         if len(packed) != (size + 7) // 8 or raw.unconsumed_tail:
             raise ValueError("an audit record's bitmap does not match its key count")
         out = cls()
         out.bits = np.unpackbits(np.frombuffer(packed, dtype=np.uint8), count=size).astype(bool)
-        for k, n in state["repeats"]:
-            if not (isinstance(k, int) and isinstance(n, int) and 0 <= k < MAX_KEYS and 0 < n < MAX_KEYS):
-                raise ValueError(f"an audit record's repeat {[k, n]!r} is not one torchfeed writes")
-            out.repeats[k] = n
+        for pair in repeats:
+            ok = isinstance(pair, list) and len(pair) == 2 and _count(pair[0]) and _count(pair[1])
+            if not (ok and pair[0] < size and 0 < pair[1] <= MAX_KEYS):
+                raise ValueError(f"an audit record's repeat {pair!r} is not one torchfeed writes")
+            out.repeats[pair[0]] = pair[1]
         return out
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _key(k: Any) -> int:
@@ -173,9 +193,15 @@ def entries_of(record: Any, epoch: int | None = None) -> list[dict]:
         )
     out = []
     for e in record["entries"]:
+        if not isinstance(e, dict):
+            raise ValueError("an audit record holds an entry that is not one torchfeed writes")
         for name in ("epoch", "origin", "upto", "rank", "world_size"):
-            if not isinstance(e.get(name), int) or isinstance(e.get(name), bool) or e[name] < 0:
+            if not _count(e.get(name)):
                 raise ValueError(f"an audit entry's {name!r} is {e.get(name)!r}: not one torchfeed writes")
+        if not (isinstance(e.get("job"), str) and (e.get("parent") is None or isinstance(e["parent"], str))):
+            raise ValueError("an audit entry's job or parent is not one torchfeed writes")
+        if not isinstance(e.get("complete"), bool) or not isinstance(e.get("keys"), dict):
+            raise ValueError("an audit entry's completion or keys are not what torchfeed writes")
         if not 0 <= e["rank"] < e["world_size"]:
             raise ValueError(f"an audit entry names rank {e['rank']} of a world of {e['world_size']}")
         if epoch is None or e["epoch"] == epoch:
@@ -265,7 +291,7 @@ def verify(states: Iterable[Any], length: int, epoch: int | None = None) -> Repo
                 f"no state of rank(s) {lacking} of job {job} {where}: give every rank's state"
             )
         for e in by_rank.values():
-            counts += KeySet.from_state(e["keys"]).counts(length)
+            counts += KeySet.from_state(e["keys"], length).counts(length)
             report.segments += 1
         first = mine[0]
         job, upto, complete = first["parent"], first["origin"], False

@@ -8,6 +8,7 @@ map-style dataset is :class:`torchfeed.loader.passes.MapPass`; over an iterable-
 
 from __future__ import annotations
 
+import copy
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -322,14 +323,18 @@ class RemoteDataLoader(DataLoader[T_co]):
         Loaded into a new loader (same dataset, sampler settings and seed; any workers),
         the next pass yields exactly the batches this pass had not yet yielded. A batch counts
         as yielded once the consumer asks for the next one, or when the state is taken on the
-        consumer's normal path; a state taken while an exception unwinds or in a signal handler
-        (a checkpoint on Ctrl-C, on an error, on SIGTERM) leaves out the batch the consumer had
-        not come back from, which may not have been trained on: a resume loads it again.
+        consumer's normal path; a state taken while an exception unwinds (a checkpoint on
+        Ctrl-C or on an error, in an ``except`` or ``finally``) leaves out the batch the consumer
+        had not come back from, which may not have been trained on: a resume loads it again.
+        A state loaded and not yet resumed is given back as it was loaded.
 
-        ``leave_out``: how many of the last batches handed out count as not used, for a
-        wrapper that reads ahead of its own consumer (at most 2 for a map-style pass, 1 for an
-        iterable-style one); default as above.
+        ``leave_out``: how many of the last batches handed out count as not used: 1 for a save
+        in a signal handler (it may run inside a step), more for a wrapper that reads ahead of
+        its own consumer (at most 2 for a map-style pass, 1 for an iterable-style one);
+        default as above.
         """
+        if self._resume_from is not None:  # loaded, not resumed yet: it still says where to go on
+            return copy.deepcopy(self._resume_from)
         pending = self._pending() if self._pending is not None else None
         if pending is not None and not pending.started:
             # an iterator was made and not read yet: the next pass starts afresh, as it will

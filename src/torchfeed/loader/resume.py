@@ -11,14 +11,12 @@ skip by themselves, by global position, so the number of ranks may change.
 
 from __future__ import annotations
 
-import inspect
 import itertools
-import signal
 import sys
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -59,8 +57,7 @@ class Progress:
 
     ``batches`` and ``samples`` count the epoch on this rank, a resumed pass's included;
     ``folded_batches`` and ``folded_samples`` of those are already in ``record.sampler``'s start
-    (an elastic sampler resumed there); ``largest`` is the largest batch handed out since (the
-    batch size, for the sampler's position at the end of an epoch). ``recent`` holds the last
+    (an elastic sampler resumed there). ``recent`` holds the last
     batches handed out (their sizes and keys), so a state can leave them out
     (:func:`state_of`), and ``confirmed`` says whether the consumer came back for a batch after
     the last one. ``audit`` records the keys handed out (``audit=True``), ``position`` says
@@ -74,7 +71,7 @@ class Progress:
     finished: bool = False
     folded_batches: int = 0
     folded_samples: int = 0
-    largest: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)  # a state reads a whole batch's update
     recent: deque[Handed] = field(default_factory=lambda: deque(maxlen=RECENT))
     confirmed: bool = True
     audit: Audit | None = None
@@ -83,13 +80,13 @@ class Progress:
 
     def handed(self, samples: int, keys: Sequence[Any] | None = None) -> None:
         """A batch of ``samples`` samples (``keys``, map-style) was handed to the consumer."""
-        self.batches += 1
-        self.samples += samples
-        self.largest = max(self.largest, samples)
-        self.recent.append(Handed(samples, keys or ()))
-        self.confirmed = False
         if self.audit is not None:
-            self.audit.handed(keys or ())
+            self.audit.handed(keys or ())  # first: keys it refuses leave the counts as they were
+        with self.lock:
+            self.batches += 1
+            self.samples += samples
+            self.recent.append(Handed(samples, keys or ()))
+            self.confirmed = False
 
     def confirm(self) -> None:
         """The consumer came back for the next batch: the last one is done."""
@@ -323,7 +320,7 @@ def _audit(
     rank, world = (shard.rank, shard.num_replicas) if shard is not None else job_ranks()
     if elastic is not None:
         progress.position = lambda state: elastic.position(state["sampler"])
-        progress.end = elastic.num_samples_total
+        progress.end = elastic.end()
         origin = elastic.start
     else:
         origin = progress.batches
@@ -348,23 +345,35 @@ def state_of(
     ``leave_out`` of the last batches handed out (at most :data:`RECENT`, none from before a
     resume) count as not consumed: a resume loads them again; a finished pass is then
     resumable at its last batches. ``batch_size`` is what a full batch holds, when the loader
-    knows it (else the largest batch handed out counts as full)."""
-    if progress is not None:
-        leave_out = max(min(leave_out, len(progress.recent), progress.batches - progress.folded_batches), 0)
-    if progress is None or (progress.finished and leave_out == 0):
-        state = {
-            "format": FORMAT,
-            "epoch": next_epoch,
-            "seed": seed,
-            "active": False,
-            "batches": 0,
-            "samples": 0,
-            "base_seed": None,
-            "global_rng": None,
-            "generators": {},
-            "sampler": None,
-        }
-        if progress is not None and progress.audit is not None:  # the record of the epoch that ended
+    knows it."""
+    if progress is None:
+        return _inactive(next_epoch, seed)
+    with progress.lock:
+        return _state_locked(progress, next_epoch, seed, leave_out, batch_size)
+
+
+def _inactive(next_epoch: int, seed: int | None) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "epoch": next_epoch,
+        "seed": seed,
+        "active": False,
+        "batches": 0,
+        "samples": 0,
+        "base_seed": None,
+        "global_rng": None,
+        "generators": {},
+        "sampler": None,
+    }
+
+
+def _state_locked(
+    progress: Progress, next_epoch: int, seed: int | None, leave_out: int, batch_size: int | None
+) -> dict[str, Any]:
+    leave_out = max(min(leave_out, len(progress.recent), progress.batches - progress.folded_batches), 0)
+    if progress.finished and leave_out == 0:
+        state = _inactive(next_epoch, seed)
+        if progress.audit is not None:  # the record of the epoch that ended
             state["audit"] = progress.audit.to_state(progress.position(_ended(progress)), complete=True)
         return state
     left = list(progress.recent)[len(progress.recent) - leave_out :] if leave_out else []
@@ -373,8 +382,9 @@ def state_of(
     rec.update(format=FORMAT, active=True, batches=batches, samples=samples)
     if rec["sampler"] is not None:  # where the elastic sampler stands: its start and what followed
         rec["sampler"]["consumed_on_rank"] = samples - progress.folded_samples
-        full = max(batch_size or 0, progress.largest)
-        rec["sampler"]["capacity"] = (batches - progress.folded_batches) * full
+        # what the job's batches could hold (unknown for a batch sampler without a batch size)
+        if batch_size:
+            rec["sampler"]["capacity"] = (batches - progress.folded_batches) * batch_size
     if progress.audit is not None:
         upto = progress.position(rec)
         rec["audit"] = progress.audit.to_state(
@@ -396,31 +406,9 @@ def _ended(progress: Progress) -> dict[str, Any]:
 def interrupted() -> bool:
     """Whether the caller runs while an exception unwinds (an ``except``, ``finally`` or
     ``__exit__`` up the stack: Lightning's ``on_exception``, a save in ``except
-    KeyboardInterrupt``) or inside a Python signal handler (a save on SIGTERM or SIGUSR1):
-    then the batch last handed out may not have been trained on."""
+    KeyboardInterrupt``): then the batch last handed out may not have been trained on.
+    A signal handler is not told apart from a plain call of the same function (a save
+    function used for both would leave out a trained batch at every checkpoint): a save in a
+    handler passes ``leave_out=1`` itself."""
     exc = sys.exc_info()[1]
-    if exc is not None and not isinstance(exc, (StopIteration, GeneratorExit)):
-        return True
-    handlers = set()
-    for signum in signal.valid_signals():
-        code = _code_of(signal.getsignal(signum))
-        if code is not None:
-            handlers.add(code)
-    here = inspect.currentframe()
-    frame: FrameType | None = here.f_back if here is not None else None
-    while frame is not None:
-        if frame.f_code in handlers:
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _code_of(handler: Any) -> Any:
-    if not callable(handler):
-        return None  # SIG_DFL, SIG_IGN, None (set outside Python)
-    call = type(handler).__dict__.get("__call__")  # an object whose class defines __call__
-    for fn in (handler, getattr(handler, "__func__", None), call):
-        code = getattr(fn, "__code__", None)
-        if code is not None:
-            return code
-    return None
+    return exc is not None and not isinstance(exc, (StopIteration, GeneratorExit))

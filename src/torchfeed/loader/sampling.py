@@ -165,6 +165,7 @@ class DistributedSampler(TorchDistributedSampler):
             "world_size": self.num_replicas,
             "rank": self.rank,
             "pad": self.pad and not self.drop_last,
+            "drop_last": self.drop_last,
             "consumed_on_rank": int(consumed_on_rank),
             "num_samples_total": self.num_samples_total,
         }
@@ -184,14 +185,21 @@ class DistributedSampler(TorchDistributedSampler):
         rank, capacity = state.get("rank"), state.get("capacity")
         if rank is not None and not 0 <= int(rank) < world:
             raise ValueError(f"this sampler state names rank {rank} of a world of {world}")
-        if rank is None or capacity is None or state.get("pad", True):
-            # padded shares are equal: every rank consumed as many
+        if rank is None or capacity is None or state.get("pad", True) or state.get("drop_last", False):
+            # padded or cut shares are equal: every rank consumed as many
             return min(start + consumed * world, total)
         share = len(range(start + int(rank), total, world))
         if consumed < share:  # its batches were full so far: every rank filled as many
             capacity = consumed
         # without padding the shares differ by one: each rank consumed what its batches held
         return start + sum(min(int(capacity), len(range(start + r, total, world))) for r in range(world))
+
+    def end(self) -> int:
+        """The global position where this epoch ends from ``start`` (``drop_last`` leaves the
+        tail that would not give every rank a sample)."""
+        if self.drop_last:
+            return self.start + self._rank_count(self.start) * self.num_replicas
+        return self.num_samples_total
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue after ``state``, with this sampler's (possibly different) world size."""
