@@ -28,6 +28,34 @@ def workers2():
         yield w.addresses
 
 
+OTHER_USER = "tf-other-user"
+
+
+@pytest.fixture(scope="session")
+def other_user():
+    """(uid, gid) of a second local user, made with useradd (skips without root, useradd or
+    setpriv): what another user of a shared machine can do is tested as that user."""
+    import pwd
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("useradd") is None or shutil.which("setpriv") is None:
+        pytest.skip("needs root, useradd and setpriv to act as a second local user")
+    try:
+        entry = pwd.getpwnam(OTHER_USER)
+    except KeyError:
+        done = subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/bin/sh", OTHER_USER],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if done.returncode != 0 and "already exists" not in done.stderr:
+            pytest.skip(f"useradd failed: {done.stderr.strip()}")
+        entry = pwd.getpwnam(OTHER_USER)
+    return entry.pw_uid, entry.pw_gid
+
+
 @pytest.fixture(scope="session")
 def ray_cluster_shared():
     """A two-node Ray cluster on loopback (tests/raycluster.py) for test_ray.py and the Ray

@@ -70,3 +70,55 @@ def test_late_joiners_get_the_secret_only_when_their_connection_is_checked(monke
             states = pool.client.run(_held)
             assert states[late] == ("waiting", False)
             assert sorted(states.values()).count(("ready", True)) == 2
+
+
+def _listen_as(uid: int, gid: int) -> tuple[int, int]:
+    """A child process that listens on a loopback port as user ``uid``: (its pid, the port)."""
+    import os
+    import signal
+    import socket
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: become the other user, listen, wait to be killed
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            os.close(r)
+            os.write(w, str(s.getsockname()[1]).encode())
+            signal.pause()  # until the test kills it
+        finally:
+            os._exit(0)
+    os.close(w)
+    port = int(os.read(r, 16))
+    os.close(r)
+    return pid, port
+
+
+def test_a_dask_address_on_loopback_held_by_another_user_is_not_trusted_with_the_secret(other_user):
+    """A Dask worker another local user runs on 127.0.0.1 would get the secret through Dask's
+    clear connections: the kernel says whose the listening socket is, and only this user's
+    (or root's) count as safe."""
+    import os
+    import signal
+    import socket
+
+    from torchfeed.dask.comms import in_clear, listener_uid
+
+    pid, port = _listen_as(*other_user)
+    try:
+        assert listener_uid(port) == other_user[0]
+        assert in_clear(f"tcp://127.0.0.1:{port}")
+        with socket.socket() as mine:
+            mine.bind(("127.0.0.1", 0))
+            mine.listen()
+            own = mine.getsockname()[1]
+            assert listener_uid(own) == os.geteuid() and not in_clear(f"tcp://127.0.0.1:{own}")
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert in_clear(f"tcp://127.0.0.1:{port}")  # nobody listens there now: not provably safe

@@ -8,7 +8,6 @@ setpriv with shell commands; sbatch, squeue and scancel are recording stand-ins 
 from __future__ import annotations
 
 import os
-import pwd
 import shutil
 import stat
 import subprocess
@@ -23,27 +22,10 @@ from torchfeed.cluster.private import UnsafeFolderError
 
 pytestmark = pytest.mark.timeout(120)
 
-OTHER = "tf-other-user"
-
 
 @pytest.fixture(scope="module")
-def other():
-    """(uid, gid) of a second local user."""
-    if os.geteuid() != 0 or shutil.which("useradd") is None or shutil.which("setpriv") is None:
-        pytest.skip("needs root, useradd and setpriv to act as a second local user")
-    try:
-        entry = pwd.getpwnam(OTHER)
-    except KeyError:
-        done = subprocess.run(
-            ["useradd", "--system", "--no-create-home", "--shell", "/bin/sh", OTHER],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        if done.returncode != 0 and "already exists" not in done.stderr:
-            pytest.skip(f"useradd failed: {done.stderr.strip()}")
-        entry = pwd.getpwnam(OTHER)
-    return entry.pw_uid, entry.pw_gid
+def other(other_user):
+    return other_user
 
 
 def as_other(other, command: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -12,8 +12,12 @@ never blocks on its pipes, and signals only set an event the main thread polls):
   address file, and it is started again on its port after a backoff (:data:`FIRST_DELAY`,
   doubling up to :data:`MOST_DELAY`). Its new address is filed and printed when it is ready;
 - a process that ends :data:`CRASH_LOOP_DEATHS` times within :data:`CRASH_LOOP_WINDOW`
-  seconds (a start that fails counts) is a crash loop: every process stops, and one line
-  says which, how it ended the last time, and where to see why;
+  seconds (a start that fails counts: another user holding its port, say) is a crash loop:
+  that process is given up, one line says which, how it ended the last time and where to see
+  why, and the others keep serving; when none is left the command ends (status 1), and a
+  stop after one was given up ends with status 1 too;
+- the address file is written by this process alone; a write that fails (the file replaced
+  by a link, its folder made unwritable) is said on stderr and the processes keep serving;
 - SIGTERM or SIGINT stops every process (SIGTERM, then SIGKILL after :data:`STOP_TIMEOUT`).
 """
 
@@ -26,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..protocol.addrfile import append_lines, remove_lines
+from ..protocol.addrfile import UnsafeAddressFile, append_lines, remove_lines
 from ..util import double_delay
 from ..worker.options import WorkerOptions
 from ..worker.process import WorkerExited, WorkerProcess, exit_reason, worker_command
@@ -44,6 +48,10 @@ def say(text: str) -> None:
     print(f"torchfeed worker: {text}", file=sys.stderr, flush=True)
 
 
+def _why(exc: BaseException) -> str:
+    return (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
+
+
 @dataclass
 class Slot:
     """Process ``index`` of N: the one running now (or starting), and its recent ends."""
@@ -56,6 +64,7 @@ class Slot:
     deaths: collections.deque[float] = field(default_factory=collections.deque)
     delay: float = 0.0
     restart_at: float | None = None
+    given_up: bool = False  # it crash-looped: not started again
 
 
 class Supervisor:
@@ -102,12 +111,16 @@ class Supervisor:
         return [p.reap(max(0.0, deadline - time.monotonic())) for p in running]
 
     def _announce(self, slot: Slot, address: str) -> None:
-        """File and print the address of a process that is ready."""
+        """File and print the address of a process that is ready (a file that cannot be
+        written is said; the process serves all the same)."""
         slot.address = address
         assert slot.process is not None
         slot.process.label(f"[{address}] ")
         if self.address_file:
-            append_lines(self.address_file, [address])
+            try:
+                append_lines(self.address_file, [address])
+            except (OSError, UnsafeAddressFile) as exc:
+                say(f"--address-file {self.address_file}: cannot add {address} to it: {_why(exc)}")
         sys.stdout.write(address + "\n")
         sys.stdout.flush()
 
@@ -117,10 +130,8 @@ class Supervisor:
         if address and self.address_file:
             try:
                 remove_lines(self.address_file, [address])
-            except OSError as exc:
-                say(
-                    f"--address-file {self.address_file}: cannot take {address} out of it: {exc.strerror or exc}"
-                )
+            except (OSError, UnsafeAddressFile) as exc:
+                say(f"--address-file {self.address_file}: cannot take {address} out of it: {_why(exc)}")
 
     # -- start -----------------------------------------------------------------------------
     def start(self) -> int:
@@ -152,9 +163,9 @@ class Supervisor:
         if self.address_file:
             try:
                 append_lines(self.address_file, addresses)
-            except OSError as exc:
+            except (OSError, UnsafeAddressFile) as exc:
                 self._stop_all()
-                say(f"error: --address-file {self.address_file}: cannot append to it: {exc.strerror or exc}")
+                say(f"error: --address-file {self.address_file}: cannot append to it: {_why(exc)}")
                 return 2
         for address in addresses:  # one line, one write
             sys.stdout.write(address + "\n")
@@ -181,43 +192,49 @@ class Supervisor:
             return code
         while not self.stopping.wait(POLL):
             for slot in self.slots:
-                if not self._look(slot):
-                    self._stop_all()
-                    return 1
+                if not slot.given_up:
+                    self._look(slot)
+            if all(slot.given_up for slot in self.slots):
+                say(f"no process of {self.procs} is left: stopping")
+                return 1
         codes = self._stop_all()
         failed = [c for c in codes if c]  # the first failure decides; a signal death reads as 128 + signal
-        return (failed[0] if failed[0] > 0 else 128 - failed[0]) if failed else 0
+        if failed:
+            return failed[0] if failed[0] > 0 else 128 - failed[0]
+        return 1 if any(slot.given_up for slot in self.slots) else 0
 
-    def _look(self, slot: Slot) -> bool:
-        """Check one process: reap and restart it when it ended; False on a crash loop."""
+    def _look(self, slot: Slot) -> None:
+        """Check one process: reap and restart it when it ended (give it up on a crash loop)."""
         now = time.monotonic()
         p = slot.process
         if p is None:
             if slot.restart_at is not None and now >= slot.restart_at:
                 slot.restart_at = None
                 self._spawn(slot, hold_errors=False)
-            return True
+            return
         if slot.address is None:  # restarted, not ready yet
             try:
                 address = p.wait_address(0.0)
             except TimeoutError:
                 if now - slot.started < START_TIMEOUT:
-                    return True
+                    return
                 p.stop(STOP_TIMEOUT)
-                return self._ended(slot, f"was not ready within {START_TIMEOUT:g} s")
+                self._ended(slot, f"was not ready within {START_TIMEOUT:g} s")
+                return
             except WorkerExited as exc:
                 p.close()
                 last = exc.tail[-1].strip().removeprefix("torchfeed worker: ") if exc.tail else ""
-                return self._ended(slot, exit_reason(exc.returncode) + (f" ({last})" if last else ""))
+                self._ended(slot, exit_reason(exc.returncode) + (f" ({last})" if last else ""))
+                return
             self._announce(slot, address)
             say(f"{self._name(slot)} is back: {address}")
-            return True
+            return
         if p.poll() is None:
-            return True
+            return
         p.close()  # reaped by poll(); its pipes read to their end
-        return self._ended(slot, exit_reason(p.returncode or 0))
+        self._ended(slot, exit_reason(p.returncode or 0))
 
-    def _ended(self, slot: Slot, how: str) -> bool:
+    def _ended(self, slot: Slot, how: str) -> None:
         where = slot.address or f"{self.host}:{slot.port}"
         self._withdraw(slot)
         slot.process = None
@@ -226,14 +243,15 @@ class Supervisor:
         while slot.deaths and slot.deaths[0] < now - CRASH_LOOP_WINDOW:
             slot.deaths.popleft()
         if len(slot.deaths) >= CRASH_LOOP_DEATHS:
+            slot.given_up = True
+            left = sum(not s.given_up for s in self.slots)
             say(
                 f"{self._name(slot)} ({where}) ended {len(slot.deaths)} times within "
-                f"{CRASH_LOOP_WINDOW:g} s, the last time it {how}: stopping all {self.procs} processes. "
-                f"Its stderr above (lines starting [process {slot.index}] or with its address) says "
-                f"why; run `torchfeed worker` without --procs to see it alone"
+                f"{CRASH_LOOP_WINDOW:g} s, the last time it {how}: giving it up, {left} of {self.procs} "
+                f"keep serving. Its stderr above (lines starting [process {slot.index}] or with its address) "
+                f"says why; run `torchfeed worker` without --procs to see it alone"
             )
-            return False
+            return
         slot.delay = double_delay(slot.delay if len(slot.deaths) > 1 else 0.0, FIRST_DELAY, MOST_DELAY)
         slot.restart_at = now + slot.delay
         say(f"{self._name(slot)} ({where}) {how}; starting it again in {slot.delay:g} s")
-        return True

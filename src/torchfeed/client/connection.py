@@ -290,16 +290,7 @@ class Connection:
                     continue
                 why = codec.refusal(frame.kind, pending.compression, frame.buffer_lengths, frame.codecs)
                 if why is not None:  # read past it (nothing allocated for it or inflated): that call fails
-                    with self._pending_lock:
-                        self._receiving = None
-                    self.channel.skip(frame)
-                    if not receiving[1]:
-                        try:
-                            pending.callback(
-                                False, ProtocolError(f"worker {self.address}: {why}; the reply is dropped")
-                            )
-                        except Exception:
-                            log.exception("a result callback failed")
+                    self._refuse(frame, pending, receiving, why)
                     del frame, pending
                     continue
                 try:
@@ -331,6 +322,23 @@ class Connection:
                 del frame, buffers, pending  # an idle connection must not keep the last reply alive
         except BaseException as exc:  # noqa: BLE001 - the thread must fail every waiter
             self._fail(exc)
+
+    def _refuse(self, frame: wire.Frame, pending: _Pending, receiving: list, why: str) -> None:
+        """Fail the call of a refused reply, then read past the reply.
+
+        The call left the pending table with the reply's header: neither its deadline nor a
+        failure of the connection reaches it any more. So it is completed before the rest of
+        the reply is read, whatever that read then meets: a bad size table or a worker that
+        closes mid-reply fails the connection; one that stalls holds only the connection
+        (whose heartbeat judges it once another call waits)."""
+        with self._pending_lock:
+            self._receiving = None
+        if not receiving[1]:  # not cancelled while its header arrived
+            try:
+                pending.callback(False, ProtocolError(f"worker {self.address}: {why}; the reply is dropped"))
+            except Exception:
+                log.exception("a result callback failed")
+        self.channel.skip(frame)
 
     def _drop(self, frame: wire.Frame) -> None:
         """Read past a message nobody waits for (a heartbeat, a cancelled or expired call)."""

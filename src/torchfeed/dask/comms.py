@@ -5,16 +5,20 @@ Dask itself: client -> scheduler -> each worker. On ``tcp://`` (or ``ws://``)
 that is clear text, readable by anyone on the network path, and the secret lets its holder
 run code on the torchfeed workers. It is safe only on TLS (``tls://``, ``wss://``), inside
 one process (``inproc://``) or when every hop stays on this machine (a loopback host:
-127.0.0.0/8, ::1, ``localhost``). Host names other than ``localhost`` are not resolved: a
-name is taken to mean a network.
+127.0.0.0/8, ::1, ``localhost``) and is a process of this user (or root): a Dask worker that
+another local user runs on 127.0.0.1 would get the secret, so the owner of the socket that
+listens on a loopback address is read from the kernel (``/proc/net/tcp``, Linux); where it
+cannot be read, the address counts as in clear. Host names other than ``localhost`` are not
+resolved: a name is taken to mean a network.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
 
 import distributed
-from distributed.comm.addressing import get_address_host, parse_address
+from distributed.comm.addressing import get_address_host, get_address_host_port, parse_address
 
 ENCRYPTED_SCHEMES = frozenset({"tls", "wss", "inproc"})
 
@@ -32,14 +36,34 @@ def is_loopback_host(host: str) -> bool:
 
 
 def in_clear(address: str) -> bool:
-    """Whether a secret sent to ``address`` (a Dask address) could be read on a network."""
+    """Whether a secret sent to ``address`` (a Dask address) could be read by anyone but this
+    user: on a network, or by another local user's process listening on loopback."""
     try:
         scheme, _ = parse_address(address)
         if scheme in ENCRYPTED_SCHEMES:
             return False
-        return not is_loopback_host(get_address_host(address))
+        if not is_loopback_host(get_address_host(address)):
+            return True
+        owner = listener_uid(get_address_host_port(address)[1])
+        return owner is None or owner not in (os.geteuid(), 0)
     except Exception:  # no such scheme here, or not an address (ucx: a warning): not provably safe
         return True
+
+
+def listener_uid(port: int) -> int | None:
+    """The uid owning the socket that listens on loopback ``port`` (None: none found, or not
+    readable here), from the kernel's socket tables of this network namespace."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 7 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                return int(fields[7])  # state 0A: LISTEN; column 7: the owner's uid
+    return None
 
 
 def clear_addresses(client: distributed.Client, workers: list[str] | None = None) -> list[str]:
@@ -67,9 +91,9 @@ def refuse_clear_transport(client: distributed.Client, what: str) -> list[str]:
     listed = ", ".join(exposed[:4]) + (f" and {len(exposed) - 4} more" if len(exposed) > 4 else "")
     raise ValueError(
         f"{what} would send the torchfeed secret through this Dask cluster's own connections, and "
-        f"they are not encrypted and leave this machine ({listed}): anyone who can read that "
-        "network traffic gets the secret, and with it can run code on the torchfeed workers and "
-        "read your data. Fix it in one of these ways: (1) run the Dask cluster over TLS "
+        f"they are not encrypted and leave this machine or reach another user's process ({listed}): "
+        "anyone who can read that traffic gets the secret, and with it can run code on the torchfeed "
+        "workers and read your data. Fix it in one of these ways: (1) run the Dask cluster over TLS "
         "(distributed.security.Security(require_encryption=True, ...), tls:// addresses); "
         "(2) keep the secret in a file that the Dask workers' machines already share (e.g. in a "
         "shared home directory, chmod 600) and pass secret_file=PATH: only the path is sent; "

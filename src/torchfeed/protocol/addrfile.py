@@ -56,12 +56,50 @@ def read_address_file(path: str) -> list[str]:
     return list(dict.fromkeys(line for line in lines if line and not line.startswith("#")))
 
 
+def check_folder(path: str) -> None:
+    """Raise FileNotFoundError when the folder of address file ``path`` does not exist.
+
+    Workers create the file but never its folder (:func:`why_unwritable`), so no wait can make
+    it appear: a trainer says so at once, whereas a missing file may still be written."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(
+            f"the workers file {path} cannot appear: its folder {directory} does not exist, and workers do not "
+            "create folders. Check the path (this trainer must see the folder the workers write to), or create "
+            f"the folder (mkdir -p {directory}) before starting the workers with "
+            f"`torchfeed worker --address-file {path}`"
+        )
+
+
+def _shared_folder(directory: str) -> str | None:
+    """Why another user could replace a file in ``directory`` (None: no one but its owner
+    and root can): it is writable by its group or by others without the sticky bit (which
+    keeps them from renaming or removing files they do not own), or it is another user's."""
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return None  # said by the checks that follow
+    writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if writable and not st.st_mode & stat.S_ISVTX:
+        return (
+            f"its folder {directory} can be written by other users (mode {stat.S_IMODE(st.st_mode):o}): "
+            "another user could replace the file with a link or a file of theirs; use a folder only you "
+            f"can write (chmod go-w {directory}) or one with the sticky bit, as /tmp"
+        )
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"its folder {directory} belongs to another user, who could replace the file; use a folder of yours"
+    return None
+
+
 def why_unwritable(path: str) -> str | None:
     """Why address lines could not be appended to ``path`` (None: they can), checked before a
     worker starts, so that a wrong ``--address-file`` is said at once, in one line."""
     directory = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         return "it is a directory; give the path of a file in it"
+    shared = _shared_folder(directory)
+    if shared:
+        return shared
     if os.path.lexists(path):
         try:
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
