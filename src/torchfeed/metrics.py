@@ -223,6 +223,9 @@ def serve(
     ``port`` and ``url``); ``host`` ``"0.0.0.0"`` lets Prometheus scrape from other machines.
     ``policy``: the bounds and headroom of the advised worker count. Returns a
     :class:`~torchfeed.worker.prometheus.MetricsServer`: ``close()`` it, or use it in ``with``.
+    It holds at most 9 threads however many connections arrive (see
+    :mod:`torchfeed.worker.boundedhttp`), so a flood of them cannot take the threads the
+    loader needs.
     """
     return MetricsServer(registry(loaders, policy), port, host)
 

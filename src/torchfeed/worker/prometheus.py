@@ -5,7 +5,8 @@ worker already keeps for ``torchfeed top`` (:class:`~torchfeed.worker.counters.C
 the process-wide :data:`~torchfeed.worker.counters.served`, the sample cache's figures) and
 turns it into metric families named after Prometheus' conventions (base units in the
 names, ``_total`` on counters). :class:`MetricsServer` serves a registry over HTTP
-(Prometheus text or OpenMetrics, as the scraper asks) from one thread it owns and stops.
+(Prometheus text or OpenMetrics, as the scraper asks) from threads it owns and stops, as
+many as :mod:`~torchfeed.worker.boundedhttp` allows whatever the peers do.
 
 ``prometheus_client`` is imported only here and only when metrics are asked for
 (``pip install 'torchfeed[metrics]'``).
@@ -14,9 +15,11 @@ names, ``_total`` on counters). :class:`MetricsServer` serves a registry over HT
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from typing import Any
 
+from . import boundedhttp
 from . import counters as workerstats
 from . import samplestore as workercache
 
@@ -111,21 +114,52 @@ def _cpu_seconds() -> float:
 
 
 class MetricsServer:
-    """A registry served over HTTP on ``host:port`` (port 0: a free one) from one thread.
+    """A registry served over HTTP on ``host:port`` (port 0: a free one).
 
-    Every path answers the metrics (``/metrics`` by convention). :meth:`close` stops the
-    thread and frees the port; it is also a context manager.
+    Every path answers the metrics (``/metrics`` by convention). Served by a
+    :class:`~torchfeed.worker.boundedhttp.BoundedWSGIServer`: one accepting thread plus at
+    most ``max_handlers`` handler threads, at most ``per_source`` connections from one
+    source, ``read_timeout`` seconds for a request to arrive; connections beyond the caps
+    are answered 503 and closed without a thread. :meth:`close` stops the threads and frees
+    the port; it is also a context manager.
     """
 
-    def __init__(self, registry: Any, port: int = 0, host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        registry: Any,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        *,
+        max_handlers: int = boundedhttp.MAX_HANDLERS,
+        per_source: int = boundedhttp.PER_SOURCE,
+        read_timeout: float = boundedhttp.READ_TIMEOUT,
+    ):
         client = require_client()
         self.registry = registry
-        self._httpd, self._thread = client.start_http_server(port, addr=host, registry=registry)
-        self._thread.name = "torchfeed-metrics"
+        self._httpd = boundedhttp.BoundedWSGIServer(
+            (host, port),
+            client.make_wsgi_app(registry),
+            max_handlers=max_handlers,
+            per_source=per_source,
+            read_timeout=read_timeout,
+        )
+        self._thread: threading.Thread | None = threading.Thread(
+            target=self._httpd.serve_forever, name="torchfeed-metrics", daemon=True
+        )
+        try:
+            self._thread.start()
+        except BaseException:
+            self._httpd.server_close()
+            raise
         self.host = host
         self.port = self._httpd.server_address[1]
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self.port}/metrics"
+
+    @property
+    def refused(self) -> int:
+        """Connections closed at once so far: over a cap, or no thread could be started for them."""
+        return self._httpd.refused
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop serving (idempotent)."""
