@@ -36,7 +36,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from ..util import double_delay
-from .doorman import source_of
+from .doorman import RateLimitedLog, source_of
 
 log = logging.getLogger("torchfeed.metrics")
 
@@ -89,26 +89,6 @@ class Slots:
             if held:
                 self._by_source[source] = held
             self.in_use -= 1
-
-
-class QuietLog:
-    """At most one line per key every ``interval`` seconds; the rest are counted into the next."""
-
-    def __init__(self, interval: float = 10.0):
-        self.interval = interval
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def __call__(self, level: int, key: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(key, -1e9) < self.interval:
-                self._suppressed[key] = self._suppressed.get(key, 0) + 1
-                return
-            self._last[key] = now
-            n = self._suppressed.pop(key, 0)
-        log.log(level, msg + (f" ({n} more like this suppressed)" if n else ""), *args)
 
 
 def read_head(sock: socket.socket, seconds: float, limit: int = MAX_HEAD) -> bytes | None:
@@ -179,7 +159,7 @@ class BoundedWSGIServer(WSGIServer):
         self.slots = Slots(max_handlers, per_source)
         self.read_timeout = read_timeout
         self.refused = 0  # connections closed at once: over a cap, or no thread for them
-        self._say = QuietLog()
+        self._say = RateLimitedLog(logger=log)
         self._stopping = threading.Event()
         self._backoff = 0.0
         super().__init__(bind_to, _Handler)
@@ -268,4 +248,4 @@ class BoundedWSGIServer(WSGIServer):
         super().shutdown()
 
 
-__all__ = ["BoundedWSGIServer", "QuietLog", "Slots", "read_head"]
+__all__ = ["BoundedWSGIServer", "Slots", "read_head"]

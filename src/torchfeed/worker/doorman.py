@@ -51,23 +51,27 @@ _AUTH_FRAME = wire.HEADER.size + auth.AUTH_BYTES
 
 
 class RateLimitedLog:
-    """At most one line per key every ``interval`` seconds; the rest are counted."""
+    """At most one line per key every ``interval`` seconds to ``logger``; the rest are counted
+    into the next line. Safe from several threads; memory bounded under address floods."""
 
-    def __init__(self, interval: float = 10.0):
+    def __init__(self, interval: float = 10.0, logger: logging.Logger = log):
         self.interval = interval
+        self._log = logger
         self._last: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
+        self._lock = threading.Lock()
 
-    def __call__(self, level: int, key: str, msg: str, *args) -> None:
+    def __call__(self, level: int, key: str, msg: str, *args: object) -> None:
         now = time.monotonic()
-        if now - self._last.get(key, -1e9) < self.interval:
-            self._suppressed[key] = self._suppressed.get(key, 0) + 1
-            return
-        self._last[key] = now
-        n = self._suppressed.pop(key, 0)
-        log.log(level, msg + (f" ({n} more like this suppressed)" if n else ""), *args)
-        if len(self._last) > 4096:  # bounded memory under address floods
-            self._last.clear()
+        with self._lock:
+            if now - self._last.get(key, -1e9) < self.interval:
+                self._suppressed[key] = self._suppressed.get(key, 0) + 1
+                return
+            self._last[key] = now
+            n = self._suppressed.pop(key, 0)
+            if len(self._last) > 4096:
+                self._last.clear()
+        self._log.log(level, msg + (f" ({n} more like this suppressed)" if n else ""), *args)
 
 
 class FailureLimiter:
