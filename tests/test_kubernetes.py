@@ -2,10 +2,13 @@
 (kubernetes-validate, strict: unknown fields fail), and consistent with torchfeed itself (the
 worker's arguments parse, the probes use the metrics port, the Service, NetworkPolicy, PDB and
 trainer agree on labels, the HPA's metric is one torchfeed exports, the placeholder secret is refused).
+Hardened too: every container confined, images pinned by digest, NetworkPolicies around the trainer
+and on the workers' egress, and the docs never put the secret on a command line.
 """
 
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 
@@ -138,3 +141,187 @@ def test_tcp_probes_on_the_data_port_are_not_failed_handshakes(capfd):
     err = capfd.readouterr().err
     assert "listening on" in err  # the worker's log is seen here
     assert "rejected client" not in err and "dropping" not in err
+
+
+# -- hardening ---------------------------------------------------------------------------------
+WORKLOAD_KINDS = {"Pod", "Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job", "CronJob"}
+DIGEST = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")
+
+
+def _pods() -> dict[str, dict]:
+    """Every pod template of every workload (kind/name: the template: metadata and spec)."""
+    out = {}
+    for (kind, name), doc in _objects().items():
+        if kind not in WORKLOAD_KINDS:
+            continue
+        spec = doc["spec"]
+        if kind == "CronJob":
+            spec = spec["jobTemplate"]["spec"]
+        out[f"{kind}/{name}"] = doc if kind == "Pod" else spec["template"]
+    return out
+
+
+def _containers():
+    """(where, pod template, container) for every container and init container."""
+    for where, pod in _pods().items():
+        for field in ("initContainers", "containers", "ephemeralContainers"):
+            for c in pod["spec"].get(field, []):
+                yield f"{where}/{c['name']}", pod, c
+
+
+def test_every_container_is_hardened():
+    """Seccomp RuntimeDefault, no privilege escalation, a read-only root, every capability dropped."""
+    problems, seen = [], 0
+    for where, pod, c in _containers():
+        seen += 1
+        ctx = c.get("securityContext", {})
+        seccomp = ctx.get("seccompProfile") or pod["spec"].get("securityContext", {}).get("seccompProfile")
+        if (seccomp or {}).get("type") != "RuntimeDefault":
+            problems.append(f"{where}: seccompProfile {seccomp} (RuntimeDefault expected)")
+        if ctx.get("allowPrivilegeEscalation") is not False:
+            problems.append(f"{where}: allowPrivilegeEscalation is not false")
+        if ctx.get("readOnlyRootFilesystem") is not True:
+            problems.append(f"{where}: readOnlyRootFilesystem is not true")
+        if "ALL" not in ctx.get("capabilities", {}).get("drop", []):
+            problems.append(f"{where}: capabilities do not drop ALL")
+        if ctx.get("privileged") or ctx.get("capabilities", {}).get("add"):
+            problems.append(f"{where}: privileged or capabilities added")
+    assert seen >= 4, "the workers' and the trainer's containers are expected"
+    assert not problems, "\n".join(problems)
+
+
+def test_the_trainer_has_writable_scratch_space():
+    """Its root is read-only: /tmp (compile caches, HOME) and /dev/shm are emptyDirs."""
+    pod = _objects()[("Job", "train")]["spec"]["template"]
+    trainer = pod["spec"]["containers"][0]
+    mounts = {m["mountPath"]: m["name"] for m in trainer["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    for path in ("/tmp", "/dev/shm"):
+        assert path in mounts and "emptyDir" in volumes[mounts[path]], path
+    env = {e["name"]: e.get("value") for e in trainer["env"]}
+    assert env.get("HOME", "").startswith("/tmp"), "~/.cache and ~/.triton must be writable"
+
+
+def test_every_image_is_pinned_by_digest():
+    images = [(where, c["image"]) for where, _, c in _containers()]
+    assert images
+    unpinned = [f"{where}: {image}" for where, image in images if not DIGEST.match(image)]
+    assert not unpinned, "images must be pinned by digest (NAME[:TAG]@sha256:HEX):\n" + "\n".join(unpinned)
+
+
+# -- network policies ----------------------------------------------------------------------------
+def _selects(selector: dict, labels: dict) -> bool:
+    assert not selector.get("matchExpressions"), "only matchLabels are checked here"
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def _policies_for(labels: dict) -> list[dict]:
+    return [
+        doc["spec"]
+        for (kind, _), doc in _objects().items()
+        if kind == "NetworkPolicy" and _selects(doc["spec"]["podSelector"], labels)
+    ]
+
+
+def _ports(rule: dict) -> set[tuple[object, str]]:
+    return {(p.get("port"), p.get("protocol", "TCP")) for p in rule.get("ports", [])}
+
+
+def _allows_dns(policy: dict) -> bool:
+    """An egress rule to kube-dns in kube-system on UDP and TCP 53 (and nothing broader)."""
+    for rule in policy.get("egress", []):
+        peers = rule.get("to", [])
+        if peers and {(53, "UDP"), (53, "TCP")} <= _ports(rule):
+            if all(
+                _selects(p.get("namespaceSelector", {}), {"kubernetes.io/metadata.name": "kube-system"})
+                and p.get("podSelector", {}).get("matchLabels") == {"k8s-app": "kube-dns"}
+                for p in peers
+            ):
+                return True
+    return False
+
+
+def _egress_is_closed(policy: dict) -> list[str]:
+    """Rules that would open egress to anything: no peers, an empty selector, 0.0.0.0/0."""
+    wide = []
+    for rule in policy.get("egress", []):
+        peers = rule.get("to")
+        if not peers:
+            wide.append(f"a rule without peers: {rule}")
+        for peer in peers or []:
+            if "ipBlock" in peer and peer["ipBlock"]["cidr"] in ("0.0.0.0/0", "::/0"):
+                wide.append(f"every address: {peer}")
+            if "namespaceSelector" in peer and not peer["namespaceSelector"] and "podSelector" not in peer:
+                wide.append(f"every namespace: {peer}")
+    return wide
+
+
+def test_a_network_policy_confines_the_trainer():
+    objs = _objects()
+    pod = objs[("Job", "train")]["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    metrics = next(p for p in pod["spec"]["containers"][0]["ports"] if p["name"] == "metrics")
+    workers = objs[("Deployment", "torchfeed-workers")]["spec"]["template"]["metadata"]["labels"]
+    data_port = 6543
+
+    policies = _policies_for(labels)
+    inbound = [p for p in policies if "Ingress" in p.get("policyTypes", [])]
+    outbound = [p for p in policies if "Egress" in p.get("policyTypes", [])]
+    assert inbound, "no NetworkPolicy restricts what reaches the trainer"
+    assert outbound, "no NetworkPolicy restricts where the trainer connects"
+    for policy in inbound:  # in: the metrics port only, from Prometheus's pods only
+        for rule in policy.get("ingress", []):
+            assert _ports(rule) == {(metrics["containerPort"], "TCP")}, rule
+            assert rule.get("from"), f"open to every pod: {rule}"
+            for peer in rule["from"]:
+                assert peer.get("podSelector", {}).get("matchLabels"), f"any pod of a namespace: {peer}"
+                assert peer.get("namespaceSelector", {}).get("matchLabels"), f"any namespace: {peer}"
+    for policy in outbound:
+        assert not _egress_is_closed(policy), _egress_is_closed(policy)
+    assert any(_allows_dns(p) for p in outbound), "the trainer must resolve the workers' name"
+    assert any(
+        (data_port, "TCP") in _ports(rule)
+        and any(_selects(peer.get("podSelector", {}), workers) for peer in rule["to"])
+        for p in outbound
+        for rule in p.get("egress", [])
+    ), "the trainer must reach the workers' data port"
+
+
+def test_a_network_policy_confines_the_workers_egress():
+    objs = _objects()
+    labels = objs[("Deployment", "torchfeed-workers")]["spec"]["template"]["metadata"]["labels"]
+    outbound = [p for p in _policies_for(labels) if "Egress" in p.get("policyTypes", [])]
+    assert outbound, "no NetworkPolicy restricts where the workers (your dataset code) connect"
+    for policy in outbound:
+        assert not _egress_is_closed(policy), _egress_is_closed(policy)
+    assert any(_allows_dns(p) for p in outbound), "the workers must resolve names"
+    assert any(  # the sample cache's lanes: workers dial each other
+        any(_selects(peer.get("podSelector", {}), labels) for peer in rule.get("to", []))
+        for p in outbound
+        for rule in p.get("egress", [])
+    ), "workers must reach each other's lanes"
+
+
+def test_prometheus_is_selected_alike():
+    """The workers' and the trainer's metrics ports admit the same, documented, Prometheus pods."""
+    objs = _objects()
+    peers = []
+    for name, port in (("torchfeed-workers", 9090), ("torchfeed-trainer", 9100)):
+        rules = [r for r in objs[("NetworkPolicy", name)]["spec"]["ingress"] if (port, "TCP") in _ports(r)]
+        assert len(rules) == 1, name
+        peers.append(rules[0]["from"])
+    assert peers[0] == peers[1]
+    docs = (ROOT / "docs" / "kubernetes.md").read_text()
+    for peer in peers[0]:
+        for selector in (peer["namespaceSelector"], peer["podSelector"]):
+            for key, value in selector["matchLabels"].items():
+                assert key in docs and value in docs, f"{key}: {value} is not documented"
+
+
+# -- the secret and the images in the docs --------------------------------------------------------
+def test_the_docs_never_put_the_secret_on_a_command_line():
+    docs = (ROOT / "docs" / "kubernetes.md").read_text()
+    for path in [ROOT / "docs" / "kubernetes.md", *MANIFESTS]:
+        assert "--from-literal" not in path.read_text(), f"{path.name}: the secret on a command line"
+    assert "--from-file=secret=" in docs and "umask 077" in docs and "shred" in docs
+    assert "@sha256:" in docs and "digest" in docs  # replace the placeholder digest, and why
