@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from torch.utils.data import DistributedSampler as TorchDistributedSampler
 
 import torchfeed
+import torchfeed.audit
 
 N = 45  # 2 ranks: torch pads to 46, 23 samples and 6 batches of 4 per rank
 BATCH = 4
@@ -128,11 +129,12 @@ def run_torchrun(out: dict) -> None:
     # loader, 2 more, save, resume again, to the end; every rank's indices gathered
     def elastic():
         return torchfeed.RemoteDataLoader(
-            rds, BATCH, sampler=torchfeed.DistributedSampler(rds, seed=0, pad=False), seed=0
+            rds, BATCH, sampler=torchfeed.DistributedSampler(rds, seed=0, pad=False), seed=0, audit=True
         )
 
     mine: list[int] = []
     state = None
+    saved: list[dict] = []  # this rank's states, as a job keeps its checkpoints
     for stop in (2, 2, None):
         loader = elastic()
         if state is not None:
@@ -144,9 +146,18 @@ def run_torchrun(out: dict) -> None:
                 break
             mine += indices(batch)
         state = loader.state_dict()
+        saved.append(state)
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     out["two_resumes"] = sorted(i for rank in every for i in rank)
+    # the audit proves it from every rank's saved states, gathered as a job would collect them
+    states: list = [None] * dist.get_world_size()
+    dist.all_gather_object(states, saved)
+    report = torchfeed.audit.verify([s for rank in states for s in rank], N)
+    out["audit"] = {"ok": report.ok, "segments": report.segments, "text": str(report)}
+    # a broken chain is caught: rank 1's state at the end of the epoch left out
+    partial = [s for r, rank in enumerate(states) for k, s in enumerate(rank) if (r, k) != (1, 2)]
+    out["audit_partial"] = str(torchfeed.audit.verify(partial, N))
 
 
 # -- Lightning --------------------------------------------------------------------------
@@ -330,7 +341,7 @@ def run_accelerate(out: dict) -> None:
     rds = remote_dataset()
     state_dir = os.path.join(os.environ["FRAMEWORKS_TMP"], "accelerate-state")
 
-    def train(name, make, prepare, stop_at=None, resume=False):
+    def train(name, make, prepare, stop_at=None, resume=False, interrupt_at=None):
         set_seed(11)
         accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
         model = torch.nn.Linear(2, 1)
@@ -342,10 +353,16 @@ def run_accelerate(out: dict) -> None:
         for e in range(1 if resume else 0, EPOCHS):
             loader.set_epoch(e)
             for step, batch in enumerate(loader):
-                with accelerator.accumulate(model):
-                    model(batch["x"]).sum().backward()
-                    opt.step()
-                    opt.zero_grad()
+                try:
+                    if interrupt_at == (e, step):
+                        raise KeyboardInterrupt  # Ctrl-C inside the step, before it trained
+                    with accelerator.accumulate(model):
+                        model(batch["x"]).sum().backward()
+                        opt.step()
+                        opt.zero_grad()
+                except KeyboardInterrupt:
+                    accelerator.save_state(state_dir)  # the checkpoint a script takes on Ctrl-C
+                    return seen
                 seen.append([e, indices(batch), noise(batch), accelerator.sync_gradients])
                 if stop_at == (e, step):
                     accelerator.save_state(state_dir)
@@ -367,6 +384,8 @@ def run_accelerate(out: dict) -> None:
     out["remote"] = train("remote", make, tf_accelerate.prepare)
     train("remote", make, tf_accelerate.prepare, stop_at=(1, 2))
     out["resume"] = train("remote", make, tf_accelerate.prepare, resume=True)
+    out["interrupted"] = train("remote", make, tf_accelerate.prepare, interrupt_at=(1, 2))
+    out["after_interrupt"] = train("remote", make, tf_accelerate.prepare, resume=True)
 
 
 # -- the HF Trainer ---------------------------------------------------------------------------

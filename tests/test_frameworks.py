@@ -118,6 +118,10 @@ def test_torchrun_ddp(job):
         # two checkpoints in one epoch (2 + 2 batches, then the rest), pad=False: the job's
         # ranks together see every sample exactly once
         assert r["two_resumes"] == list(range(N))
+        # ... and torchfeed.audit.verify proves it from the ranks' saved states (2 + 2 + 2
+        # segments), and names the record missing when a rank's final state is left out
+        assert r["audit"]["ok"] and r["audit"]["segments"] == 6, r["audit"]["text"]
+        assert "no state of rank(s) [1]" in r["audit_partial"], r["audit_partial"]
     assert_sharded([ranks[0]["remote"], ranks[1]["remote"]])
 
 
@@ -190,6 +194,10 @@ def test_accelerate(job):
         # save_state inside epoch 1 after 3 batches, load_state in a new Accelerator: the rest
         epoch1 = [row for row in r["remote"] if row[0] == 1]
         assert r["resume"] == epoch1[3:]
+        # Ctrl-C inside epoch 1's third step, save_state in `except`, load_state: the
+        # interrupted batch comes first (Accelerate had read one batch ahead)
+        assert [row[:3] for row in r["interrupted"]] == [row[:3] for row in r["remote"][: 6 + 2]]
+        assert [row[:3] for row in r["after_interrupt"]] == [row[:3] for row in epoch1[2:]]
     epochs = [[[row[1] for row in r["remote"] if row[0] == e] for e in range(2)] for r in ranks]
     assert_sharded(
         epochs, per_rank=24
