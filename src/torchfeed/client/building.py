@@ -6,6 +6,9 @@
 * :func:`connect_all` connects to every worker, retrying refused connections with
   backoff until the timeout: under Slurm or torchrun, workers often start after the
   trainer. Wrong secrets fail at once with :class:`~torchfeed.AuthenticationError`.
+* :func:`connect_found` connects once to addresses that a DNS name listed: anyone able to
+  add a record may point one anywhere, so an address that refuses, does not answer in
+  :data:`FOUND_TIMEOUT` seconds or fails the handshake is a failure of that address only.
 """
 
 from __future__ import annotations
@@ -13,16 +16,19 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import AuthenticationError, SerializationError
-from ..protocol import serialize
+from ..errors import AuthenticationError, SerializationError, Timeout
+from ..protocol import auth, serialize
 from ..protocol.auth import SecretLike
 from . import session as sessions
 
 if TYPE_CHECKING:
     from .session import Session
+
+FOUND_TIMEOUT = 10.0  # seconds an address a DNS name listed may take to connect and shake hands
 
 
 def build(factory: Callable, args: tuple, kwargs: dict):
@@ -198,3 +204,42 @@ def connect_all(
         if isinstance(failure, AuthenticationError):
             raise failure
     return failures
+
+
+def connect_found(
+    workers: Sequence[str], secret: SecretLike, timeout: float, session: Session | None = None
+) -> dict[str, BaseException]:
+    """Connect once to every address concurrently (no refusal is retried); return the failures.
+
+    Each address gets at most ``min(timeout, FOUND_TIMEOUT)`` seconds, however it stalls: the
+    others are not held back by it (a connection still being made is left to finish in the
+    background). Only a secret that cannot be loaded raises (the setup is wrong, not an
+    address); a handshake that fails is that address's failure, as a refusal is.
+    """
+    session = session if session is not None else sessions.default_session()
+    sec = auth.load_secret(session.secret if secret is None else secret)
+    seconds = min(timeout, FOUND_TIMEOUT)
+    failures: dict[str, BaseException] = {}
+    lock = threading.Lock()
+
+    def one(address: str) -> None:
+        try:
+            session.connect(address, sec, seconds)
+        except Exception as exc:  # noqa: BLE001 - returned: this address is no worker (now)
+            with lock:
+                failures[address] = exc
+
+    threads = {
+        w: threading.Thread(target=one, args=(w,), name=f"torchfeed-connect-{w}", daemon=True)
+        for w in workers
+    }
+    for t in threads.values():
+        t.start()
+    deadline = time.monotonic() + seconds
+    for w, t in threads.items():
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            with lock:
+                failures[w] = Timeout(f"{w} did not complete the handshake within {seconds:g} s")
+    with lock:
+        return dict(failures)

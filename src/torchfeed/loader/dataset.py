@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from torch.utils.data import Dataset, IterableDataset
 
 from .. import client
-from ..client import building, wait_all
+from ..client import building, reach, wait_all
 from ..errors import AuthenticationError, RemoteError, SerializationError, Timeout, WorkerLost
+from ..protocol.addrfile import check_folder
 from ..protocol.auth import SecretLike
 from . import cache, dnsnames, reported
 from .membership import Membership, MembershipListener, read_workers_file
@@ -31,6 +32,63 @@ log = logging.getLogger("torchfeed.dataset")
 
 
 T_co = TypeVar("T_co", covariant=True)
+
+FILE_POLL = 0.1  # seconds between two reads of a workers file that lists too few workers
+
+
+def _file_state(path: str, listed: int, min_workers: int) -> str:
+    """Why workers file ``path`` (listing ``listed`` workers) cannot be used yet, in words."""
+    if not os.path.lexists(path):
+        return "does not exist"
+    if not listed:
+        return "is empty"
+    return f"lists {listed} of the {min_workers} workers needed"
+
+
+def _wait_for_file(path: str, min_workers: int, timeout: float) -> list[str]:
+    """The addresses of workers file ``path`` once it lists at least ``min_workers``.
+
+    Waits up to ``timeout`` seconds for workers that start after the trainer, and says so
+    as the direct-address path does (:mod:`torchfeed.client.reach`): a WARNING under
+    ``torchfeed.workers`` at once, again every ``reach.REFUSED_LOG_EVERY`` seconds, and a
+    :class:`~torchfeed.Timeout` naming what the file still lacks. A folder that does not
+    exist is not waited for (FileNotFoundError at once)."""
+    check_folder(path)
+    start = time.monotonic()
+    deadline = start + timeout
+    next_line: float | None = None
+    while True:
+        workers = read_workers_file(path)
+        if len(workers) >= min_workers:
+            return workers
+        now = time.monotonic()
+        state = _file_state(path, len(workers), min_workers)
+        if now >= deadline:
+            raise Timeout(
+                f"the workers file {path} {state} after waiting {timeout:g} s: workers write their addresses "
+                f"there when started with `torchfeed worker --address-file {path}` (on a filesystem this "
+                "trainer shares). Start them, or wait longer (from_file(..., wait_timeout=seconds))"
+            )
+        if next_line is None:
+            reach.log.warning(
+                "workers file %s %s; waiting up to %.3g s for workers to write it "
+                "(`torchfeed worker --address-file %s`)",
+                path,
+                state,
+                deadline - now,
+                path,
+            )
+            next_line = now + reach.REFUSED_LOG_EVERY
+        elif now >= next_line:
+            reach.log.warning(
+                "workers file %s %s after %.3g s; waiting %.3g s more",
+                path,
+                state,
+                now - start,
+                deadline - now,
+            )
+            next_line = now + reach.REFUSED_LOG_EVERY
+        time.sleep(min(FILE_POLL, deadline - now))
 
 
 _rebuild_lock = threading.Lock()  # one rebuild at a time in a forked or spawned process
@@ -111,15 +169,15 @@ class RemoteDataset(Dataset[T_co]):
         timeout: float | None = None,
         **kwargs,
     ):
-        own = session if session is not None else client.default_session()
-        workers, named = dnsnames.watch(workers, own.timeout if timeout is None else timeout)  # dns://
-        if isinstance(workers, str):
-            workers = workers.split()
-        workers = [client.format_address(w) for w in workers]
-        if not workers:
-            raise ValueError("RemoteDataset needs at least one worker address (host:port)")
-        if len(set(workers)) != len(workers):
-            raise ValueError(f"worker addresses are repeated: {workers}")
+        name = dnsnames.name_of(workers)  # dns://: resolved and built on below
+        if name is None:
+            if isinstance(workers, str):
+                workers = workers.split()
+            workers = [client.format_address(w) for w in workers]
+            if not workers:
+                raise ValueError("RemoteDataset needs at least one worker address (host:port)")
+            if len(set(workers)) != len(workers):
+                raise ValueError(f"worker addresses are repeated: {workers}")
         building.check_factory(dataset)
         building.check_timeout(dataset, timeout)
         building.check_picklable(dataset, args, kwargs)
@@ -138,9 +196,14 @@ class RemoteDataset(Dataset[T_co]):
         self._length: int | None = None
         self._lock = threading.RLock()  # guards _refs, _length and iterable
         self._pid = os.getpid()  # the process whose connections own the built datasets
-        self._build_on(workers, strict=True, wait=True)
+        named: dnsnames.WatchedName | None = None
+        skipped: dict[str, BaseException] = {}
+        if name is None:
+            self._build_on(workers, strict=True, wait=True)
+        else:  # the listed addresses that are no worker (yet) are skipped, not used
+            workers, skipped, named = dnsnames.first_workers(name, self._build_found, self.timeout)
         # who serves, followed (a dns:// name's records, a workers file) and retried
-        self._members = Membership(workers, self._build_on, self._drop_ref, watched=named)
+        self._members = Membership(workers, self._build_on, self._drop_ref, watched=named, skipped=skipped)
 
     @property
     def workers(self) -> list[str]:
@@ -200,13 +263,23 @@ class RemoteDataset(Dataset[T_co]):
             self._pid = os.getpid()
 
     # -- building ---------------------------------------------------------------
-    def _build_on(self, workers: Sequence[str], strict: bool, wait: bool = False) -> dict[str, BaseException]:
+    def _build_on(
+        self, workers: Sequence[str], strict: bool, wait: bool = False, found: bool = False
+    ) -> dict[str, BaseException]:
         """Build on ``workers``; return the unreachable ones (raise if ``strict``).
 
         With ``wait``, refused connections are retried until ``timeout`` first; without, a
-        refusal fails that worker at once (the caller retries it in the background).
+        refusal fails that worker at once (the caller retries it in the background). With
+        ``found`` (addresses a DNS name listed: any of them may be no worker), each is tried
+        once and briefly, and one that fails the handshake is returned among the failures,
+        not raised (:func:`~torchfeed.client.building.connect_found`).
         """
-        unreachable = building.connect_all(workers, self.secret, self.timeout, self.session) if wait else {}
+        if found:
+            unreachable = building.connect_found(workers, self.secret, self.timeout, self.session)
+        elif wait:
+            unreachable = building.connect_all(workers, self.secret, self.timeout, self.session)
+        else:
+            unreachable = {}
         futs = {
             w: self.session.rpc_async(
                 w,
@@ -223,8 +296,8 @@ class RemoteDataset(Dataset[T_co]):
         built = wait_all(futs, self.timeout)
         built.update(unreachable)
         errors = {w: v for w, v in built.items() if isinstance(v, BaseException)}
-        for v in errors.values():
-            if isinstance(v, (RemoteError, AuthenticationError, SerializationError)):
+        for w, v in errors.items():  # (connect_all raised the failures to connect that must be)
+            if w not in unreachable and isinstance(v, (RemoteError, AuthenticationError, SerializationError)):
                 raise v  # the dataset itself fails, or the setup is wrong: retrying cannot help
         if errors and strict:
             first = next(iter(errors.values()))
@@ -268,6 +341,10 @@ class RemoteDataset(Dataset[T_co]):
             cache.link_peers(self.session, refs, self.timeout, self.secret)
         return errors
 
+    def _build_found(self, workers: Sequence[str]) -> dict[str, BaseException]:
+        """Build on addresses a DNS name listed; return those that are no worker (yet)."""
+        return self._build_on(workers, strict=False, found=True)
+
     def _drop_ref(self, address: str) -> None:
         """Forget ``address``'s built instance (removed, or lost until rebuilt)."""
         with self._lock:
@@ -303,20 +380,14 @@ class RemoteDataset(Dataset[T_co]):
     ) -> RemoteDataset:
         """Build on the workers listed in ``path`` (one ``host:port`` per line) and watch it.
 
-        Waits until at least ``min_workers`` addresses are listed; addresses appended later
-        (for example by ``torchfeed worker --address-file path`` started by Slurm or Dask)
-        join, addresses deleted from the file are drained.
+        Waits up to ``wait_timeout`` seconds until at least ``min_workers`` addresses are
+        listed (workers may start after the trainer: a missing or empty file is waited for,
+        said under ``torchfeed.workers``); a folder that does not exist raises
+        FileNotFoundError at once. Addresses appended later (for example by ``torchfeed
+        worker --address-file path`` started by Slurm or Dask) join, addresses deleted from
+        the file are drained.
         """
-        deadline = time.monotonic() + wait_timeout
-        while len(read_workers_file(path)) < min_workers:
-            if time.monotonic() > deadline:
-                raise Timeout(
-                    f"{path} lists {len(read_workers_file(path))} workers after {wait_timeout:g} s, "
-                    f"expected at least {min_workers}: are the workers started with "
-                    f"`torchfeed worker --address-file {path}`?"
-                )
-            time.sleep(0.1)
-        ds = cls(read_workers_file(path), dataset, *args, **kwargs)
+        ds = cls(_wait_for_file(path, min_workers, wait_timeout), dataset, *args, **kwargs)
         ds.watch_file(path)
         return ds
 

@@ -14,7 +14,13 @@ Invariants:
 * an answer with no records changes nothing either (logged the same way): during a
   rolling update, or while every pod restarts, a Service can list no pod for a moment,
   and a loader with no worker cannot go on; workers that really are gone are lost and
-  their batches requeued, as for any dead worker.
+  their batches requeued, as for any dead worker;
+* a record is a claim, not a worker: anyone able to add one may point it anywhere. A
+  listed address that refuses, does not answer or fails the handshake is skipped (one
+  WARNING under ``torchfeed.workers``) and tried again with backoff, never used; it holds
+  back neither the build nor a worker listed with it, and an answer in which no address
+  is a reachable worker drains nothing (:class:`~torchfeed.loader.membership.Membership`).
+  Building fails only when no listed address became a worker within the timeout.
 
 The URL form is ``dns://NAME:PORT``, optionally with ``?server=IP[:PORT]`` (a nameserver to
 ask instead of the system's ``/etc/resolv.conf`` ones) and ``&every=SECONDS``. Lookups use
@@ -26,12 +32,14 @@ from __future__ import annotations
 import logging
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from ..client.addresses import format_address
 
 log = logging.getLogger("torchfeed.dataset")
+workers_log = logging.getLogger("torchfeed.workers")
 
 SCHEME = "dns://"
 EVERY = 5.0  # seconds between two lookups of a watched name
@@ -107,26 +115,6 @@ class DNSName:
             raise OSError(f"could not resolve {self.name}: " + "; ".join(failures))
         return sorted(set(found))
 
-    def wait(self, at_least: int, timeout: float) -> list[str]:
-        """Resolve until at least ``at_least`` workers are listed (Timeout after ``timeout`` s)."""
-        from ..errors import Timeout
-
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                found = self.resolve()
-                why = f"it lists {len(found)}"
-            except OSError as exc:
-                found, why = [], str(exc)
-            if len(found) >= at_least:
-                return found
-            if time.monotonic() > deadline:
-                raise Timeout(
-                    f"{self.url()}: expected at least {at_least} worker(s) after {timeout:g} s, but {why}: "
-                    "is the workers' Service there and are its pods ready?"
-                )
-            time.sleep(min(self.every, 1.0))
-
 
 def _host_port(text: str, url: str, usage: str) -> tuple[str, int]:
     """``IP``, ``IP:PORT``, ``[IPv6]`` or ``[IPv6]:PORT`` (port 53 when not given)."""
@@ -196,18 +184,87 @@ class WatchedName:
             self._failing = True
 
 
-def watch(workers: Any, timeout: float) -> tuple[list[str], WatchedName | None]:
-    """``workers`` as addresses: a ``dns://`` URL (alone) or a :class:`DNSName` is resolved
-    (waiting up to ``timeout`` for one record) and returned with its watcher; anything else
-    is returned as it is, with None."""
+def name_of(workers: Any) -> DNSName | None:
+    """The DNS name ``workers`` gives (a ``dns://`` URL, alone or in a list, or a :class:`DNSName`), else None."""
     if isinstance(workers, str) and workers.startswith(SCHEME):
-        workers = DNSName.parse(workers)
-    elif isinstance(workers, (list, tuple)) and len(workers) == 1 and str(workers[0]).startswith(SCHEME):
-        workers = DNSName.parse(workers[0])
-    if not isinstance(workers, DNSName):
-        return workers, None
-    listed = workers.wait(1, timeout)
-    return listed, WatchedName(workers, listed)
+        return DNSName.parse(workers)
+    if isinstance(workers, (list, tuple)) and len(workers) == 1 and str(workers[0]).startswith(SCHEME):
+        return DNSName.parse(workers[0])
+    return workers if isinstance(workers, DNSName) else None
 
 
-__all__ = ["DNSName", "WatchedName", "watch"]
+Build = Callable[[list[str]], dict[str, BaseException]]  # listed addresses -> those that failed, with why
+
+
+def first_workers(
+    name: DNSName, build: Build, timeout: float
+) -> tuple[list[str], dict[str, BaseException], WatchedName]:
+    """Resolve ``name`` and ``build`` on what it lists until at least one address builds.
+
+    Returns the workers built on, the listed addresses that failed (with why: the membership
+    skips them and tries them again) and the name's watcher. Raises AuthenticationError at
+    once when every listed address failed the check of the secret (most likely this side's
+    secret is wrong), else keeps resolving and building for ``timeout`` seconds, then raises
+    :class:`~torchfeed.WorkerLost` naming every address tried and why it failed (Timeout
+    when the name never listed one).
+    """
+    deadline = time.monotonic() + timeout
+    tried: dict[str, BaseException] = {}
+    why = "it lists none"
+    said = False
+    while True:
+        try:
+            listed = name.resolve()
+        except OSError as exc:
+            listed, why = [], str(exc)
+        if listed:
+            failed = build(listed)
+            built = [w for w in listed if w not in failed]
+            if built:
+                return built, failed, WatchedName(name, listed)
+            _refuse_secret(name, failed)
+            tried.update(failed)
+            why = "none of them is a reachable torchfeed worker"
+            if not said:
+                workers_log.warning(
+                    "%s lists no reachable worker yet (%s); trying again for up to %.3g s",
+                    name.url(),
+                    _described(failed),
+                    deadline - time.monotonic(),
+                )
+                said = True
+        if time.monotonic() > deadline:
+            _give_up(name, timeout, tried, why)
+        time.sleep(min(name.every, 1.0))
+
+
+def _described(failed: dict[str, BaseException]) -> str:
+    return ", ".join(f"{w} ({e})" for w, e in failed.items())
+
+
+def _refuse_secret(name: DNSName, failed: dict[str, BaseException]) -> None:
+    """Raise AuthenticationError when every address failed the check of the secret: retrying cannot help."""
+    from ..errors import AuthenticationError
+
+    if failed and all(isinstance(e, AuthenticationError) for e in failed.values()):
+        raise AuthenticationError(
+            f"{name.url()}: every address it lists failed the check of the secret: {_described(failed)}"
+        ) from next(iter(failed.values()))
+
+
+def _give_up(name: DNSName, timeout: float, tried: dict[str, BaseException], why: str) -> NoReturn:
+    from ..errors import Timeout, WorkerLost
+
+    if not tried:
+        raise Timeout(
+            f"{name.url()}: expected at least 1 worker after {timeout:g} s, but {why}: "
+            "is the workers' Service there and are its pods ready?"
+        )
+    raise WorkerLost(
+        f"{name.url()}: no address it listed became a worker within {timeout:g} s: {_described(tried)}. "
+        "Are the workers' pods ready, do they share this trainer's secret, and does the name list only them?",
+        {w: repr(e) for w, e in tried.items()},
+    ) from next(iter(tried.values()))
+
+
+__all__ = ["DNSName", "WatchedName", "first_workers", "name_of"]

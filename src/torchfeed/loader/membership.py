@@ -7,6 +7,14 @@ the following and the retrying. Its owner (the dataset) gives it two functions: 
 builds the dataset on workers, one that drops a worker's built instance; everything else
 about who serves is decided here.
 
+A followed listing (file or name) is a claim, not a list of workers: an address it lists
+becomes a worker only once the dataset is built there. One that cannot be built on (it
+refuses, does not answer, fails the handshake: no torchfeed worker, or not yet) is
+*skipped*: said once at WARNING under ``torchfeed.workers``, tried again with backoff, never
+in :attr:`Membership.workers`. Workers the listing no longer names are drained only while
+it names at least one serving worker: a listing of strays alone drains nothing (said once
+at WARNING), so the running passes go on with the workers they have.
+
 NOTE (threads and locks): the membership thread (``torchfeed-membership``) runs only while
 there is a file or name to follow or a lost worker to retry, and ends when the membership
 is garbage (it holds it weakly) or closed. It builds and notifies with no lock held; the
@@ -33,6 +41,7 @@ from ..protocol.addrfile import read_address_file
 from ..util import double_delay
 
 log = logging.getLogger("torchfeed.dataset")
+workers_log = logging.getLogger("torchfeed.workers")
 
 BACKOFF_FIRST = 0.5  # seconds before a lost worker is tried again; doubled up to BACKOFF_MAX
 BACKOFF_MAX = 10.0
@@ -113,6 +122,9 @@ class LostWorkers:
     def __contains__(self, address: str) -> bool:
         return address in self._entries
 
+    def addresses(self) -> list[str]:
+        return list(self._entries)
+
     def mark(self, address: str, error: BaseException) -> None:
         self._entries[address] = {
             "error": repr(error),
@@ -142,10 +154,12 @@ class Membership:
     workers back (see the module's NOTE).
 
     ``build(workers, strict=False)`` builds the dataset on ``workers`` without waiting for
-    refused connections and returns the workers it failed on; ``drop(address)`` forgets a
-    worker's built instance. Both are held weakly (bound methods of the owner), so the
-    membership keeps no dataset alive; a copy of the dataset (which shares its built
-    instances and this membership) binds its own, and any live owner's are used.
+    refused connections and returns the workers it failed on; ``build(workers, strict=False,
+    found=True)`` does so for addresses a followed listing named (one that fails the handshake
+    is returned, not raised); ``drop(address)`` forgets a worker's built instance. Both are held
+    weakly (bound methods of the owner), so the membership keeps no dataset alive; a copy of
+    the dataset (which shares its built instances and this membership) binds its own, and any
+    live owner's are used. ``skipped`` are listed addresses that failed already, with why.
     """
 
     def __init__(
@@ -154,6 +168,7 @@ class Membership:
         build: Callable[..., dict[str, BaseException]],
         drop: Callable[[str], None],
         watched: WatchedFile | Any | None = None,
+        skipped: dict[str, BaseException] | None = None,
     ) -> None:
         self.workers: list[str] = list(workers)
         self.watched = watched  # a WatchedFile or a dnsnames.WatchedName
@@ -162,6 +177,8 @@ class Membership:
         self._owners: list[tuple[weakref.WeakMethod, weakref.WeakMethod]] = []
         self.bind(build, drop)
         self._fresh()
+        for address, error in (skipped or {}).items():
+            self._skip(address, error)
         if watched is not None:
             self._ensure_thread()
 
@@ -185,6 +202,10 @@ class Membership:
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self.lost = LostWorkers()
+        self.skipped = LostWorkers()  # listed addresses that are no worker (yet): never in workers
+        # workers the listing stopped naming: drained once it names a serving worker
+        self._unlisted: list[str] = []
+        self._keeping = False  # whether the warning that they are kept was said
 
     def forget_process(self) -> None:
         """In a forked child: the parent's lock, thread and retries are of no use here."""
@@ -210,6 +231,8 @@ class Membership:
         with self._lock:
             new = [w for w in dict.fromkeys(workers) if w not in self.workers]
             self.workers.extend(new)
+            for w in new:
+                self.skipped.forget(w)  # added by hand: built on here, retried as a worker
         if not new:
             return []
         failed = self._call_build(new)
@@ -227,8 +250,10 @@ class Membership:
         gone = list(workers)
         with self._lock:
             self.workers = [w for w in self.workers if w not in gone]
+            self._unlisted = [w for w in self._unlisted if w not in gone]
             for w in gone:
                 self.lost.forget(w)
+                self.skipped.forget(w)
         for w in gone:
             self._call_drop(w)
             events.worker_drained(w)  # [stats hook]
@@ -262,10 +287,12 @@ class Membership:
         self.closed = True
 
     # -- the membership thread --------------------------------------------------------------
-    def _call_build(self, workers: Sequence[str]) -> dict[str, BaseException]:
+    def _call_build(self, workers: Sequence[str], found: bool = False) -> dict[str, BaseException]:
         owner = self._owner()
         if owner is None:  # every owner is gone: nothing is built, nothing joins
             return {w: WorkerLost(f"the dataset served by {w} is gone") for w in workers}
+        if found:
+            return owner[0](workers, strict=False, found=True)
         return owner[0](workers, strict=False)
 
     def _call_drop(self, address: str) -> None:
@@ -286,24 +313,105 @@ class Membership:
 
     def _poll_watched(self) -> None:
         listed = self.watched.changed() if self.watched is not None else None
-        if listed is None:
-            return
-        current = self.current()
-        gone = [w for w in current if w not in listed]
-        if gone:
-            self.remove(gone)
-        fresh = [w for w in listed if w not in current]
+        if listed is not None:
+            self._follow(listed)
+        self._drain_unlisted()
+
+    def _follow(self, listed: Sequence[str]) -> None:
+        """A new listing: build on the addresses it adds; the workers it no longer names are
+        drained by :meth:`_drain_unlisted`; skipped addresses it no longer names are forgotten."""
+        with self._lock:
+            for w in self.skipped.addresses():
+                if w not in listed:
+                    self.skipped.forget(w)
+            self._unlisted = [w for w in self.workers if w not in listed]
+            fresh = [w for w in dict.fromkeys(listed) if w not in self.workers and w not in self.skipped]
         if fresh:
-            self.add(fresh)
+            self._join_listed(fresh)
+
+    def _join_listed(self, fresh: Sequence[str]) -> None:
+        """Build on listed addresses: those that build join, the others are skipped."""
+        try:
+            failed = self._call_build(fresh, found=True)
+        except Exception as exc:  # noqa: BLE001 - e.g. the dataset fails there: said, tried again later
+            failed = {w: exc for w in fresh}
+        for w, why in failed.items():
+            self._skip(w, why)
+        joined = [w for w in fresh if w not in failed]
+        with self._lock:
+            self.workers.extend(w for w in joined if w not in self.workers)
+        for w in joined:
+            events.worker_joined(w)  # [stats hook]
+            self.listeners.notify(w, joined=True)
+        events.flush()
+
+    def _skip(self, address: str, error: BaseException) -> None:
+        """A listed address that is no worker (yet): said once, tried again with backoff."""
+        with self._lock:
+            if address in self.skipped:
+                self.skipped.failed_again(address, error)
+                return
+            self.skipped.mark(address, error)
+        where = self.watched.path if self.watched is not None else "the workers' listing"
+        workers_log.warning(
+            "skipping %s, listed by %s: %s. It is not used; it is tried again with backoff and joins "
+            "once the dataset can be built there",
+            address,
+            where,
+            error,
+        )
+        self._ensure_thread()
+
+    def _drain_unlisted(self) -> None:
+        """Drain the workers the listing stopped naming, but only while it names a serving worker."""
+        with self._lock:
+            unlisted = [w for w in self._unlisted if w in self.workers]
+            serving = [w for w in self.workers if w not in self._unlisted and w not in self.lost]
+            if not unlisted:
+                self._unlisted, self._keeping = [], False
+                return
+            keep_saying = not serving and not self._keeping
+            self._keeping = not serving
+        where = self.watched.path if self.watched is not None else "the workers' listing"
+        if keep_saying:
+            workers_log.warning(
+                "%s lists no reachable worker now; keeping the %d worker(s) it no longer lists (%s) "
+                "until it lists one (the addresses it lists are tried meanwhile)",
+                where,
+                len(unlisted),
+                ", ".join(unlisted),
+            )
+        if serving:
+            self.remove(unlisted)
+
+    def _retry_skipped(self) -> None:
+        with self._lock:
+            due = self.skipped.due(time.monotonic())
+        for w in due:
+            try:
+                _probe(w)
+                failed = self._call_build([w], found=True)
+            except Exception as exc:  # noqa: BLE001 - any failure means: try later
+                failed = {w: exc}
+            with self._lock:
+                if w not in self.skipped:
+                    continue  # no longer listed meanwhile
+                if w in failed:
+                    self.skipped.failed_again(w, failed[w])
+                    continue
+                self.skipped.forget(w)
+                if w not in self.workers:
+                    self.workers.append(w)
+            events.worker_joined(w)  # [stats hook]
+            self.listeners.notify(w, joined=True)
 
     def _retry_lost(self) -> None:
         now = time.monotonic()
         with self._lock:
             due = self.lost.due(now)
         for w in due:
-            host, port = parse_address(w)
             try:  # cheap probe first: a build waits for the full timeout
-                socket.create_connection((host, port), timeout=PROBE_TIMEOUT).close()
+                _probe(w)
                 events.worker_reconnecting(w)  # [stats hook]
                 failed = self._call_build([w])
             except Exception as exc:  # noqa: BLE001 - any failure means: try later
@@ -330,16 +438,23 @@ class Membership:
                 self._poll_watched()
             except Exception as exc:  # noqa: BLE001 - keep watching
                 log.warning("could not use the workers file %s: %s", self.watched.path, exc)
+        self._retry_skipped()
         self._retry_lost()
 
     def idle(self) -> bool:
         """True (and the thread forgotten) when there is nothing left to follow or retry;
         decided under the lock that :meth:`mark_lost` takes before starting a thread."""
         with self._lock:
-            if self.closed or not (self.watched or self.lost):
+            if self.closed or not (self.watched or self.lost or self.skipped):
                 self._thread = None
                 return True
             return False
+
+
+def _probe(address: str) -> None:
+    """Connect and close at once (OSError if nothing answers): cheap, where a build waits longer."""
+    host, port = parse_address(address)
+    socket.create_connection((host, port), timeout=PROBE_TIMEOUT).close()
 
 
 def _membership_loop(ref: weakref.ref[Membership]) -> None:
