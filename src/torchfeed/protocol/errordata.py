@@ -8,11 +8,12 @@ global allowed (:func:`torchfeed.protocol.replies.load_data`) and raises
 :class:`~torchfeed.errors.RemoteError`, also an instance of the first class of the remote
 exception's bases that it allows (:func:`rebuild_remote_error`): Python's built-in
 exceptions, those allowed by ``add_safe_globals`` or ``safe_globals``, and exception
-classes already imported in the trainer that define no ``__new__``, ``__reduce__``,
-``__reduce_ex__``, ``__setstate__`` or ``__del__`` of their own (plainclass.plain_exception:
-built by their constructor from the plain arguments, as torch's DataLoader does), never torchfeed's
-own errors (the trainer acts on those) but a worker's reports of a request over a limit
-(``FrameTooLarge``, ``LimitExceeded``). Attributes that would shadow a method, a
+classes already imported in the trainer that define no special method of their own but
+``__init__``, ``__repr__`` and ``__str__`` (plainclass.plain_exception: built by their
+constructor from the plain arguments, as torch's DataLoader does; no ``__setattr__`` runs on
+the attributes the worker sends, no ``__init_subclass__`` when ``RemoteError[T]`` is derived
+from the class), never torchfeed's own errors (the trainer acts on those) but a worker's
+reports of a request over a limit (``FrameTooLarge``, ``LimitExceeded``). Attributes that would shadow a method, a
 descriptor or a RemoteError field are not set (:func:`torchfeed.errors.instantiate`).
 So ``except KeyError:`` catches a worker's ``KeyError``, and a ``MyError(ValueError)``
 is caught by ``except MyError:`` when the trainer has imported ``MyError`` (else by

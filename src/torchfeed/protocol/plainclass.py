@@ -1,25 +1,32 @@
 """Classes a reply may name without being allowed: the trainer's own, holding data only.
 
 torch's DataLoader hands back whatever a dataset returns; a restricted load cannot (a class
-named by a pickle can run code when it is built). Some classes build without running any
-code of theirs, and those load by default (:func:`plain_class`):
+named by a pickle can run code when it is built, and Python calls a class's special methods
+on its instances: a dict key's ``__hash__`` and ``__eq__``, the ``__index__`` and
+``__iter__`` of what torch.Size is given, a ``__call__`` a pickle stores under an instance's
+``__setstate__``). Some classes build, and are handled by a load, without running any code
+of theirs, and those load by default (:func:`plain_class`):
 
 * a namedtuple (``collections.namedtuple``, ``typing.NamedTuple``), built by the ``__new__``
   that ``namedtuple`` generated (a tuple of the values);
 * a class whose instances are an empty object given a ``__dict__`` (a dataclass, a plain
-  class): pickle makes them with ``object.__new__`` and fills ``__dict__`` directly.
+  class): pickle makes them with ``object.__new__`` and fills ``__dict__`` directly;
+* a ``dict`` or ``list`` subclass that defines nothing of its own but the inert attributes
+  below: pickle fills it through the builtin's own methods (SETITEM and SETITEMS call the
+  type's ``__setitem__``, APPEND and APPENDS look up ``extend``, else ``append``).
 
-What decides it, for every class in its method resolution order besides ``object`` (and
-``typing.Generic``): none defines ``__new__`` (a namedtuple's generated one aside),
-``__reduce__``, ``__reduce_ex__``, ``__setstate__``, ``__getattr__``, ``__getattribute__``,
-``__setattr__``, ``__del__`` or ``__hash__`` (a dict key's hash runs during the load; those a
-dataclass generates aside: they hash the fields or refuse), nor a descriptor with a setter (a property's ``fset``: pickle
-may set any attribute); no builtin type but ``object`` (or ``tuple`` for a namedtuple) is
-a base (a ``list`` subclass's ``append`` would run); the metaclass is ``type`` or
-``abc.ABCMeta``. The class must be already imported in the trainer, found under its name
-(nothing is imported), outside the standard library, torch, numpy and torchfeed (whose
-classes may act on their attributes; allow one by name where a dataset returns it), and
-not defined in a function (``<locals>``: a name the trainer cannot look up).
+What decides it, for every class in its method resolution order besides builtins (and
+``typing.Generic``): it defines no special (``__dunder__``) attribute but the inert ones of
+:data:`INERT` (metadata, and ``__init__``, ``__post_init__``, ``__repr__``, ``__str__``,
+which no load calls) and those that ``dataclasses`` or ``namedtuple`` generated (they
+compare, hash or refuse by the fields, fill the fields, or build the tuple: :func:`_generated`),
+nor a descriptor with a setter (a property's ``fset``: pickle may set any attribute); a
+``dict`` or ``list`` subclass defines no other attribute at all; no builtin type but
+``object`` (``tuple`` for a namedtuple, ``dict`` or ``list`` for those) is a base; the
+metaclass is ``type`` or ``abc.ABCMeta``. The class must be already imported in the trainer,
+found under its name (nothing is imported), outside the standard library, torch, numpy and
+torchfeed (whose classes may act on their attributes; allow one by name where a dataset
+returns it), and not defined in a function (``<locals>``: a name the trainer cannot look up).
 
 The unpickler is not given the class itself, which a pickle could call with arguments of
 its choice (running ``__init__``), but :func:`maker`: a stand-in whose call makes an
@@ -27,34 +34,66 @@ instance without ``__init__`` (``cls.__new__(cls, *args)``), as pickle's NEWOBJ 
 
 Exceptions are rebuilt from their arguments (errordata.py calls their constructor, as
 torch's DataLoader does): :func:`plain_exception` takes any exception class already
-imported whose classes define none of the hooks above but ``__init__`` may be their own.
+imported whose classes define no special attribute beyond the same inert ones (so its own
+``__init__`` runs, but no ``__setattr__`` on the attributes the worker sends, nor an
+``__init_subclass__`` when the trainer derives ``RemoteError[T]`` from it).
 """
 
 from __future__ import annotations
 
 import abc
+import collections
+import dataclasses
 import sys
 import threading
+import types
 import typing
+from collections.abc import Callable
 from typing import Any
 
-_HOOKS = (
-    "__new__",
-    "__reduce__",
-    "__reduce_ex__",
-    "__setstate__",
-    "__getattr__",
-    "__getattribute__",
-    "__setattr__",
-    "__del__",
-    "__hash__",
+# special attributes no load reads as code: metadata, and methods only the class's own code
+# (or the user) calls
+INERT = frozenset(
+    (
+        "__module__",
+        "__qualname__",
+        "__doc__",
+        "__dict__",
+        "__weakref__",
+        "__annotations__",
+        "__annotate__",
+        "__annotate_func__",
+        "__annotations_cache__",
+        "__slots__",
+        "__slotnames__",  # copyreg's cache, set once an instance is pickled
+        "__match_args__",
+        "__dataclass_fields__",
+        "__dataclass_params__",
+        "__orig_bases__",
+        "__parameters__",
+        "__type_params__",
+        "__firstlineno__",
+        "__static_attributes__",
+        "__abstractmethods__",
+        "_abc_impl",
+        "__init__",
+        "__post_init__",
+        "__repr__",
+        "__str__",
+    )
 )
-_DATACLASS_MADE = ("__hash__", "__setattr__")  # generated, compare or refuse: no code of the user's
+# what dataclasses generates from source text ("<string>"): compare, hash or refuse by the fields
+_DATACLASS_MADE = frozenset(
+    ("__eq__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__setattr__", "__delattr__")
+)
+# what dataclasses sets from its own module: fill or copy the fields (slots=True, 3.13's copy.replace)
+_DATACLASS_SHARED = frozenset(("__getstate__", "__setstate__", "__replace__"))
 _FOREIGN = frozenset(("torch", "numpy", "torchfeed", "builtins", "__future__")) | frozenset(
     getattr(sys, "stdlib_module_names", ())
 )
 _NEUTRAL = (object, typing.Generic)  # bases with no instance hooks
 _METACLASSES = (type, abc.ABCMeta)
+_FILLED = ([dict], [list])  # builtin bases whose own methods fill an instance (SETITEMS, APPENDS)
 
 
 def _find(name: str) -> Any:
@@ -84,18 +123,39 @@ def _namedtuple_new(fn: Any) -> bool:
     )
 
 
+def _made_in(value: Any, filename: str, scope: str | None) -> bool:
+    """Whether ``value`` is a plain function of ``filename``, defined directly in the function
+    ``scope`` (None: at module level). Python 3.10's code has no qualified name: the file decides."""
+    if not isinstance(value, types.FunctionType):
+        return False
+    code = value.__code__
+    qualname = getattr(code, "co_qualname", None)
+    expected = code.co_name if scope is None else f"{scope}.<locals>.{code.co_name}"
+    return code.co_filename == filename and (qualname is None or qualname == expected)
+
+
 def _generated(cls: type, key: str, value: Any) -> bool:
+    """Whether ``cls``'s attribute ``key`` is one that namedtuple or dataclasses generated
+    (never a function written in the class: its qualified name says where it was made)."""
     if value is None and key == "__hash__":  # unhashable: nothing runs
         return True
-    if key == "__new__" and _namedtuple_new(value):
-        return True
-    code = getattr(value, "__code__", None)
-    return (
-        key in _DATACLASS_MADE
-        and "__dataclass_fields__" in vars(cls)
-        and code is not None
-        and (code.co_filename == "<string>")
-    )
+    if key == "__new__":
+        return _namedtuple_new(value)
+    if _made_in(value, collections.__file__, "namedtuple"):
+        return _is_namedtuple(cls)
+    if "__dataclass_fields__" not in vars(cls):
+        return False
+    if key in _DATACLASS_MADE:
+        return _made_in(value, "<string>", "__create_fn__")
+    return key in _DATACLASS_SHARED and _made_in(value, dataclasses.__file__, None)
+
+
+def _special(key: str) -> bool:
+    return len(key) > 4 and key[:2] == "__" == key[-2:] and key not in INERT
+
+
+def _own(key: str) -> bool:
+    return key not in INERT
 
 
 def _sets_in_python(value: Any) -> bool:
@@ -106,13 +166,14 @@ def _sets_in_python(value: Any) -> bool:
     return setter is not None and hasattr(setter, "__code__")
 
 
-def _hooks_of(cls: type, hooks: tuple[str, ...], descriptors: bool) -> str | None:
-    """The first hook a user class in ``cls``'s MRO defines, or None."""
+def _defines(cls: type, refused: Callable[[str], bool], descriptors: bool) -> str | None:
+    """The first attribute ``refused`` names (not generated) that a class in ``cls``'s MRO
+    defines, builtins aside, or None."""
     for klass in cls.__mro__:
         if klass.__module__ == "builtins" or klass in _NEUTRAL:
             continue
         for key, value in vars(klass).items():
-            if key in hooks and not _generated(klass, key, value):
+            if refused(key) and not _generated(klass, key, value):
                 return f"{klass.__qualname__}.{key}"
             if descriptors and _sets_in_python(value):
                 return f"{klass.__qualname__}.{key} (a descriptor with a setter)"
@@ -130,9 +191,17 @@ def why_not(cls: Any) -> str | None:
     if cls.__module__.partition(".")[0] in _FOREIGN and not _is_namedtuple(cls):
         return f"it is a class of {cls.__module__.partition('.')[0]}, loaded only when allowed by name"
     solid = [k for k in cls.__mro__ if k.__module__ == "builtins" and k is not object]
+    if solid in _FILLED:
+        found = _defines(cls, _own, descriptors=True)
+        if found:
+            kind = solid[0].__qualname__
+            return (
+                f"it is a {kind} subclass that defines {found} (only those with no methods of their own load)"
+            )
+        return None
     if solid and not (_is_namedtuple(cls) and solid == [tuple]):
         return f"it is a {solid[0].__qualname__} subclass"
-    found = _hooks_of(cls, _HOOKS, descriptors=True)
+    found = _defines(cls, _special, descriptors=True)
     return f"it defines {found}" if found else None
 
 
@@ -163,7 +232,7 @@ def maker(cls: type) -> type:
 
 def plain_class(name: str) -> type | None:
     """The stand-in (:func:`maker`) of the class ``name`` when it loads by default, else None."""
-    cls = _find(name) if isinstance(name, str) else None
+    cls = _find(name) if type(name) is str else None
     if cls is None or why_not(cls) is not None:
         return None
     return maker(cls)
@@ -171,9 +240,9 @@ def plain_class(name: str) -> type | None:
 
 def plain_exception(name: str) -> type | None:
     """The exception class ``name`` when it is rebuilt by default from its arguments, else None."""
-    cls = _find(name) if isinstance(name, str) else None
+    cls = _find(name) if type(name) is str else None
     if not (isinstance(cls, type) and issubclass(cls, BaseException)):
         return None
     if "<locals>" in cls.__qualname__ or type(cls) not in _METACLASSES:
         return None
-    return cls if _hooks_of(cls, _HOOKS[:4] + ("__del__",), descriptors=False) is None else None
+    return cls if _defines(cls, _special, descriptors=False) is None else None

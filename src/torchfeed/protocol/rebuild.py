@@ -7,9 +7,23 @@ chooses the arguments: a dtype arrives as a description (a string, or lists and 
 them) from which numpy builds and checks a fresh dtype, never as a dtype object whose state
 the pickle could set; a tensor's elements must lie in the bytes that arrived.
 
+Sparse tensors (COO, CSR, CSC, BSR, BSC) arrive as torch reduces them, naming
+``torch._utils._rebuild_sparse_tensor``; the unpickler calls :func:`rebuild_sparse_tensor`
+instead, which takes dense tensors made here and checks the sparse invariants (indices
+within the size, compressed indices ordered, a coalesced flag that is true), as torch's own
+loads do under ``torch.sparse.check_sparse_tensor_invariants``: a tensor that broke them
+would read and write out of bounds when used.
+
+Every other callable a reply may name that takes arguments (``complex``, ``torch.Size``,
+``torch.device``, ``collections.OrderedDict``: replies.py) is given only plain values
+(:func:`check_plain`): an object of a class could answer their ``__complex__``,
+``__index__``, ``__iter__``, ``keys`` and ``__getitem__`` with code of its own.
+
 The unpickler cannot stop a pickle from applying BUILD (``__setstate__`` or attribute
-updates) to an object these functions return, so :class:`Made` records what they made and
-:meth:`Made.check` refuses a load in which one of them was changed after it was made.
+updates) to an object these functions return, nor from changing the bytes of a
+``bytearray`` a tensor views (SETITEMS), so :class:`Made` records what they made and
+:meth:`Made.check` refuses a load in which one of them was changed after it was made, and
+checks each sparse tensor's invariants again once the load is done.
 """
 
 from __future__ import annotations
@@ -42,18 +56,61 @@ TORCH_LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.
 _MAX_DTYPE_DEPTH = 8
 _MAX_DTYPE_PARTS = 4096
 
+# what a worker's pickle passes to the builtins and torch types a reply may call (replies.py)
+_PLAIN = (int, float, str, bytes, bool, type(None))
+
+
+def shown(value: Any, limit: int = 200) -> str:
+    """``value`` for an error message, without running code of the reply's: the repr of a
+    plain value (or a short tuple or list of them), else what it is."""
+    kind = type(value)
+    if kind in (str, bytes) and len(value) > limit:
+        return f"{value[:limit]!r}..."
+    few = kind in (tuple, list) and len(value) <= 32 and all(_short(v, limit) for v in value)
+    if kind in _PLAIN or few:
+        text = repr(value)
+        return text if len(text) <= limit else f"{text[:limit]}..."
+    if kind in (tuple, list):
+        return f"a {kind.__qualname__} of {len(value)} items"
+    return f"a {kind.__qualname__:.80}"
+
+
+def _short(value: Any, limit: int) -> bool:
+    return type(value) in _PLAIN and not (type(value) in (str, bytes) and len(value) > limit)
+
+
+def check_plain(what: str, value: Any) -> None:
+    """Refuse ``value`` unless it is plain: exactly an int, float, str, bytes, bool or None,
+    or a tuple or list of plain values (each container walked once: shared or cyclic ones
+    cost nothing more). ``what`` names the callable it is for."""
+    todo, seen = [value], set()
+    while todo:
+        item = todo.pop()
+        kind = type(item)
+        if kind in _PLAIN:
+            continue
+        if kind not in (tuple, list):
+            raise UnsafeReplyError(
+                f"the reply calls {what} with a {kind.__qualname__:.80} value: a worker's pickle passes it "
+                "only numbers, strings, bytes, None and tuples and lists of them, so this reply was "
+                "crafted (the worker may be compromised)"
+            )
+        if id(item) not in seen:
+            seen.add(id(item))
+            todo.extend(item)
+
 
 def rebuild_layout(name: Any) -> torch.layout:
     """A torch layout by its name (what a reply naming torch.serialization._get_layout gets)."""
-    found = TORCH_LAYOUTS.get(name) if isinstance(name, str) else None
+    found = TORCH_LAYOUTS.get(name) if type(name) is str else None
     if found is None:
-        raise UnsafeReplyError(f"the reply names an unknown torch layout {name!r:.80}")
+        raise UnsafeReplyError(f"the reply names an unknown torch layout {shown(name, 80)}")
     return found
 
 
 def check_sizes(what: str, values) -> None:
-    if not (isinstance(values, tuple) and all(type(v) is int and v >= 0 for v in values)):
-        raise UnsafeReplyError(f"a {what} in the reply is not a tuple of sizes: {values!r:.200}")
+    if not (type(values) in (tuple, torch.Size) and all(type(v) is int and v >= 0 for v in values)):
+        raise UnsafeReplyError(f"a {what} in the reply is not a tuple of sizes: {shown(values)}")
 
 
 # -- dtypes --------------------------------------------------------------------------------
@@ -90,15 +147,15 @@ def dtype_from_spec(spec: Any, depth: int = 0, budget: list[int] | None = None) 
             f"a dtype in the reply nests more than {_MAX_DTYPE_DEPTH} deep or has more than "
             f"{_MAX_DTYPE_PARTS} fields and subarrays in all"
         )
-    if isinstance(spec, str):
+    if type(spec) is str:
         if len(spec) > 256:  # "u1,u1,..." parses into fields: a long string is not a plain dtype
             raise UnsafeReplyError(f"a dtype in the reply is described by a {len(spec)}-character string")
         d = np.dtype(spec)
-    elif isinstance(spec, list) and len(spec) == 3 and spec[0] == "sub" and isinstance(spec[2], list):
+    elif type(spec) is list and len(spec) == 3 and spec[0] == "sub" and type(spec[2]) is list:
         shape = tuple(spec[2])
         check_sizes("subarray shape", shape)
         d = np.dtype((dtype_from_spec(spec[1], depth + 1, budget), shape))
-    elif isinstance(spec, dict) and _plain_fields(spec):
+    elif type(spec) is dict and _plain_fields(spec):
         described: dict[str, Any] = {
             "names": spec["names"],
             "formats": [dtype_from_spec(f, depth + 1, budget) for f in spec["formats"]],
@@ -109,7 +166,7 @@ def dtype_from_spec(spec: Any, depth: int = 0, budget: list[int] | None = None) 
             described["titles"] = spec["titles"]
         d = np.dtype(described, align=spec.get("aligned") is True)  # type: ignore[call-overload]
     else:
-        raise UnsafeReplyError(f"a dtype in the reply is described by {spec!r:.200}, not a dtype description")
+        raise UnsafeReplyError(f"a dtype in the reply is described by {shown(spec)}, not a dtype description")
     if d.hasobject:
         raise UnsafeReplyError(
             f"a dtype in the reply holds Python objects ({d}): only plain numpy dtypes load"
@@ -121,14 +178,14 @@ def _plain_fields(spec: dict) -> bool:
     names, formats, offsets = spec.get("names"), spec.get("formats"), spec.get("offsets")
     titles = spec.get("titles", [])
     return (
-        isinstance(names, list)
+        type(names) is list
         and all(type(n) is str for n in names)
-        and isinstance(formats, list)
-        and isinstance(offsets, list)
+        and type(formats) is list
+        and type(offsets) is list
         and all(type(o) is int for o in offsets)
         and len(names) == len(formats) == len(offsets)
         and type(spec.get("itemsize")) is int
-        and isinstance(titles, list)
+        and type(titles) is list
         and all(t is None or type(t) is str for t in titles)
     )
 
@@ -144,14 +201,16 @@ def rebuild_dtype(spec: Any) -> np.dtype:
 def rebuild_tensor(
     buf, dtype_name: str, shape: tuple[int, ...], requires_grad: bool, stride: tuple[int, ...] | None = None
 ) -> torch.Tensor:
-    dtype = TORCH_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    dtype = TORCH_DTYPES.get(dtype_name) if type(dtype_name) is str else None
     if dtype is None:
-        raise UnsafeReplyError(f"a tensor in the reply names {dtype_name!r:.80}, which is not a torch dtype")
+        raise UnsafeReplyError(
+            f"a tensor in the reply names {shown(dtype_name, 80)}, which is not a torch dtype"
+        )
     check_sizes("tensor shape", shape)
     if stride is not None:
         check_sizes("tensor stride", stride)
     if type(requires_grad) is not bool:
-        raise UnsafeReplyError(f"a tensor in the reply has requires_grad={requires_grad!r:.80}")
+        raise UnsafeReplyError(f"a tensor in the reply has requires_grad={shown(requires_grad, 80)}")
     mv = memoryview(buf)
     numel = math.prod(shape)
     if mv.nbytes == 0:
@@ -180,7 +239,7 @@ def rebuild_ndarray(buf, spec: Any, shape: tuple[int, ...]) -> np.ndarray:
 
 def rebuild_object_array(items: list, shape: tuple[int, ...]) -> np.ndarray:
     check_sizes("array shape", shape)
-    if not isinstance(items, list):
+    if type(items) is not list:
         raise UnsafeReplyError(
             f"an object array in the reply carries {type(items).__name__} instead of a list"
         )
@@ -192,9 +251,63 @@ def rebuild_object_array(items: list, shape: tuple[int, ...]) -> np.ndarray:
 
 def rebuild_np_scalar(spec: Any, data: bytes) -> Any:
     dtype = dtype_from_spec(spec)
-    if not isinstance(data, bytes) or len(data) != dtype.itemsize:
-        raise UnsafeReplyError(f"a numpy scalar of dtype {dtype} in the reply has {len(data)!r} bytes")
+    if type(data) is not bytes or len(data) != dtype.itemsize:
+        size = f"{len(data)} bytes" if type(data) is bytes else f"a {type(data).__qualname__:.80}"
+        raise UnsafeReplyError(f"a numpy scalar of dtype {dtype} in the reply has {size}")
     return np.frombuffer(data, dtype=dtype)[0].copy()
+
+
+# -- sparse tensors ---------------------------------------------------------------------------
+
+_COMPRESSED = frozenset((torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc))
+
+
+def sparse_parts(layout: Any, data: Any) -> tuple:
+    """``data``, the parts torch reduces a sparse tensor of ``layout`` to (COO: ``(indices,
+    values, size, is_coalesced)``; CSR, CSC, BSR, BSC: ``(compressed_indices, plain_indices,
+    values, size)``), checked, its tensors replaced by views of the same bytes that the pickle
+    cannot reach (a BUILD could point its own at other bytes: set_())."""
+    sparse = type(layout) is torch.layout and (layout is torch.sparse_coo or layout in _COMPRESSED)
+    if not (sparse and type(data) is tuple and len(data) == 4):
+        raise UnsafeReplyError(
+            f"a sparse tensor in the reply is described by {shown(layout, 80)} and {shown(data)}, "
+            "not a sparse layout and the four parts torch sends"
+        )
+    coo = layout is torch.sparse_coo
+    if coo and type(data[3]) is not bool:
+        raise UnsafeReplyError(f"a sparse tensor in the reply has is_coalesced={shown(data[3], 80)}")
+    tensors = data[:2] if coo else data[:3]
+    for part in tensors:
+        if not (type(part) is torch.Tensor and part.layout is torch.strided and part.device.type == "cpu"):
+            raise UnsafeReplyError(
+                f"a sparse tensor in the reply is made of {shown(part, 80)}, not dense tensors"
+            )
+    check_sizes("sparse tensor size", data[2] if coo else data[3])
+    return tuple(t.detach() for t in tensors) + data[len(tensors) :]
+
+
+def sparse_from_parts(layout: torch.layout, parts: tuple) -> torch.Tensor:
+    """The sparse tensor of :func:`sparse_parts`'s ``parts``, refused unless they are
+    consistent with each other and the size (torch's check_invariants)."""
+    try:
+        if layout is torch.sparse_coo:
+            indices, values, size, coalesced = parts
+            return torch.sparse_coo_tensor(
+                indices, values, size, check_invariants=True, is_coalesced=coalesced
+            )
+        compressed, plain, values, size = parts
+        return torch.sparse_compressed_tensor(
+            compressed, plain, values, size, layout=layout, check_invariants=True
+        )
+    except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
+        first = str(exc).strip().partition("\n")[0]  # (torch may append its C++ stack)
+        raise UnsafeReplyError(f"a sparse tensor in the reply is inconsistent: {first}") from None
+
+
+def rebuild_sparse_tensor(layout: Any, data: Any) -> torch.Tensor:
+    """What a reply naming ``torch._utils._rebuild_sparse_tensor`` gets (see :func:`sparse_parts`);
+    a load checks it again once done (:meth:`Made.check`)."""
+    return sparse_from_parts(layout, sparse_parts(layout, data))
 
 
 # -- what was made, checked after the load ------------------------------------------------------
@@ -208,6 +321,7 @@ class Made:
         self.arrays: list[tuple[np.ndarray, np.dtype, tuple]] = []
         self.dtypes: list[np.dtype] = []
         self.dicts: list[collections.OrderedDict] = []
+        self.sparse_tensors: list[tuple[torch.Tensor, torch.layout, tuple]] = []
 
     def tensor(self, *args) -> torch.Tensor:
         t = rebuild_tensor(*args)
@@ -230,13 +344,27 @@ class Made:
         return d
 
     def ordered_dict(self, *args) -> collections.OrderedDict:
+        if len(args) > 1 or (args and not _pairs(args[0])):
+            raise UnsafeReplyError(
+                "the reply calls collections.OrderedDict with arguments other than a list of (key, value) "
+                "pairs: a worker's pickle calls it with none, so this reply was crafted (the worker may be "
+                "compromised)"
+            )
+        check_plain("collections.OrderedDict", args)
         od: collections.OrderedDict = collections.OrderedDict(*args)
         self.dicts.append(od)
         return od
 
+    def sparse(self, layout: Any, data: Any) -> torch.Tensor:
+        parts = sparse_parts(layout, data)
+        t = sparse_from_parts(layout, parts)
+        self.sparse_tensors.append((t, layout, parts))
+        return t
+
     def check(self) -> None:
         """Refuse the load if a pickle changed (BUILD) an object after it was made here."""
-        for t in self.tensors:  # (their storages cannot be resized: BUILD's set_() cannot grow them)
+        made = self.tensors + [sparse[0] for sparse in self.sparse_tensors]
+        for t in made:  # (their storages cannot be resized: BUILD's set_() cannot grow them)
             if t._backward_hooks:
                 raise UnsafeReplyError("a tensor in the reply was given gradient hooks after it was made")
         for a, dtype, shape in self.arrays:
@@ -250,3 +378,10 @@ class Made:
         for od in self.dicts:
             if vars(od):
                 raise UnsafeReplyError("an OrderedDict in the reply was given attributes after it was made")
+        # checked again: the bytes their parts view may have changed since (a bytearray's SETITEMS)
+        for _, layout, parts in self.sparse_tensors:
+            sparse_from_parts(layout, parts)
+
+
+def _pairs(items: Any) -> bool:
+    return type(items) in (tuple, list) and all(type(p) is tuple and len(p) == 2 for p in items)

@@ -8,11 +8,16 @@ names. So every reply is loaded by a restricted unpickler (as ``torch.load`` doe
 * the rebuild functions of rebuild.py (tensors, arrays, dtypes, numpy scalars), which
   check their arguments, and :func:`rebuild_class` (a class allowed by name);
 * ``complex``, ``collections.OrderedDict``, torch dtypes, ``torch.Size`` and
-  ``torch.device`` (builtin containers, strings and numbers have opcodes of their own);
+  ``torch.device`` (builtin containers, strings and numbers have opcodes of their own),
+  called only with plain values (rebuild.check_plain: an object could answer their
+  ``__complex__``, ``__index__``, ``__iter__`` or ``keys`` with code of its own);
+* ``torch._utils._rebuild_sparse_tensor`` (sparse tensors as torch reduces them), swapped
+  for rebuild.rebuild_sparse_tensor, which checks their invariants;
 * what the user allowed: :func:`add_safe_globals` (this process), or a loader's,
   session's or call's ``safe_globals``;
-* classes of the trainer's that hold data only (namedtuples, dataclasses, plain classes:
-  plainclass.py), through a stand-in that never runs their ``__init__``.
+* classes of the trainer's that hold data only (namedtuples, dataclasses, plain classes,
+  dict and list subclasses with no methods: plainclass.py), through a stand-in that never
+  runs their ``__init__``.
 
 Anything else raises :class:`~torchfeed.errors.UnsafeReplyError` naming every global the
 reply needs that is not allowed (:func:`needs`), before any is called. Before loading, picklescan.py refuses pickles that nest deep enough to
@@ -54,13 +59,26 @@ def rebuild_class(name: str, payload: bytes):
     return cloudpickle.loads(payload)
 
 
+def _given_plain(func: Any, what: str) -> type:
+    """A stand-in for ``func`` that calls it only with plain values (rebuild.check_plain), and
+    is called or made (REDUCE, NEWOBJ) as ``func`` is: its ``__new__`` returns what ``func`` does."""
+
+    def __new__(stand_in: type, *args: Any, **kwargs: Any) -> Any:
+        rebuild.check_plain(what, (args, list(kwargs.values())))
+        return func(*args, **kwargs)
+
+    return type(what.rpartition(".")[2], (), {"__new__": __new__, "__slots__": ()})
+
+
+_COMPLEX = _given_plain(complex, "complex")
+
 # what a reply may name, besides the ReplyPolicy's own entries (see _Restricted.find_class): only
-# callables that build plain values. Containers have their own opcodes in pickle protocol 5;
-# builtins such as bytes(n) would allocate whatever a pickle asks for.
+# callables that build plain values, from plain values. Containers have their own opcodes in
+# pickle protocol 5; builtins such as bytes(n) would allocate whatever a pickle asks for.
 _ALWAYS: dict[str, Any] = {
-    "builtins.complex": complex,
-    "torch.Size": torch.Size,
-    "torch.device": torch.device,
+    "builtins.complex": _COMPLEX,
+    "torch.Size": _given_plain(torch.Size, "torch.Size"),
+    "torch.device": _given_plain(torch.device, "torch.device"),
     f"{_REBUILD}.rebuild_np_scalar": rebuild.rebuild_np_scalar,
     "torch.serialization._get_layout": rebuild.rebuild_layout,  # torch's reduction of a sparse tensor
 }
@@ -160,11 +178,12 @@ class ReplyPolicy:
     def allowed_class(self, name: str, payload: bytes = b"") -> Any:
         """Restricted form of :func:`rebuild_class`: the class must be allowed by name, or be
         a plain class of the trainer's (its stand-in, plainclass.maker)."""
-        found = self.allowed(name) if isinstance(name, str) else None
-        if found is None:
+        named = type(name) is str
+        found = self.allowed(name) if named else None
+        if found is None and named:
             found = plainclass.plain_class(name)
         if found is None:
-            raise refused(str(name))
+            raise refused(name if named else rebuild.shown(name, 80))
         return found
 
     def loads(self, meta: bytes, buffers: Sequence[memoryview] = ()) -> Any:
@@ -218,8 +237,9 @@ def refused(*names: str) -> UnsafeReplyError:
     which = "which torchfeed does not load" if len(names) == 1 else "none of which torchfeed loads"
     exc = UnsafeReplyError(
         f"the reply needs {listed}, {which} from a worker by default: a reply may not run "
-        "code in the trainer (namedtuples, dataclasses and plain classes of yours load by default "
-        "when they define no __new__, __reduce__, __setstate__ or other hook of their own). If "
+        "code in the trainer (namedtuples, dataclasses, plain classes and dict or list subclasses "
+        "of yours load by default when they define no special method but __init__, __repr__ and "
+        "__str__, and the subclasses no method at all). If "
         f"it is what your dataset returns, allow it with torchfeed.add_safe_globals([{short}]) "
         "(or the loader's or session's safe_globals=[...]; rpc_async(..., trust_worker=True) "
         "trusts one call's result entirely). If your dataset returns nothing of this kind, the "
@@ -236,8 +256,10 @@ class _Buffers:
     _buffers: Any
 
     def persistent_load(self, pid):
-        if not (isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "torchfeed-bytes"):
-            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+        if not (
+            type(pid) is tuple and len(pid) == 2 and pid[0] == "torchfeed-bytes" and type(pid[1]) is bool
+        ):
+            raise pickle.UnpicklingError(f"unknown persistent id {rebuild.shown(pid)}")
         view = next(self._buffers)
         return bytearray(view) if pid[1] else bytes(view)
 
@@ -255,6 +277,7 @@ _MADE_BY = {
     f"{_REBUILD}.rebuild_dtype": "dtype",
     f"{_REBUILD}.rebuild_object_array": "object_array",
     "collections.OrderedDict": "ordered_dict",
+    "torch._utils._rebuild_sparse_tensor": "sparse",
 }
 
 
@@ -289,7 +312,7 @@ class _Restricted(_Trusting):
 class _DataOnly(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == "builtins" and name == "complex":  # containers have opcodes of their own
-            return complex
+            return _COMPLEX
         raise refused(f"{module}.{name}")
 
 
