@@ -57,22 +57,23 @@ def test_a_killed_forked_worker_is_restarted_and_serves_again():
 
 
 def test_a_bad_start_method_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match="'spawn', 'fork' or 'auto'"):
-        torchfeed.LocalWorkers(1, start="forkserver")
+    with pytest.raises(ValueError, match="'auto', 'forkserver', 'spawn' or 'fork'"):
+        torchfeed.LocalWorkers(1, start="thread")
 
 
 def test_auto_forks_by_default_and_spawns_for_interpreter_variables(tmp_path):
     with torchfeed.LocalWorkers(1) as w:  # start="auto"
-        assert w.fork
+        assert w.fork and w.start == "forkserver" and w.fork_server is not None
         ds = torchfeed.RemoteDataset(w.addresses, RangeDataset, 4)
-        assert set(ds.run_on_workers(_parent_pid).values()) == {os.getpid()}
+        assert set(ds.run_on_workers(_parent_pid).values()) == {w.fork_server.pid}  # not this process
     # PYTHONPATH is read by a new interpreter only: auto spawns one, fork refuses to ignore it
     (tmp_path / "only_there.py").write_text("WHERE = 'there'\n")
     env = {"PYTHONPATH": str(tmp_path)}
-    with pytest.raises(ValueError, match="PYTHONPATH.*start='spawn'"):
-        torchfeed.LocalWorkers(1, start="fork", env=env)
+    for start in ("fork", "forkserver"):
+        with pytest.raises(ValueError, match="PYTHONPATH.*start='spawn'"):
+            torchfeed.LocalWorkers(1, start=start, env=env)
     with torchfeed.LocalWorkers(1, env=env) as w:
-        assert not w.fork
+        assert not w.fork and w.start == "spawn"
 
         def where():
             import only_there

@@ -11,6 +11,7 @@ import time
 import weakref
 from collections.abc import Sequence
 
+from .worker import forkserver
 from .worker.forked import ForkedWorker, fork_is_safe
 from .worker.options import WorkerOptions
 from .worker.process import ENV_SYS_PATH, WorkerProcess, worker_command
@@ -49,6 +50,12 @@ class LocalWorkers:
     session of their own (Ctrl-C in a terminal reaches the trainer only) and stop with
     this process, even if it is killed (they watch a pipe from it).
 
+    Forked workers (``start="auto"`` or ``"forkserver"``) come from this process's fork server
+    (:mod:`torchfeed.worker.forkserver`): a clean interpreter, started at the first such
+    LocalWorkers and shared by the later ones (:attr:`fork_server`), that imported torch
+    once and holds nothing of this process (no trainer objects, no ``TORCHFEED_SECRET`` in
+    its environment); it stops with this process, even if it is killed.
+
     Parameters
     ----------
     n : int
@@ -75,13 +82,17 @@ class LocalWorkers:
         ``parallel`` and ``cache_size``, when given, replace its own.
     stop_timeout : float
         Seconds a worker has to stop after SIGTERM before it is killed (:meth:`close`).
-    start : {"auto", "spawn", "fork"}
+    start : {"auto", "forkserver", "spawn", "fork"}
         How the worker processes start. ``"spawn"``: a new interpreter each, which imports
-        torch (a second or more per worker). ``"fork"``: forked from this process, as torch's
-        DataLoader starts its workers (ready in milliseconds; they see this process's modules
-        as they are now; not after CUDA was initialised here). ``"auto"`` (the default): fork
-        where that is safe (Linux, CUDA not initialised) and ``env`` sets no interpreter
-        variable (``PYTHON*``, which only a new interpreter reads), else spawn.
+        torch (a second or more per worker). ``"forkserver"``: forked from the fork server
+        (ready in a fraction of a second once it runs; starting it imports torch once; Linux
+        only; CUDA in this process does not matter). ``"fork"``: forked from this process, as
+        torch's DataLoader starts its workers: they see this process's modules as they are
+        now, and hold a copy of all its memory (the secret, credentials, weights) and its
+        initial environment, so code sent to them can read those; not after CUDA was
+        initialised here. ``"auto"`` (the default): ``"forkserver"`` where there is one (Linux)
+        and ``env`` sets no interpreter variable (``PYTHON*``, which only a new interpreter
+        reads), else spawn.
     """
 
     def __init__(
@@ -102,21 +113,29 @@ class LocalWorkers:
             raise ValueError(f"need at least one worker, got n={n}")
         from .protocol.auth import ENV_SECRET, ENV_SECRET_FILE, adopted_secret
 
-        if start not in ("spawn", "fork", "auto"):
-            raise ValueError(f"LocalWorkers(start={start!r}): use 'spawn', 'fork' or 'auto'")
+        if start not in ("auto", "forkserver", "spawn", "fork"):
+            raise ValueError(f"LocalWorkers(start={start!r}): use 'auto', 'forkserver', 'spawn' or 'fork'")
         if start == "fork" and not fork_is_safe():
             raise RuntimeError(
                 "LocalWorkers(start='fork'): cannot fork workers from this process (not Linux, or CUDA "
-                "is initialised here); use start='spawn'"
+                "is initialised here); use start='forkserver' (Linux) or start='spawn'"
+            )
+        if start == "forkserver" and not forkserver.available():
+            raise RuntimeError(
+                f"LocalWorkers(start='forkserver'): no fork server on {sys.platform} (Linux only); "
+                "use start='spawn'"
             )
         interpreter_variables = _interpreter_variables(env)
-        if start == "fork" and interpreter_variables:
+        if start in ("fork", "forkserver") and interpreter_variables:
             raise ValueError(
-                f"LocalWorkers(start='fork', env=...): a forked worker cannot apply "
+                f"LocalWorkers(start={start!r}, env=...): a forked worker cannot apply "
                 f"{', '.join(interpreter_variables)} (only a new interpreter reads them); "
                 "use start='spawn'"
             )
-        self.fork = start == "fork" or (start == "auto" and fork_is_safe() and not interpreter_variables)
+        if start == "auto":
+            start = "forkserver" if forkserver.available() and not interpreter_variables else "spawn"
+        self.start = start
+        self.fork = start != "spawn"  # forked (from the fork server or this process), not a new interpreter
         self.host = host
         self.options = (options or WorkerOptions()).merged(parallel=parallel, cache_size=cache_size)
         self.stop_timeout = stop_timeout
@@ -134,8 +153,11 @@ class LocalWorkers:
             self._extra.append("--secret-on-stdin")
         self.workers: list[WorkerProcess] = []
         self.addresses: list[str] = []
+        self.fork_server: forkserver.ForkServer | None = None
         _open.add(self)
         try:
+            if start == "forkserver":
+                self.fork_server = forkserver.shared(start_timeout)
             for i in range(n):
                 self.workers.append(self._spawn(i, 0))
             self.addresses = [self._read_address(i, start_timeout) for i in range(n)]
@@ -156,6 +178,7 @@ class LocalWorkers:
             env=self._env,
             new_session=True,
             fork=self.fork,
+            fork_parent=self.fork_server,
         )
 
     def _read_address(self, i: int, timeout: float) -> str:
@@ -167,6 +190,8 @@ class LocalWorkers:
     def restart(self, i: int, timeout: float = 60.0) -> str:
         """Start worker ``i`` again on its old port (after it died or was killed)."""
         self.workers[i].reap(0)  # SIGKILL if it still runs
+        if self.fork_server is not None and not self.fork_server.running:  # it died: a new one
+            self.fork_server = forkserver.shared(timeout)
         port = int(self.addresses[i].rsplit(":", 1)[1])
         self.workers[i] = self._spawn(i, port)
         self.addresses[i] = self._read_address(i, timeout)

@@ -16,7 +16,7 @@ over rounds of the round's ratio, so that the machine's drifts between rounds ca
   ``then``, on fresh workers: its epoch 1 decodes and keeps every image (its owner gets a note).
 
 Also measured: the time to the first batch (from entering ``LocalWorkers(2)``, which forks its
-workers from the trainer as torch does; from building a ``RemoteDataset`` on running, idle
+workers from the process's fork server, started by the sides' earlier runs; from building a ``RemoteDataset`` on running, idle
 workers; from building torch's DataLoader), the trainer's CPU per
 batch, and minor page faults per batch of all the processes (memory mapped and unmapped per
 batch: what slows a loader most when something else on the machine stalls page faults).

@@ -1,26 +1,38 @@
-"""A ``torchfeed worker`` forked from this process: no interpreter start, no ``import torch``.
+"""A ``torchfeed worker`` forked, not started: no interpreter start, no ``import torch``.
 
 :class:`ForkedWorker` offers the part of :class:`subprocess.Popen` that
 :class:`~torchfeed.worker.process.WorkerProcess` uses (``pid``, the three pipes, ``poll``,
 ``wait``, ``send_signal``, ``kill``, ``returncode``), for a child made with :func:`os.fork`
-that runs ``torchfeed worker`` in the copy of this interpreter, as torch's DataLoader runs its
-workers. A child started this way is ready in milliseconds, where a new interpreter spends a
-second or more importing torch.
+that runs ``torchfeed worker`` in a copy of an interpreter that imported torch already. A
+child started this way is ready in milliseconds, where a new interpreter spends a second or
+more importing torch. Who forks it:
 
-What the child does before it serves:
+- a fork server (``parent=``, a :class:`Parent`: :mod:`torchfeed.worker.forkserver`), a clean
+  process that holds none of this process's memory and no secret in its environment; it
+  forks, signals and reaps the child, and reports its exit status (LocalWorkers
+  ``start='forkserver'``/``'auto'``);
+- or this process itself (no ``parent``), as torch's DataLoader forks its workers: the child
+  holds a copy of everything this process holds, and starts with its environment block
+  (``/proc/PID/environ``) (LocalWorkers ``start='fork'``).
 
-- its standard streams become the pipes to the parent, with new ``sys.stdin``/``stdout``/
-  ``stderr`` objects (the parent's may have been locked by another thread at the fork);
+Either way, this process makes the three pipes, and the child, before it serves
+(:func:`become_worker`):
+
+- its standard streams become those pipes, with new ``sys.stdin``/``stdout``/``stderr``
+  objects (the forking process's may have been locked by another thread at the fork);
 - every other inherited descriptor is pointed at ``/dev/null``: the parent's sockets and pipes
   are not held open there (a peer sees their end when the parent closes them, a sibling's
   ``--watch-stdin`` pipe ends with the parent), and an inherited Python object that closes its
   descriptor later closes ``/dev/null``, never a descriptor the child opened since;
-- signal handlers, alarms and the root logger's handlers go back to their defaults;
+- signal handlers, the signal wakeup descriptor, alarms and the root logger's handlers go back
+  to their defaults;
 - the client sessions forget their connections (:mod:`torchfeed.client.session` registers that
   with ``os.register_at_fork``).
 
-The rules of forking apply as for torch's workers: CUDA must not be initialised in the parent
-(:func:`fork_is_safe`), and the child sees the parent's modules as they were at the fork.
+The rules of forking from this process apply as for torch's workers: CUDA must not be
+initialised here (:func:`fork_is_safe`), and the child sees this process's modules as they
+were at the fork. A fork server has neither concern: it never initialises CUDA, and its
+children import what they need from the ``sys.path`` they are given.
 """
 
 from __future__ import annotations
@@ -33,7 +45,7 @@ import sys
 import time
 import traceback
 from collections.abc import Mapping, Sequence
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 _POLL = 0.01  # seconds between two looks at a child that has not ended yet (wait)
 
@@ -52,30 +64,69 @@ def fork_is_safe() -> bool:
     return True
 
 
-class ForkedWorker:
-    """A child forked to run ``torchfeed worker args`` (the arguments after ``torchfeed``)."""
+class Parent(Protocol):
+    """The process that forks, signals and reaps a :class:`ForkedWorker` for this one (a fork server)."""
 
-    def __init__(self, args: Sequence[str], *, env: Mapping[str, str], new_session: bool):
+    def fork_worker(
+        self, args: Sequence[str], env: Mapping[str, str], new_session: bool, fds: tuple[int, int, int]
+    ) -> int:
+        """Fork a child that runs :func:`become_worker` with ``fds`` (its stdin, stdout and
+        stderr, which the caller closes afterwards); its pid."""
+        ...
+
+    def exit_status(self, pid: int) -> int | None:
+        """Child ``pid``'s exit status once it ended (as :attr:`subprocess.Popen.returncode`), else None."""
+        ...
+
+    def signal_worker(self, pid: int, sig: int) -> None:
+        """Send ``sig`` to child ``pid`` unless it ended."""
+        ...
+
+
+class ForkedWorker:
+    """A child forked to run ``torchfeed worker args`` (the arguments after ``torchfeed``),
+    here, or by ``parent`` when given (see the module's docstring)."""
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        new_session: bool,
+        parent: Parent | None = None,
+    ):
         self.args = list(args)
         self.returncode: int | None = None
+        self.parent = parent
         child_in, parent_in = os.pipe()
         parent_out, child_out = os.pipe()
         parent_err, child_err = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the child never returns from here
-            _child(self.args, dict(env), new_session, child_in, child_out, child_err)
+        try:
+            if parent is not None:
+                pid = parent.fork_worker(self.args, env, new_session, (child_in, child_out, child_err))
+            else:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:  # the child never returns from here
+                    become_worker(self.args, dict(env), new_session, child_in, child_out, child_err)
+        except BaseException:
+            for fd in (parent_in, parent_out, parent_err):
+                os.close(fd)
+            raise
+        finally:
+            for fd in (child_in, child_out, child_err):
+                os.close(fd)
         self.pid = pid
-        for fd in (child_in, child_out, child_err):
-            os.close(fd)
         self.stdin = open(parent_in, "wb", buffering=0)  # noqa: SIM115 - closed by WorkerProcess
         self.stdout = open(parent_out, "rb", buffering=0)  # noqa: SIM115
         self.stderr = open(parent_err, "rb", buffering=0)  # noqa: SIM115
 
     def poll(self) -> int | None:
         """Its exit status (reaping it; negative: the signal that ended it), or None while it runs."""
-        if self.returncode is None:
+        if self.returncode is None and self.parent is not None:
+            self.returncode = self.parent.exit_status(self.pid)
+        elif self.returncode is None:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
             except ChildProcessError:  # reaped elsewhere: its status is lost
@@ -97,7 +148,10 @@ class ForkedWorker:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            if self.parent is not None:
+                self.parent.signal_worker(self.pid, sig)
+            else:
+                os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -118,9 +172,18 @@ def _blank_inherited_descriptors() -> None:
     os.close(null)
 
 
-def _child(
-    args: list[str], env: dict[str, str], new_session: bool, stdin: int, stdout: int, stderr: int
+def become_worker(
+    args: list[str],
+    env: dict[str, str],
+    new_session: bool,
+    stdin: int,
+    stdout: int,
+    stderr: int,
+    cwd: str | None = None,
 ) -> NoReturn:
+    """In a child just forked: run ``torchfeed worker args`` with ``env`` as its environment,
+    ``stdin``/``stdout``/``stderr`` as its standard streams and ``cwd`` (if given) as its
+    directory; never returns (the process ends with the worker's exit code)."""
     code = 1
     try:
         if new_session:
@@ -128,10 +191,20 @@ def _child(
         os.dup2(stdin, 0)
         os.dup2(stdout, 1)
         os.dup2(stderr, 2)
+        if cwd is not None:
+            os.chdir(cwd)  # a failure is said on its stderr (the pipe now)
         _blank_inherited_descriptors()
         signal.alarm(0)
         signal.setitimer(signal.ITIMER_REAL, 0)
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGALRM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.set_wakeup_fd(-1)
+        for sig in (
+            signal.SIGTERM,
+            signal.SIGHUP,
+            signal.SIGALRM,
+            signal.SIGUSR1,
+            signal.SIGUSR2,
+            signal.SIGCHLD,
+        ):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         import faulthandler

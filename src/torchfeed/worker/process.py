@@ -29,7 +29,7 @@ from typing import TextIO
 
 from ..protocol.auth import handover_line
 from ..pumps import Pump, to_stderr, to_stdout
-from .forked import ForkedWorker
+from .forked import ForkedWorker, Parent
 from .options import WorkerOptions
 
 ENV_SYS_PATH = "TORCHFEED_SYS_PATH"  # a parent's sys.path, for `torchfeed worker` to import from
@@ -98,8 +98,11 @@ class WorkerProcess:
         Keep its stderr lines until :meth:`release_errors` (a caller that reports a failed
         start in one line of its own).
     fork : bool
-        Fork it from this process (:class:`~torchfeed.worker.forked.ForkedWorker`) instead of
-        starting a new interpreter; ``argv`` must then be a :func:`worker_command`.
+        Fork it (:class:`~torchfeed.worker.forked.ForkedWorker`) instead of starting a new
+        interpreter; ``argv`` must then be a :func:`worker_command`.
+    fork_parent : Parent, optional
+        With ``fork``: the process that forks it (a fork server,
+        :mod:`torchfeed.worker.forkserver`); by default this one.
     """
 
     def __init__(
@@ -114,6 +117,7 @@ class WorkerProcess:
         err: Callable[[], TextIO] = to_stderr,
         hold_errors: bool = False,
         fork: bool = False,
+        fork_parent: Parent | None = None,
     ):
         self.name = name
         self.address: str | None = None
@@ -124,7 +128,10 @@ class WorkerProcess:
                     f"only a `python -m torchfeed ...` command can be forked, got {list(argv)!r}"
                 )
             self.popen = ForkedWorker(
-                argv[3:], env=os.environ if env is None else env, new_session=new_session
+                argv[3:],
+                env=os.environ if env is None else env,
+                new_session=new_session,
+                parent=fork_parent,
             )
         else:
             self.popen = subprocess.Popen(
