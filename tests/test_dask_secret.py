@@ -107,17 +107,22 @@ def test_a_dask_address_on_loopback_held_by_another_user_is_not_trusted_with_the
     import signal
     import socket
 
-    from torchfeed.dask.comms import in_clear, listener_uid
+    from torchfeed.dask.comms import in_clear, listener_uids
 
     pid, port = _listen_as(*other_user)
     try:
-        assert listener_uid(port) == other_user[0]
+        assert listener_uids("127.0.0.1", port) == {other_user[0]}
         assert in_clear(f"tcp://127.0.0.1:{port}")
         with socket.socket() as mine:
             mine.bind(("127.0.0.1", 0))
             mine.listen()
             own = mine.getsockname()[1]
-            assert listener_uid(own) == os.geteuid() and not in_clear(f"tcp://127.0.0.1:{own}")
+            assert listener_uids("127.0.0.1", own) == {os.geteuid()}
+            assert not in_clear(f"tcp://127.0.0.1:{own}")
+            # nothing of ours listens on ::1 or 127.0.0.2 at that port: another user could
+            assert in_clear(f"tcp://[::1]:{own}") and in_clear(f"tcp://127.0.0.2:{own}")
+            # localhost reaches 127.0.0.1 and ::1: safe while every socket there is ours
+            assert not in_clear(f"tcp://localhost:{own}")
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)

@@ -18,7 +18,7 @@ import ipaddress
 import os
 
 import distributed
-from distributed.comm.addressing import get_address_host, get_address_host_port, parse_address
+from distributed.comm.addressing import get_address_host_port, parse_address
 
 ENCRYPTED_SCHEMES = frozenset({"tls", "wss", "inproc"})
 
@@ -42,17 +42,44 @@ def in_clear(address: str) -> bool:
         scheme, _ = parse_address(address)
         if scheme in ENCRYPTED_SCHEMES:
             return False
-        if not is_loopback_host(get_address_host(address)):
+        host, port = get_address_host_port(address)
+        if not is_loopback_host(host):
             return True
-        owner = listener_uid(get_address_host_port(address)[1])
-        return owner is None or owner not in (os.geteuid(), 0)
+        owners = listener_uids(host, port)
+        return not owners or not owners <= {os.geteuid(), 0}
     except Exception:  # no such scheme here, or not an address (ucx: a warning): not provably safe
         return True
 
 
-def listener_uid(port: int) -> int | None:
-    """The uid owning the socket that listens on loopback ``port`` (None: none found, or not
-    readable here), from the kernel's socket tables of this network namespace."""
+def _local_ip(field: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """The address of a ``/proc/net/tcp{,6}`` row's local column (``HEX:PORT``): 32-bit words
+    in host byte order (little-endian here)."""
+    raw = bytes.fromhex(field.rsplit(":", 1)[0])
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return ipaddress.ip_address(words)
+
+
+def _reaches(bound: ipaddress.IPv4Address | ipaddress.IPv6Address, target: ipaddress._BaseAddress) -> bool:
+    """Whether a socket listening on ``bound`` may take a connection to ``target``: the same
+    address, the IPv4-mapped form of it, or a wildcard (an IPv6 one takes IPv4 too unless
+    IPV6_V6ONLY, which the table does not show)."""
+    if bound.is_unspecified:
+        return bound.version == 6 or target.version == 4
+    mapped = getattr(bound, "ipv4_mapped", None)
+    return bound == target or (mapped is not None and mapped == target)
+
+
+def listener_uids(host: str, port: int) -> set[int]:
+    """The uids owning the sockets that listen on ``port`` and may take a connection to
+    loopback ``host`` (``localhost``: 127.0.0.1 and ::1), from the kernel's socket tables of
+    this network namespace; empty when none is found or the tables cannot be read."""
+    name = host.strip("[]").split("%", 1)[0]
+    targets = (
+        [ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")]
+        if name.lower() == "localhost"
+        else [ipaddress.ip_address(name)]
+    )
+    owners: set[int] = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table, encoding="ascii") as f:
@@ -60,10 +87,13 @@ def listener_uid(port: int) -> int | None:
         except OSError:
             continue
         for row in rows:
-            fields = row.split()
-            if len(fields) > 7 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                return int(fields[7])  # state 0A: LISTEN; column 7: the owner's uid
-    return None
+            fields = row.split()  # local address, remote, state (0A: LISTEN), ..., uid (column 7)
+            if len(fields) < 8 or fields[3] != "0A" or int(fields[1].rsplit(":", 1)[1], 16) != port:
+                continue
+            bound = _local_ip(fields[1])
+            if any(_reaches(bound, t) for t in targets):
+                owners.add(int(fields[7]))
+    return owners
 
 
 def clear_addresses(client: distributed.Client, workers: list[str] | None = None) -> list[str]:
