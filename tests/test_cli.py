@@ -612,6 +612,10 @@ def test_an_address_file_in_a_folder_others_can_change_is_refused(tmp_path, mode
     why = why_unwritable(str(folder / "workers"))
     if refused:
         assert why is not None and "can be written by other users" in why and "chmod go-w" in why, why
+        # a folder above it that others can write could be renamed away with the file
+        inner = folder / "inner"
+        inner.mkdir(mode=0o700)
+        assert "can be written by other users" in (why_unwritable(str(inner / "workers")) or "")
         done = subprocess.run(
             WORKER + ["--address-file", str(folder / "workers")],
             env=child_env(),

@@ -130,3 +130,17 @@ def test_workers_serve_and_share_one_fork_server_without_the_secret(capsys):
     assert all(p.returncode == 0 for p in procs)  # stopped by SIGTERM, reaped by the server
     assert not any(pid_alive(p.pid) for p in procs)
     assert server.running  # kept for the next LocalWorkers
+
+
+def test_an_answer_to_an_earlier_fork_request_is_not_taken_for_the_next():
+    """A fork whose caller gave up waiting is answered late: the next fork must get its own
+    worker's pid, not the stale one."""
+    with torchfeed.LocalWorkers(1) as first:
+        server = first.fork_server
+        server._answers.put({"op": "forked", "seq": -1, "pid": 1})  # late, for a request gone
+        with torchfeed.LocalWorkers(1) as second:
+            assert second.fork_server is server
+            pid = second.processes[0].pid
+            assert pid != 1 and os.getpid() != pid
+            ds = torchfeed.RemoteDataset(second.addresses, RangeDataset, 4)
+            assert ds.run_on_workers(os.getpid) == {second.addresses[0]: pid}

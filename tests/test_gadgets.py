@@ -572,3 +572,13 @@ def test_sparse_tensors_come_back_as_torch_gives_them(workers2, kw):
         torch.sparse_bsr,
         torch.sparse_bsc,
     }
+
+
+def test_a_sparse_tensor_whose_dense_form_is_over_the_reply_limit_is_refused():
+    """An empty COO tensor of size 2**62 costs nothing to send; to_dense() in the trainer would
+    allocate what the worker chose: refused unless the limit allows it."""
+    huge = torch.sparse_coo_tensor(torch.zeros((1, 0), dtype=torch.long), torch.zeros(0), (2**62,))
+    with pytest.raises(torchfeed.UnsafeReplyError, match="once dense, over the reply limit"):
+        _load(huge)
+    small = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.tensor([2.0]), (4,))
+    assert torch.equal(_load(small).to_dense(), torch.tensor([0.0, 2.0, 0.0, 0.0]))

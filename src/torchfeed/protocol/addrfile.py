@@ -73,22 +73,28 @@ def check_folder(path: str) -> None:
 
 def _shared_folder(directory: str) -> str | None:
     """Why another user could replace a file in ``directory`` (None: no one but its owner
-    and root can): it is writable by its group or by others without the sticky bit (which
-    keeps them from renaming or removing files they do not own), or it is another user's."""
-    try:
-        st = os.stat(directory)
-    except OSError:
-        return None  # said by the checks that follow
-    writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    if writable and not st.st_mode & stat.S_ISVTX:
-        return (
-            f"its folder {directory} can be written by other users (mode {stat.S_IMODE(st.st_mode):o}): "
-            "another user could replace the file with a link or a file of theirs; use a folder only you "
-            f"can write (chmod go-w {directory}) or one with the sticky bit, as /tmp"
-        )
-    if st.st_uid not in (os.geteuid(), 0):
-        return f"its folder {directory} belongs to another user, who could replace the file; use a folder of yours"
-    return None
+    and root can), looking at it and every folder above it (one above could be renamed away):
+    one is writable by its group or by others without the sticky bit (which keeps them from
+    renaming or removing what they do not own), or belongs to another user."""
+    here = os.path.realpath(directory)
+    while True:
+        try:
+            st = os.stat(here)
+        except OSError:
+            return None  # said by the checks that follow
+        writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        if writable and not st.st_mode & stat.S_ISVTX:
+            return (
+                f"the folder {here} can be written by other users (mode {stat.S_IMODE(st.st_mode):o}): "
+                "another user could replace the file with a link or a file of theirs; use a folder only "
+                f"you can write (chmod go-w {here}) or one with the sticky bit, as /tmp"
+            )
+        if st.st_uid not in (os.geteuid(), 0):
+            return f"the folder {here} belongs to another user, who could replace the file; use a folder of yours"
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        here = parent
 
 
 def why_unwritable(path: str) -> str | None:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ..errors import UnsafeReplyError
+from . import limits
 
 # a tensor's elements may exceed the bytes that arrived (a broadcast tensor: stride 0) by at
 # most this much; the worker sends larger broadcasts dense (serialize.py)
@@ -282,7 +283,16 @@ def sparse_parts(layout: Any, data: Any) -> tuple:
             raise UnsafeReplyError(
                 f"a sparse tensor in the reply is made of {shown(part, 80)}, not dense tensors"
             )
-    check_sizes("sparse tensor size", data[2] if coo else data[3])
+    size = data[2] if coo else data[3]
+    check_sizes("sparse tensor size", size)
+    dense = math.prod(size) * tensors[-1].element_size()  # what to_dense() would allocate
+    bound = limits.reply_limits().max_buffer_bytes
+    if dense > bound:
+        raise UnsafeReplyError(
+            f"a sparse tensor in the reply is {dense} bytes once dense, over the reply limit of "
+            f"{bound} bytes: raise it (torchfeed.set_reply_limits(max_buffer_bytes=...) or "
+            "TORCHFEED_MAX_REPLY_BYTES) if your dataset returns such tensors"
+        )
     return tuple(t.detach() for t in tensors) + data[len(tensors) :]
 
 

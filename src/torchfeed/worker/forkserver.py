@@ -170,6 +170,7 @@ class ForkServer:
         )
         self._send_lock = threading.Lock()
         self._fork_lock = threading.Lock()  # one fork request at a time: answers come in order
+        self._seq = 0  # the last fork request's number
         self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._statuses: dict[int, int] = {}
         self._status_lock = threading.Lock()
@@ -226,8 +227,10 @@ class ForkServer:
     def fork_worker(
         self, args: Sequence[str], env: Mapping[str, str], new_session: bool, fds: tuple[int, int, int]
     ) -> int:
+        self._seq += 1
         request = {
             "op": "fork",
+            "seq": self._seq,  # echoed: an answer to a request that timed out is told apart
             "args": list(args),
             "env": dict(env),
             "new_session": new_session,
@@ -238,12 +241,16 @@ class ForkServer:
                 raise RuntimeError(self._gone())
             with self._send_lock:
                 _send(self._sock, request, fds)
-            try:
-                answer = self._answers.get(timeout=FORK_TIMEOUT)
-            except queue.Empty:
-                raise TimeoutError(
-                    f"the torchfeed fork server did not fork a worker in {FORK_TIMEOUT:g} s"
-                ) from None
+            deadline = time.monotonic() + FORK_TIMEOUT
+            while True:
+                try:
+                    answer = self._answers.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise TimeoutError(
+                        f"the torchfeed fork server did not fork a worker in {FORK_TIMEOUT:g} s"
+                    ) from None
+                if answer is None or answer.get("seq") == request["seq"]:
+                    break  # (an answer to an earlier request that gave up waiting is dropped)
         if answer is None:
             raise RuntimeError(self._gone())
         if answer["op"] != "forked":
@@ -440,6 +447,8 @@ class _Server:
         try:
             if message["op"] == "fork" and len(fds) == 3:
                 self.fork(message, fds)
+            elif message["op"] == "fork":
+                self._report({"op": "failed", "seq": message.get("seq"), "error": "its pipes did not arrive"})
             elif message["op"] == "signal" and message["pid"] in self.children:
                 try:
                     os.kill(message["pid"], message["sig"])
@@ -452,7 +461,7 @@ class _Server:
         try:
             pid = os.fork()
         except OSError as exc:
-            self._report({"op": "failed", "error": f"fork: {exc.strerror or exc}"})
+            self._report({"op": "failed", "seq": request.get("seq"), "error": f"fork: {exc.strerror or exc}"})
             return
         if pid == 0:  # the worker: never returns
             self.sock.close()
@@ -466,7 +475,7 @@ class _Server:
                 cwd=request.get("cwd"),
             )
         self.children.add(pid)
-        self._report({"op": "forked", "pid": pid})
+        self._report({"op": "forked", "seq": request.get("seq"), "pid": pid})
 
     def stop_children(self) -> None:
         """SIGTERM the workers still here, SIGKILL those left after :data:`STOP_GRACE` s; reap them."""
