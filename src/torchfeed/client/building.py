@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import AuthenticationError, SerializationError, Timeout
+from ..errors import AuthenticationError, SerializationError, Timeout, WorkerLost
 from ..protocol import auth, serialize
 from ..protocol.auth import SecretLike
 from . import session as sessions
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from .session import Session
 
 FOUND_TIMEOUT = 10.0  # seconds an address a DNS name listed may take to connect and shake hands
+FOUND_AT_ONCE = 64  # listed addresses tried at once (one thread each); the rest wait their turn
 
 
 def build(factory: Callable, args: tuple, kwargs: dict):
@@ -214,12 +215,18 @@ def connect_found(
     Each address gets at most ``min(timeout, FOUND_TIMEOUT)`` seconds, however it stalls: the
     others are not held back by it (a connection still being made is left to finish in the
     background). Only a secret that cannot be loaded raises (the setup is wrong, not an
-    address); a handshake that fails is that address's failure, as a refusal is.
+    address); a handshake that fails is that address's failure, as a refusal is. At most
+    :data:`FOUND_AT_ONCE` addresses are tried (threads bounded however many records a name
+    has); the others are returned as not tried yet.
     """
     session = session if session is not None else sessions.default_session()
     sec = auth.load_secret(session.secret if secret is None else secret)
     seconds = min(timeout, FOUND_TIMEOUT)
-    failures: dict[str, BaseException] = {}
+    workers, later = list(workers)[:FOUND_AT_ONCE], list(workers)[FOUND_AT_ONCE:]
+    failures: dict[str, BaseException] = {
+        w: WorkerLost(f"{w} was not tried yet: more than {FOUND_AT_ONCE} addresses were listed at once")
+        for w in later
+    }
     lock = threading.Lock()
 
     def one(address: str) -> None:

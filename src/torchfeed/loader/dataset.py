@@ -297,6 +297,8 @@ class RemoteDataset(Dataset[T_co]):
         built.update(unreachable)
         errors = {w: v for w, v in built.items() if isinstance(v, BaseException)}
         for w, v in errors.items():  # (connect_all raised the failures to connect that must be)
+            if found:
+                break  # listed addresses: each one's failure is its own (the others still join)
             if w not in unreachable and isinstance(v, (RemoteError, AuthenticationError, SerializationError)):
                 raise v  # the dataset itself fails, or the setup is wrong: retrying cannot help
         if errors and strict:
@@ -315,7 +317,11 @@ class RemoteDataset(Dataset[T_co]):
             },
             self.timeout,
         )
-        for w, d in described.items():
+        for w, d in list(described.items()):
+            if isinstance(d, BaseException) and found:
+                errors[w] = d  # that address's failure alone
+                del described[w], built[w]
+                continue
             if isinstance(d, BaseException):
                 raise d
             reported.check_description(w, d)

@@ -385,14 +385,17 @@ class Membership:
             self.remove(unlisted)
 
     def _retry_skipped(self) -> None:
+        """Try the skipped addresses that are due, all in one build (each one's connection
+        bounded, concurrently: a stray that stalls its handshake holds back no other)."""
         with self._lock:
             due = self.skipped.due(time.monotonic())
+        if not due:
+            return
+        try:
+            failed = self._call_build(due, found=True)
+        except Exception as exc:  # noqa: BLE001 - any failure means: try them later
+            failed = dict.fromkeys(due, exc)
         for w in due:
-            try:
-                _probe(w)
-                failed = self._call_build([w], found=True)
-            except Exception as exc:  # noqa: BLE001 - any failure means: try later
-                failed = {w: exc}
             with self._lock:
                 if w not in self.skipped:
                     continue  # no longer listed meanwhile
