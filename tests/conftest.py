@@ -28,6 +28,20 @@ def workers2():
         yield w.addresses
 
 
+@pytest.fixture
+def dnsmasq(tmp_path):
+    """A dnsmasq answering for ``torchfeed-workers.test`` (tests/dnsserver.py; skips where
+    dnsmasq is missing): the DNS server of test_dns.py and test_dns_strays.py."""
+    from dnsserver import NAME, Dnsmasq, Unavailable
+
+    try:
+        server = Dnsmasq(tmp_path, NAME)
+    except Unavailable as exc:
+        pytest.skip(str(exc))
+    yield server
+    server.close()
+
+
 OTHER_USER = "tf-other-user"
 
 

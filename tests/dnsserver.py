@@ -12,6 +12,8 @@ from pathlib import Path
 from torchfeed.loader.dnsnames import DNSName
 from torchfeed.util import free_port
 
+NAME = "torchfeed-workers.test"  # the name the tests' workers are found under
+
 
 class Unavailable(Exception):
     """dnsmasq is not installed here."""

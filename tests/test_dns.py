@@ -13,7 +13,6 @@ import time
 
 import pytest
 
-from dnsserver import Dnsmasq, Unavailable
 from helpers import SleepDataset
 from torchfeed import LocalWorkers, RemoteDataLoader, RemoteDataset
 from torchfeed.loader.dnsnames import DNSName, WatchedName
@@ -56,16 +55,6 @@ def test_a_failing_server_changes_nothing(caplog):
         assert watched.changed() is None
     said = [r for r in caplog.records if "keeping its 1 worker" in r.getMessage()]
     assert len(said) == 1  # once until it resolves again
-
-
-@pytest.fixture
-def dnsmasq(tmp_path):
-    try:
-        server = Dnsmasq(tmp_path, NAME)
-    except Unavailable as exc:
-        pytest.skip(str(exc))
-    yield server
-    server.close()
 
 
 def _port_free_on(hosts) -> int:

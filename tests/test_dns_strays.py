@@ -17,7 +17,6 @@ import threading
 
 import pytest
 
-from dnsserver import Dnsmasq, Unavailable
 from helpers import SleepDataset, wait_for
 from torchfeed import AuthenticationError, LocalWorkers, RemoteDataLoader, RemoteDataset, WorkerLost
 from torchfeed.protocol import auth, wire
@@ -76,16 +75,6 @@ class Stray:
 
 
 @pytest.fixture
-def dnsmasq(tmp_path):
-    try:
-        server = Dnsmasq(tmp_path, NAME)
-    except Unavailable as exc:
-        pytest.skip(str(exc))
-    yield server
-    server.close()
-
-
-@pytest.fixture
 def port() -> int:
     """A port free on every worker's and stray's address."""
     while True:
@@ -107,11 +96,11 @@ def pods(port):
         w.close()
 
 
-def _url(port: int, dnsmasq: Dnsmasq) -> str:
+def _url(port: int, dnsmasq) -> str:
     return f"dns://{NAME}:{port}?server=127.0.0.1:{dnsmasq.port}&every=0.2"
 
 
-def _resolves_to(dnsmasq: Dnsmasq, ips) -> None:
+def _resolves_to(dnsmasq, ips) -> None:
     """Wait until dnsmasq serves ``ips`` (it reads its hosts file again after SIGHUP)."""
     expected = sorted(f"{ip}:1" for ip in ips)
     assert wait_for(lambda: dnsmasq.name.resolve() == expected, timeout=30), f"{NAME} -> {ips}"
