@@ -59,7 +59,10 @@ def _local_ip(field: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     return ipaddress.ip_address(words)
 
 
-def _reaches(bound: ipaddress.IPv4Address | ipaddress.IPv6Address, target: ipaddress._BaseAddress) -> bool:
+def _reaches(
+    bound: ipaddress.IPv4Address | ipaddress.IPv6Address,
+    target: ipaddress.IPv4Address | ipaddress.IPv6Address,
+) -> bool:
     """Whether a socket listening on ``bound`` may take a connection to ``target``: the same
     address, the IPv4-mapped form of it, or a wildcard (an IPv6 one takes IPv4 too unless
     IPV6_V6ONLY, which the table does not show)."""
@@ -74,11 +77,14 @@ def listener_uids(host: str, port: int) -> set[int]:
     loopback ``host`` (``localhost``: 127.0.0.1 and ::1), from the kernel's socket tables of
     this network namespace; empty when none is found or the tables cannot be read."""
     name = host.strip("[]").split("%", 1)[0]
-    targets = (
-        [ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")]
-        if name.lower() == "localhost"
-        else [ipaddress.ip_address(name)]
-    )
+    targets = [
+        getattr(t, "ipv4_mapped", None) or t  # ::ffff:127.0.0.1 reaches 127.0.0.1's sockets
+        for t in (
+            [ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")]
+            if name.lower() == "localhost"
+            else [ipaddress.ip_address(name)]
+        )
+    ]
     owners: set[int] = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
