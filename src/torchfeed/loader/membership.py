@@ -45,6 +45,9 @@ workers_log = logging.getLogger("torchfeed.workers")
 
 BACKOFF_FIRST = 0.5  # seconds before a lost worker is tried again; doubled up to BACKOFF_MAX
 BACKOFF_MAX = 10.0
+# a listed address that is no worker is more likely a stray than a worker still starting
+# (listings name ready workers): its tries back off further, holding the thread less
+SKIPPED_BACKOFF_MAX = 60.0
 TICK = 0.25  # seconds between rounds of the membership thread
 PROBE_TIMEOUT = 2.0  # seconds a lost worker's cheap connect probe may take before a rebuild
 
@@ -111,10 +114,12 @@ class WatchedFile:
 
 
 class LostWorkers:
-    """Lost workers with their last error and when each is tried next."""
+    """Lost workers with their last error and when each is tried next (backing off up to
+    ``most`` seconds)."""
 
-    def __init__(self) -> None:
+    def __init__(self, most: float = BACKOFF_MAX) -> None:
         self._entries: dict[str, dict] = {}  # address -> {"error", "next_try", "delay"}
+        self._most = most
 
     def __bool__(self) -> bool:
         return bool(self._entries)
@@ -142,7 +147,7 @@ class LostWorkers:
     def failed_again(self, address: str, error: BaseException) -> None:
         entry = self._entries[address]
         entry["error"] = repr(error)
-        entry["delay"] = double_delay(entry["delay"], BACKOFF_FIRST, BACKOFF_MAX)
+        entry["delay"] = double_delay(entry["delay"], BACKOFF_FIRST, self._most)
         entry["next_try"] = time.monotonic() + entry["delay"]
 
     def errors(self) -> dict[str, str]:
@@ -202,7 +207,7 @@ class Membership:
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self.lost = LostWorkers()
-        self.skipped = LostWorkers()  # listed addresses that are no worker (yet): never in workers
+        self.skipped = LostWorkers(SKIPPED_BACKOFF_MAX)  # listed, no worker (yet): never in workers
         # workers the listing stopped naming: drained once it names a serving worker
         self._unlisted: list[str] = []
         self._keeping = False  # whether the warning that they are kept was said
