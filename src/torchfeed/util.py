@@ -162,6 +162,17 @@ def lazy_exports(package: str, exports: Mapping[str, str]) -> Callable[[str], An
 
 
 # -- settings from the environment: read when used, and a bad value named in the error --------
+def is_count(value: Any, low: int = 0, high: int | None = None) -> bool:
+    """Whether ``value`` is an int (not a bool) in ``[low, high]``: a count read from a file or
+    a peer (a checkpoint, a state) before it is used."""
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and value >= low
+        and (high is None or value <= high)
+    )
+
+
 def env_int(name: str, default: int, low: int, high: int | None = None) -> int:
     """The integer in environment variable ``name`` (``default`` when unset or empty); ValueError
     names the variable, what it holds and what is allowed."""

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from ..util import is_count
+
 FORMAT = "torchfeed.audit/1"
 MAX_KEYS = 1 << 28  # keys an audit records (a bitmap of 32 MiB in a state: 268 million samples)
 
@@ -103,7 +105,7 @@ class KeySet:
         of its size is allocated."""
         bits, repeats = (state.get("bits"), state.get("repeats")) if isinstance(state, dict) else (None, None)
         size = state.get("size") if isinstance(state, dict) else None
-        if not (isinstance(size, int) and _count(size) and size <= min(length, MAX_KEYS)):
+        if not (isinstance(size, int) and is_count(size) and size <= min(length, MAX_KEYS)):
             raise ValueError(
                 f"an audit record names {size!r} keys, for a dataset of {length}: not a record of this dataset"
             )
@@ -119,15 +121,11 @@ class KeySet:
         out = cls()
         out.bits = np.unpackbits(np.frombuffer(packed, dtype=np.uint8), count=size).astype(bool)
         for pair in repeats:
-            ok = isinstance(pair, list) and len(pair) == 2 and _count(pair[0]) and _count(pair[1])
+            ok = isinstance(pair, list) and len(pair) == 2 and is_count(pair[0]) and is_count(pair[1])
             if not (ok and pair[0] < size and 0 < pair[1] <= MAX_KEYS):
                 raise ValueError(f"an audit record's repeat {pair!r} is not one torchfeed writes")
             out.repeats[pair[0]] = pair[1]
         return out
-
-
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _key(k: Any) -> int:
@@ -196,7 +194,7 @@ def entries_of(record: Any, epoch: int | None = None) -> list[dict]:
         if not isinstance(e, dict):
             raise ValueError("an audit record holds an entry that is not one torchfeed writes")
         for name in ("epoch", "origin", "upto", "rank", "world_size"):
-            if not _count(e.get(name)):
+            if not is_count(e.get(name)):
                 raise ValueError(f"an audit entry's {name!r} is {e.get(name)!r}: not one torchfeed writes")
         if not (isinstance(e.get("job"), str) and (e.get("parent") is None or isinstance(e["parent"], str))):
             raise ValueError("an audit entry's job or parent is not one torchfeed writes")

@@ -33,6 +33,7 @@ from ..client import wait_all
 from ..client.refs import RemoteRef
 from ..errors import RemoteError, Timeout, WorkerLost
 from ..protocol.errordata import rebuild_remote_error
+from ..util import is_count
 from . import reported
 from .basepass import Delivery, Pass
 from .plan import PassPlan, new_pass_id, quiet
@@ -87,30 +88,26 @@ class _Slot:
 MAX_STREAMS = 1 << 16  # far more streams than any job runs (one per worker by default)
 
 
-def _count(value: Any, low: int = 0, high: int = 1 << 62) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-
-
 def check_snapshot(snapshot: Any) -> None:
     """Refuse what no iterable-style pass saved: another format, a stream count beyond
     :data:`MAX_STREAMS`, slots that do not match it, counts that are not counts."""
     if not isinstance(snapshot, dict) or snapshot.get("format") != SNAPSHOT_FORMAT:
         raise ValueError("this state does not describe a pass over an iterable-style dataset")
     streams, slots = snapshot.get("streams"), snapshot.get("slots")
-    if not _count(streams, 1, MAX_STREAMS) or not isinstance(slots, list) or len(slots) != streams:
+    if not is_count(streams, 1, MAX_STREAMS) or not isinstance(slots, list) or len(slots) != streams:
         raise ValueError(
             f"this iterable-style state has {streams!r} streams and "
             f"{len(slots) if isinstance(slots, list) else slots!r} stream records: not a state a loader saves"
         )
-    if not _count(snapshot.get("turn"), 0, streams - 1):
+    if not is_count(snapshot.get("turn"), 0, streams - 1):
         raise ValueError(
             f"this iterable-style state's turn {snapshot.get('turn')!r} is not one of its streams"
         )
     for saved in slots:
         ok = (
             isinstance(saved, dict)
-            and _count(saved.get("delivered"))
-            and _count(saved.get("taken"))
+            and is_count(saved.get("delivered"))
+            and is_count(saved.get("taken"))
             and isinstance(saved.get("ended"), bool)
             and isinstance(saved.get("grants"), list)
             and all(saved.get(k) is None or isinstance(saved.get(k), bytes) for k in ("state", "rng"))

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..util import is_count
 from .audit import Audit
 from .checks import job_ranks
 from .sampling import DistributedSampler, mix_seed
@@ -208,7 +209,7 @@ def check_state(state: dict[str, Any], seed: int | None) -> None:
         )
     for name in ("batches", "samples", "epoch"):
         value = state.get(name)
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < _INT63:
+        if not is_count(value, 0, _INT63 - 1):
             raise ValueError(f"this loader state's {name!r} is {value!r}: not a count a loader makes")
 
 
