@@ -32,8 +32,9 @@ from ..errors import (
     UnsafeReplyError,
     WorkerLost,
 )
-from ..protocol import auth, codec, limits, wire
-from ..protocol.buffers import allocate, pinned
+from ..protocol import auth, codec, limits, localpath, shm, wire
+from ..protocol.channel import Channel
+from ..protocol.localchannel import FdReader, LocalChannel
 from ..protocol.errordata import rebuild_remote_error
 from ..protocol.replies import SAFE, ReplyPolicy, load_data
 from .addresses import Address, connect_failure, format_address, parse_address
@@ -110,6 +111,46 @@ def _ref_id(meta: bytes) -> int:
     return ref
 
 
+def _open(host: str, port: int, address: str, secret: auth.Secret, timeout: float, owner: Owner):
+    """Connect and authenticate: ``(socket, channel)``. A worker on this machine under this
+    uid is reached over its same-host socket (protocol.localpath), any other over TCP."""
+    near = localpath.dial(host, port, timeout)
+    if near is not None:
+        sock, ip = near
+    else:
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise WorkerLost(
+                f"could not connect to worker {address}: {connect_failure(exc, timeout)}. "
+                "Is `torchfeed worker` running there, and is the address right?",
+                {address: repr(exc)},
+            ) from exc
+    channel: Channel
+    try:
+        if near is not None:
+            reader = FdReader(sock)
+            auth.client_session(sock, secret, address, same_host=(ip, port), reader=reader)
+            mappings = shm.Mappings(limits.reply_limits().max_buffer_bytes)
+            channel = LocalChannel(sock, reader=reader, mappings=mappings)
+        else:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            channel = auth.client_handshake(sock, secret, address, integrity_only=auth.integrity_only_requested())
+        sock.settimeout(None)
+        # sends fail when the worker reads nothing for the heartbeat timeout (a hung
+        # worker must not block a sending thread forever); receives stay blocking
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 1, 0))
+        channel.send_stall_timeout = owner.heartbeat_timeout or None
+    except TimeoutError as exc:
+        sock.close()
+        raise Timeout(f"worker {address} did not complete the handshake within {timeout:g} s") from exc
+    except (OSError, TorchfeedError):
+        sock.close()
+        raise
+    return sock, channel
+
+
 class Connection:
     """An authenticated connection to one worker, looked after by ``session`` (its owner:
     a :class:`~torchfeed.Session`, e.g. ``torchfeed.client.default_session()``)."""
@@ -122,33 +163,7 @@ class Connection:
         self.address = format_address(address)
         host, port = parse_address(address)
         self.secret = secret
-        try:
-            sock = socket.create_connection((host, port), timeout=timeout)
-        except OSError as exc:
-            raise WorkerLost(
-                f"could not connect to worker {self.address}: {connect_failure(exc, timeout)}. "
-                "Is `torchfeed worker` running there, and is the address right?",
-                {self.address: repr(exc)},
-            ) from exc
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            self.channel = auth.client_handshake(
-                sock, secret, self.address, integrity_only=auth.integrity_only_requested()
-            )
-            sock.settimeout(None)
-            # sends fail when the worker reads nothing for the heartbeat timeout (a hung
-            # worker must not block a sending thread forever); receives stay blocking
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 1, 0))
-            self.channel.send_stall_timeout = owner.heartbeat_timeout or None
-        except TimeoutError as exc:
-            sock.close()
-            raise Timeout(
-                f"worker {self.address} did not complete the handshake within {timeout:g} s"
-            ) from exc
-        except (OSError, TorchfeedError):
-            sock.close()
-            raise
+        sock, self.channel = _open(host, port, self.address, secret, timeout, owner)
         self.sock = sock
         self._send_lock = threading.Lock()
         self._pending_lock = threading.Lock()
@@ -296,10 +311,9 @@ class Connection:
                 try:
                     started, headed = time.perf_counter(), channel.bytes_received
                     channel.read_meta(frame)
-                    buffers = allocate(frame.buffer_lengths, pending.pin) if frame.buffer_lengths else []
-                    channel.read_buffers(buffers, frame, self.address)  # each record received counts as life
-                    if buffers:  # page-locked only once a large reply's bytes are here (buffers.PIN_AHEAD)
-                        buffers = pinned(buffers, frame.buffer_lengths, pending.pin)
+                    buffers = (  # each record received counts as life
+                        channel.receive_buffers(frame, pending.pin, self.address) if frame.buffer_lengths else []
+                    )
                     arriving = time.perf_counter() - started
                     if frame.buffer_lengths:  # how fast this reply arrived (header to last byte)
                         self.link.timed(channel.bytes_received - headed, arriving)
@@ -413,6 +427,7 @@ class Connection:
         except OSError:
             pass
         self.sock.close()
+        self.channel.close()  # a same-host connection's mappings (replies held keep theirs)
         if pending:
             lost = self._lost_error()
             for p in pending.values():

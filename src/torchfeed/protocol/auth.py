@@ -75,6 +75,9 @@ AUTH_BYTES = NONCE_BYTES + 1 + ENDPOINT_BYTES + MAC_BYTES
 NOT_THIS_WORKER = "not this worker: "  # an AUTH_FAIL reason: the connection reached the wrong worker
 MODE_ENCRYPTED = 0
 MODE_INTEGRITY_ONLY = 1
+# over a same-host Unix socket whose peer has this process's uid (protocol.localpath) only:
+# no seals at all (protocol.localchannel says why none are needed)
+MODE_LOCAL = 2
 MAKE_ONE = 'python -c "import secrets; print(secrets.token_hex(32))"'
 
 SecretLike = Union[str, bytes, "Secret", None]
@@ -357,10 +360,13 @@ class SessionKeys:
     send: bytes
     recv: bytes
     encrypt: bool
+    local: bool = False  # MODE_LOCAL: the channel is a LocalChannel, made by the caller
 
     def channel(self, sock, reader: wire.FrameReader | None = None) -> Channel:
         """The sealed channel on ``sock``; ``reader``: the handshake's reader, holding any bytes
         received past the handshake."""
+        if self.local:
+            raise ProtocolError("a same-host session has no sealed channel")
         return Channel(sock, self.send, self.recv, encrypt=self.encrypt, reader=reader)
 
 
@@ -372,8 +378,11 @@ def _session(
     to_worker = _hkdf(secret, salt, b"torchfeed/4 client->worker " + tag)
     to_client = _hkdf(secret, salt, b"torchfeed/4 worker->client " + tag)
     encrypt = mode == MODE_ENCRYPTED
+    local = mode == MODE_LOCAL
     return (
-        SessionKeys(to_client, to_worker, encrypt) if worker else SessionKeys(to_worker, to_client, encrypt)
+        SessionKeys(to_client, to_worker, encrypt, local)
+        if worker
+        else SessionKeys(to_worker, to_client, encrypt, local)
     )
 
 
@@ -384,8 +393,11 @@ def hello_meta(allow_integrity_only: bool) -> bytes:
     return secrets.token_bytes(NONCE_BYTES) + bytes([1 if allow_integrity_only else 0])
 
 
-def check_auth(secret: Secret, hello: bytes, auth_meta: bytes) -> tuple[bool, bytes, SessionKeys]:
-    """Check a client's AUTH meta against our HELLO meta.
+def check_auth(
+    secret: Secret, hello: bytes, auth_meta: bytes, *, same_host: bool = False
+) -> tuple[bool, bytes, SessionKeys]:
+    """Check a client's AUTH meta against our HELLO meta (``same_host``: it came over the
+    same-host socket from a peer of this uid, where MODE_LOCAL is allowed).
 
     Returns ``(ok, reply meta, keys)``: on success the reply is the AUTH_OK proof, else
     the AUTH_FAIL reason text (keys are then meaningless). Whether the dialled endpoint
@@ -397,7 +409,15 @@ def check_auth(secret: Secret, hello: bytes, auth_meta: bytes) -> tuple[bool, by
     dialled = dialled_of(auth_meta)
     if not hmac.compare_digest(proof, handshake_proof(secret.value, b"client", hello, cnonce, mode, dialled)):
         return False, b"wrong secret", SessionKeys(b"", b"", True)
-    if mode not in (MODE_ENCRYPTED, MODE_INTEGRITY_ONLY) or (mode == MODE_INTEGRITY_ONLY and not hello[-1]):
+    if mode == MODE_LOCAL and not same_host:
+        return (
+            False,
+            b"unsealed same-host sessions are only for the worker's same-host socket",
+            SessionKeys(b"", b"", True),
+        )
+    if mode not in (MODE_ENCRYPTED, MODE_INTEGRITY_ONLY, MODE_LOCAL) or (
+        mode == MODE_INTEGRITY_ONLY and not hello[-1]
+    ):
         return (
             False,
             b"this worker requires encryption (it was not started with --trusted-network-no-encryption)",
@@ -429,8 +449,24 @@ def _refused(address: str, reason: str, secret: Secret) -> AuthenticationError:
 
 
 def client_handshake(sock, secret: Secret, address: str, *, integrity_only: bool = False) -> Channel:
-    """Run the client side of the handshake on a connected socket; return the sealed channel."""
-    reader = wire.FrameReader(sock)
+    """Run the client side of the handshake on a connected TCP socket; return the sealed channel."""
+    keys, reader = client_session(sock, secret, address, integrity_only=integrity_only)
+    return keys.channel(sock, reader)
+
+
+def client_session(
+    sock,
+    secret: Secret,
+    address: str,
+    *,
+    integrity_only: bool = False,
+    same_host: tuple[str, int] | None = None,
+    reader: wire.FrameReader | None = None,
+) -> tuple[SessionKeys, wire.FrameReader]:
+    """Run the client side of the handshake on a connected socket; return the session's keys
+    and the reader holding what arrived past the handshake. ``same_host``: the socket is the
+    worker's same-host socket, and this is the TCP endpoint it stands for (MODE_LOCAL)."""
+    reader = reader or wire.FrameReader(sock)
     frame = reader.read_frame(wire.HANDSHAKE_LIMITS)
     if frame.kind == wire.BYE:
         raise ProtocolError(f"worker {address} refused the connection: {frame.meta.decode(errors='replace')}")
@@ -438,8 +474,10 @@ def client_handshake(sock, secret: Secret, address: str, *, integrity_only: bool
         raise ProtocolError(f"worker {address} sent an unexpected greeting (kind {frame.kind})")
     hello = frame.meta
     mode = MODE_INTEGRITY_ONLY if integrity_only and hello[-1] else MODE_ENCRYPTED
+    if same_host is not None:
+        mode = MODE_LOCAL
     cnonce = secrets.token_bytes(NONCE_BYTES)
-    dialled = _dialled(sock)
+    dialled = _dialled(sock) if same_host is None else pack_endpoint(same_host)
     proof = handshake_proof(secret.value, b"client", hello, cnonce, mode, dialled)
     wire.send_frame(sock, wire.AUTH, meta=cnonce + bytes([mode]) + dialled + proof)
     frame = reader.read_frame(wire.HANDSHAKE_LIMITS)
@@ -455,5 +493,4 @@ def client_handshake(sock, secret: Secret, address: str, *, integrity_only: bool
             f"worker {address} could not prove it holds our secret (it may be an impostor or use "
             "another secret); " + fix_hint(secret)
         )
-    keys = _session(secret.value, hello, cnonce, mode, dialled, worker=False)
-    return keys.channel(sock, reader)
+    return _session(secret.value, hello, cnonce, mode, dialled, worker=False), reader

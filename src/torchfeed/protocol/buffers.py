@@ -10,10 +10,12 @@ garbage collected, so steady-state batches land in memory that is already mapped
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -96,10 +98,35 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+_here = threading.local()
+
+
+class Lender(Protocol):
+    def lease(self, nbytes: int) -> np.ndarray | None: ...
+
+
+@contextlib.contextmanager
+def lending(lender: Lender | None):
+    """Within this block, large arrays this thread allocates come from ``lender`` (a
+    same-host connection's shared slots: a worker's batch is stacked straight into memory
+    the trainer maps) while it has room, else from the pool."""
+    before = getattr(_here, "lender", None)
+    _here.lender = lender
+    try:
+        yield
+    finally:
+        _here.lender = before
+
+
 def empty_array(nbytes: int) -> np.ndarray:
     """A uint8 array of ``nbytes``, pooled when large."""
     if nbytes < MIN_POOLED:
         return np.empty(nbytes, dtype=np.uint8)
+    lender = getattr(_here, "lender", None)
+    if lender is not None:
+        got = lender.lease(nbytes)
+        if got is not None:
+            return got
     return pool.lease(nbytes)
 
 
@@ -176,6 +203,19 @@ def allocate(lengths: Sequence[int], pin: bool = False, *, arrived: bool = False
     else:
         arr = empty_array(max(total, 1))
     return [_view(arr[o : o + n]) for o, n in zip(offsets, lengths)]
+
+
+def register_host(address: int, nbytes: int) -> bool:
+    """Register ``nbytes`` of host memory at ``address`` as page-locked with CUDA (shared
+    slots: registered once, then every batch in them copies to the GPU asynchronously);
+    False where CUDA is not available or refuses."""
+    if not _cuda_pinnable():
+        return False
+    return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)) == 0
+
+
+def unregister_host(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
 
 
 def pinned(views: list[memoryview], lengths: Sequence[int], pin: bool) -> list[memoryview]:

@@ -42,6 +42,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ..errors import FrameTooLarge, ProtocolError
 from . import codec, wire
+from .buffers import allocate, pinned
 
 TAG = 16
 CHUNK = 256 * 1024  # plaintext bytes per record: large enough to amortise, small enough for cache
@@ -60,6 +61,8 @@ class Channel:
     Not thread safe: one thread reads, and sends are serialised by the owner (one lock
     or one writer thread), because each record consumes the next counter value.
     """
+
+    local = False  # a same-host channel (protocol.localchannel) says True
 
     def __init__(
         self,
@@ -252,6 +255,8 @@ class Channel:
         head = bytearray(wire.HEADER.size)
         self._open_into(memoryview(head))
         kind, flags, request_id, meta_len, nbuf, aux = wire.parse_header(bytes(head))
+        if flags & wire.FLAG_SHM and not self._shm_allowed():
+            raise ProtocolError("shared memory announced on a connection from another host")
         if nbuf > limits.max_buffers:
             raise ProtocolError(f"{nbuf} buffers exceed the limit of {limits.max_buffers}")
         lengths: list[int] = []
@@ -300,6 +305,19 @@ class Channel:
         frame = self.read_header(limits)
         self.read_meta(frame)
         return frame
+
+    def _shm_allowed(self) -> bool:
+        return False
+
+    def receive_buffers(self, frame: wire.Frame, pin: bool, peer: str) -> list[memoryview]:
+        """The buffers of ``frame`` (after its meta), in one block allocated for them
+        (page-locked when ``pin`` asks and CUDA is here; ``peer`` names the sender in errors)."""
+        buffers = allocate(frame.buffer_lengths, pin)
+        self.read_buffers(buffers, frame, peer)
+        return pinned(buffers, frame.buffer_lengths, pin)  # page-locked once a large reply is here
+
+    def close(self) -> None:
+        """Let go of what the channel holds beside its socket (nothing, here)."""
 
     def read_buffers(
         self, dests: Sequence[memoryview], frame: wire.Frame | None = None, peer: str = ""

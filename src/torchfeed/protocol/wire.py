@@ -75,6 +75,9 @@ FLAG_RREF = 1  # CALL / CALL_REF: keep the result on the worker, reply with a re
 FLAG_CODEC_SHIFT = 1
 FLAG_CODEC = 3 << FLAG_CODEC_SHIFT
 FLAG_PACKED = 8  # REPLY: a codec byte per buffer follows the length table (protocol.codec)
+# REPLY on a same-host connection only: a shared-memory table follows the length table
+# (protocol.shm): new slots, dropped slots, and where each buffer was placed
+FLAG_SHM = 16
 
 _STAGING = 4096  # small reads go through a staging buffer to save syscalls
 _DIRECT = _STAGING  # reads at least this long go straight into the destination
@@ -108,6 +111,7 @@ class Frame:
     meta_len: int = 0
     aux: int = 0  # CALL: the trainer's measured reply rate in KiB/s (see FLAG_CODEC)
     codecs: bytes = b""  # a packed REPLY: one codec per buffer (protocol.codec)
+    where: list | None = None  # FLAG_SHM: per buffer (slot id, offset); slot 0: in the message
 
     @property
     def size(self) -> int:

@@ -32,8 +32,10 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
+import os
 import selectors
 import socket
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -110,15 +112,23 @@ def source_of(host: str) -> str:
 
 
 class _Handshake:
-    __slots__ = ("sock", "peer", "host", "source", "hello", "buf", "deadline")
+    __slots__ = ("sock", "peer", "host", "source", "hello", "buf", "deadline", "same_host")
 
-    def __init__(self, sock: socket.socket, peer: str, host: str, hello: bytes, deadline: float):
+    def __init__(
+        self, sock: socket.socket, peer: str, host: str, hello: bytes, deadline: float, same_host: bool = False
+    ):
         self.sock, self.peer, self.host, self.hello, self.deadline = sock, peer, host, hello, deadline
         self.source = source_of(host)
         self.buf = bytearray()
+        self.same_host = same_host  # came over the same-host socket from a peer of our uid
 
 
-def judge(received: bytes, hello: bytes, secret: auth.Secret) -> tuple[str, bytes, auth.SessionKeys | None]:
+_SAME_HOST = "same-host"  # the selector's mark of the same-host listener (the TCP one: None)
+
+
+def judge(
+    received: bytes, hello: bytes, secret: auth.Secret, same_host: bool = False
+) -> tuple[str, bytes, auth.SessionKeys | None]:
     """Judge what a connecting peer sent after our HELLO (pure: no I/O, no unpickling).
 
     Returns ``(verdict, reply, keys)``: ``"more"`` (wait for more bytes), ``"bye"`` (not
@@ -134,14 +144,16 @@ def judge(received: bytes, hello: bytes, secret: auth.Secret) -> tuple[str, byte
                 )
         if len(received) < _AUTH_FRAME:
             return "more", b"", None
-        ok, reply, keys = auth.check_auth(secret, hello, received[wire.HEADER.size : _AUTH_FRAME])
+        ok, reply, keys = auth.check_auth(
+            secret, hello, received[wire.HEADER.size : _AUTH_FRAME], same_host=same_host
+        )
     except ProtocolError as exc:
         return "bye", str(exc).encode()[:400], None
     return ("ok", reply, keys) if ok else ("fail", reply, None)
 
 
 def _listener_last(event) -> bool:
-    return event[0].data is None
+    return event[0].data in (None, _SAME_HOST)
 
 
 class Doorman:
@@ -159,8 +171,10 @@ class Doorman:
         allow_integrity_only: bool = False,
         limiter: FailureLimiter | None = None,
         names: Names | None = None,
+        same_host: socket.socket | None = None,
     ):
         self.listener = listener
+        self.same_host = same_host  # the Unix listener beside the TCP one (protocol.localpath)
         self.secret = secret
         self.on_authenticated = on_authenticated
         self.handshake_timeout = handshake_timeout
@@ -185,8 +199,7 @@ class Doorman:
 
     # -- loop ---------------------------------------------------------------------
     def run(self) -> None:
-        self.listener.setblocking(False)
-        self._sel.register(self.listener, selectors.EVENT_READ, None)
+        self._listen(True)
         try:
             while not self.stopping.is_set():
                 try:
@@ -197,8 +210,8 @@ class Doorman:
                 # handshakes in progress first: an honest AUTH never waits behind a burst of accepts
                 for key, _ in sorted(self._sel.select(timeout=self._wait()), key=_listener_last):
                     try:
-                        if key.data is None:
-                            self._accept_some()
+                        if key.data in (None, _SAME_HOST):
+                            self._accept_some(key.fileobj, key.data == _SAME_HOST)
                         else:
                             self._advance(key.data)
                     except Exception:  # a bug here must cost one peer, never the accept loop
@@ -218,10 +231,20 @@ class Doorman:
             wait = min(wait, max(0.0, self._accept_paused_until - time.monotonic()))
         return wait
 
-    def _accept_some(self) -> None:
+    def _listen(self, on: bool) -> None:
+        for listener, mark in ((self.listener, None), (self.same_host, _SAME_HOST)):
+            if listener is None:
+                continue
+            if on:
+                listener.setblocking(False)
+                self._sel.register(listener, selectors.EVENT_READ, mark)
+            else:
+                self._sel.unregister(listener)
+
+    def _accept_some(self, listener, same_host: bool) -> None:
         for _ in range(16):  # then let handshakes in progress run
             try:
-                sock, addr = self.listener.accept()
+                sock, addr = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
@@ -233,14 +256,17 @@ class Doorman:
                     self.say(logging.INFO, "accept", "accept failed: %s", exc)
                 return
             self._backoff = 0.0
-            self._admit(sock, addr)
+            if same_host:
+                self._admit_same_host(sock)
+            else:
+                self._admit(sock, addr)
 
     def _pause_accepting(self, exc: OSError) -> None:
         if self._pending:  # free a descriptor for the next real client
             self._evict()
         self._backoff = double_delay(self._backoff, 0.01, 1.0)
         self._accept_paused_until = time.monotonic() + self._backoff
-        self._sel.unregister(self.listener)
+        self._listen(False)
         self.say(
             logging.WARNING,
             "accept-resources",
@@ -254,9 +280,29 @@ class Doorman:
     def _maybe_resume_accepting(self) -> None:
         if self._accept_paused_until and time.monotonic() >= self._accept_paused_until:
             self._accept_paused_until = 0.0
-            self._sel.register(self.listener, selectors.EVENT_READ, None)
+            self._listen(True)
 
-    def _admit(self, sock: socket.socket, addr) -> None:
+    def _admit_same_host(self, sock: socket.socket) -> None:
+        """A connection on the same-host socket: only a process of this uid gets a byte."""
+        try:
+            pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        except OSError:
+            sock.close()
+            return
+        if uid != os.getuid():
+            self.say(
+                logging.WARNING,
+                f"same-host uid {uid}",
+                "refused a same-host connection from process %d of uid %d (this worker runs as uid %d)",
+                pid,
+                uid,
+                os.getuid(),
+            )
+            sock.close()
+            return
+        self._admit(sock, ("same-host", pid), same_host=True)
+
+    def _admit(self, sock: socket.socket, addr, same_host: bool = False) -> None:
         host = str(addr[0])
         peer = f"{addr[0]}:{addr[1]}"
         while len(self._pending) >= self.max_pending:
@@ -264,14 +310,15 @@ class Doorman:
         hello = auth.hello_meta(self.allow_integrity_only)
         try:
             sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if not same_host:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             frame = wire.pack_header(wire.HELLO, 0, len(hello), []) + hello
             if sock.send(frame) != len(frame):
                 raise BlockingIOError("greeting did not fit the send buffer")
         except OSError:
             sock.close()
             return
-        hs = _Handshake(sock, peer, host, hello, time.monotonic() + self.handshake_timeout)
+        hs = _Handshake(sock, peer, host, hello, time.monotonic() + self.handshake_timeout, same_host)
         try:
             self._sel.register(sock, selectors.EVENT_READ, hs)
         except (OSError, ValueError):
@@ -292,7 +339,7 @@ class Doorman:
             self._close(hs)
             return
         hs.buf += data
-        verdict, reply, keys = judge(bytes(hs.buf), hs.hello, self.secret)
+        verdict, reply, keys = judge(bytes(hs.buf), hs.hello, self.secret, hs.same_host)
         if verdict == "more":
             return
         if verdict == "bye":
@@ -333,8 +380,9 @@ class Doorman:
     def _misrouted(self, hs: _Handshake) -> bool:
         """Refuse (and close) a client whose dialled endpoint is not this worker's."""
         dialled = auth.dialled_of(bytes(hs.buf[wire.HEADER.size : _AUTH_FRAME]))
-        try:
-            refusal = self.names.refusal(dialled, hs.sock.getsockname())
+        try:  # a same-host peer dialled the TCP endpoint it stands for
+            here = self.listener if hs.same_host else hs.sock
+            refusal = self.names.refusal(dialled, here.getsockname())
         except OSError:  # the socket is gone
             refusal = "connection lost"
         if refusal is None:

@@ -91,6 +91,15 @@ class WorkerOptions:
             "SIZE",
         ),
     )
+    shm_bytes: int = field(
+        default=1 << 30,
+        metadata=_cli(
+            "shared memory for the batches of each trainer on this machine (the same-host path; e.g. "
+            "256MiB; default 1GiB, taken as batches need it); past it batches travel through the socket",
+            _size,
+            "SIZE",
+        ),
+    )
     metrics_port: int | None = field(
         default=None,
         metadata=_cli(
@@ -171,6 +180,7 @@ class WorkerOptions:
     def __post_init__(self) -> None:
         if self.cache_size is not None:
             object.__setattr__(self, "cache_size", parse_size(self.cache_size))
+        object.__setattr__(self, "shm_bytes", parse_size(self.shm_bytes))
         object.__setattr__(self, "reachable_at", tuple(self.reachable_at))
         for entry in self.reachable_at:
             parse_reachable(entry)

@@ -52,8 +52,10 @@ import threading
 import time
 from collections.abc import Sequence
 
-from ..protocol import auth, wire
+from ..protocol import auth, localpath, shm, wire
 from ..protocol.addrfile import announce
+from ..protocol.channel import Channel
+from ..protocol.localchannel import FdReader, LocalChannel
 from . import counters as workerstats
 from . import samplestore as workercache
 from .doorman import Doorman
@@ -82,6 +84,7 @@ class WorkerServer:
         max_pending_handshakes: int = 128,
         integrity_only: bool | None = None,
         reachable_at: Sequence[str] = (),
+        shm_bytes: int = shm.DEFAULT_BUDGET,
     ):
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
@@ -89,6 +92,9 @@ class WorkerServer:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         if max_pending_handshakes < 1:
             raise ValueError(f"max_pending_handshakes must be >= 1, got {max_pending_handshakes}")
+        if shm_bytes < 0:
+            raise ValueError(f"shm_bytes must be >= 0, got {shm_bytes}")
+        self.shm_bytes = shm_bytes  # shared slots per same-host connection (protocol.shm)
         self.secret = auth.load_secret(secret)
         self.timeout = float(timeout)
         self.handshake_timeout = float(handshake_timeout)
@@ -117,6 +123,7 @@ class WorkerServer:
         except ValueError:
             self.listener.close()
             raise
+        self.same_host_listener = localpath.listen_beside(self.listener)
         self.doorman = Doorman(
             self.listener,
             self.secret,
@@ -126,6 +133,7 @@ class WorkerServer:
             max_pending=max_pending_handshakes,
             allow_integrity_only=integrity_only,
             names=names,
+            same_host=self.same_host_listener,
         )
         self._threads = [
             threading.Thread(target=self._executor, name=f"torchfeed-exec-{i}", daemon=True)
@@ -137,10 +145,16 @@ class WorkerServer:
 
     # -- connections ------------------------------------------------------
     def _authenticated(self, sock: socket.socket, peer: str, keys: auth.SessionKeys, leftover: bytes) -> None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         # a blocked send returns every second, so the writer can tell a stalled peer
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(1.0))
-        conn = ServerConnection(self, sock, peer, keys.channel(sock, wire.FrameReader(sock, leftover)))
+        channel: Channel
+        if keys.local:
+            arena = shm.Arena(self.shm_bytes, _over_budget)
+            channel = LocalChannel(sock, reader=FdReader(sock, leftover), arena=arena)
+        else:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            channel = keys.channel(sock, wire.FrameReader(sock, leftover))
+        conn = ServerConnection(self, sock, peer, channel)
         with self._conns_lock:
             self._conns.add(conn)
         conn.start()
@@ -172,6 +186,8 @@ class WorkerServer:
         except OSError:
             pass
         self.listener.close()
+        if self.same_host_listener is not None:
+            self.same_host_listener.close()
         for conn in self.connections():
             conn.close()  # drops the calls it had queued
         self.tasks.close()  # executors leave after the call they are running
@@ -212,6 +228,21 @@ class WorkerServer:
                         conn.silent_for(now),
                     )
                     conn.close()
+
+
+_said_budget: set = set()
+
+
+def _over_budget(wanted: int, budget: int) -> None:
+    if budget not in _said_budget:
+        _said_budget.add(budget)
+        log.warning(
+            "a reply needs %s bytes of shared memory beyond this worker's --shm-bytes of %s per same-host trainer "
+            "(the trainer holds that much of its batches): it travels through the socket instead, with a copy. "
+            "Start the worker with a larger --shm-bytes to keep batches in shared memory",
+            f"{wanted:,}",
+            f"{budget:,}",
+        )
 
 
 def _timeval(seconds: float) -> bytes:
@@ -284,6 +315,7 @@ def run_worker(
         max_pending_handshakes=max_handshakes,
         integrity_only=integrity_only,
         reachable_at=reachable_at,
+        shm_bytes=options.shm_bytes,
     )
     workercache.configure(
         workercache.DEFAULT_SIZE if options.cache_size is None else options.cache_size,

@@ -27,7 +27,7 @@ from typing import Protocol
 from .. import seeding
 from ..errors import FrameTooLarge, LimitExceeded, ProtocolError
 from ..protocol import codec, errordata, serialize, wire
-from ..protocol.buffers import allocate
+from ..protocol.buffers import allocate, lending
 from ..protocol.channel import CHUNK
 from ..protocol.limits import check_reply
 from . import counters as workerstats
@@ -112,6 +112,7 @@ class ServerConnection:
         except OSError:
             pass
         self.sock.close()
+        self.channel.close()  # a same-host connection's shared slots
         for _conn, frame, _buffers in self.server.tasks.drop(self):  # calls that will never run
             self._answered(frame)
         self.server.registry.drop_owner(self.id)
@@ -305,7 +306,9 @@ class ServerConnection:
                 func = self.server.registry.get(ref_id, self.server.address)
             if not getattr(func, "manages_rng", False):
                 seeding.restore_outside()  # seeded loading may have left its seeds behind
-            result = func(*(args or ()), **(kwargs or {}))
+            # a same-host trainer's batches are stacked straight into the slots it maps
+            with lending(self.channel.arena if self.channel.local else None):
+                result = func(*(args or ()), **(kwargs or {}))
             flags = frame.flags & wire.FLAG_RREF
             out: list[memoryview]
             packed = None
@@ -316,7 +319,7 @@ class ServerConnection:
                 meta, out = serialize.dumps_reply(result)
                 check_reply(meta, out, getattr(func, "reply_limits", None))
                 mode = (frame.flags & wire.FLAG_CODEC) >> wire.FLAG_CODEC_SHIFT
-                if mode and out:  # compress, then seal (the writer seals what this made)
+                if mode and out and not self.channel.local:  # compress, then seal (the writer seals it)
                     packed = self.codec.pack(out, mode, codec.rate_of_hint(frame.aux))
             del result
         except BaseException as exc:  # user code may raise anything, SystemExit and Ctrl-C included

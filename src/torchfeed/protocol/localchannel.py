@@ -1,0 +1,212 @@
+"""The message layer of a same-host connection: the records of :mod:`.channel`, unsealed,
+with large reply buffers in shared memory.
+
+Why no encryption: the connection is a Unix socket whose peer runs under this process's
+own uid, as the kernel attests (:mod:`torchfeed.protocol.localpath`). Its bytes never leave
+the kernel, and no other user can read or inject into them; a process of the same user
+could read either side's memory anyway. The handshake before it still proves both sides
+hold the same secret, so a trainer never talks to another job's worker by mistake.
+
+Layout: as a sealed message without tags. A reply with ``wire.FLAG_SHM`` carries, after its
+buffer-length table, the table of :func:`torchfeed.protocol.shm.parse_table`; the buffers
+placed in slots do not travel, the others follow the meta as usual. The descriptors of new
+slots travel with the message's first bytes (``SCM_RIGHTS``); the reader collects every
+descriptor that arrives, in order, and a message takes the ones it announces. Only workers
+send descriptors and shared memory: a worker receiving one closes the connection.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+import struct
+from collections import deque
+
+from ..errors import ProtocolError
+from . import shm, wire
+from .buffers import allocate, pinned
+from .channel import Channel
+
+_MAX_FDS = 2 * shm.MAX_NEW  # descriptors one read may bring (one message's, and the next's)
+_ANC = socket.CMSG_SPACE(_MAX_FDS * 4)
+
+
+class FdReader(wire.FrameReader):
+    """A :class:`~torchfeed.protocol.wire.FrameReader` that keeps the descriptors that arrive.
+
+    Descriptors travel with the first byte of their message; only the staged reads can
+    reach a message's first byte (a direct read fills exactly the rest of the message being
+    read), so only they ask for ancillary data."""
+
+    def __init__(self, sock: socket.socket, initial: bytes = b""):
+        super().__init__(sock, initial)
+        self.fds: deque[int] = deque()
+
+    def _recv_some(self) -> None:
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._buf):
+            n = self._end - self._start
+            self._buf[:n] = self._buf[self._start : self._end]
+            self._start, self._end = 0, n
+        got, anc, flags, _ = self.sock.recvmsg_into([self._view[self._end :]], _ANC, socket.MSG_CMSG_CLOEXEC)
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+                self.fds.extend(fds)
+        if flags & socket.MSG_CTRUNC or len(self.fds) > _MAX_FDS:
+            self.close_fds()
+            raise ProtocolError("the peer sent more file descriptors than one message may carry")
+        if not got:
+            raise ConnectionError("connection closed by peer")
+        self._end += got
+        self.bytes_received += got
+
+    def close_fds(self) -> None:
+        while self.fds:
+            os.close(self.fds.popleft())
+
+
+class LocalChannel(Channel):
+    """Message I/O on a same-host connection (see the module docstring).
+
+    ``arena``: the worker's :class:`~torchfeed.protocol.shm.Arena` (replies are placed in
+    it); ``mappings``: the trainer's :class:`~torchfeed.protocol.shm.Mappings`. Exactly one
+    of them is given. Not thread safe, as :class:`~torchfeed.protocol.channel.Channel`."""
+
+    local = True
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        reader: FdReader,
+        arena: shm.Arena | None = None,
+        mappings: shm.Mappings | None = None,
+    ):
+        super().__init__(sock, bytes(32), bytes(32), encrypt=False, reader=reader)
+        self._fd_reader = reader
+        self.arena = arena
+        self.mappings = mappings
+
+    # -- records without seals ------------------------------------------------------
+    def _seal_small(self, data) -> list:
+        self._send_seq += 1
+        return [data]
+
+    def _open_into(self, dest: memoryview) -> None:
+        self._recv_seq += 1
+        self._fill(dest)
+
+    # -- sending ------------------------------------------------------------------
+    def send(self, kind, request_id=0, meta=b"", buffers=(), flags=0, *, aux=0, packed=None) -> None:
+        if packed is not None:
+            raise ValueError("same-host connections send buffers as they are (no compression)")
+        views = [memoryview(b).cast("B") for b in buffers]
+        placed = None
+        if self.arena is not None and any(v.nbytes >= shm.MIN_PLACED for v in views):
+            placed = self.arena.place(views)
+            flags |= wire.FLAG_SHM
+        parts: list = [wire.pack_fixed(kind, request_id, len(meta), len(views), flags, aux)]
+        if views:
+            parts.append(struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views)))
+        if placed is not None:
+            parts.append(placed.table())
+        if meta:
+            parts.append(meta)
+        parts += [v for i, v in enumerate(views) if v.nbytes and (placed is None or placed.where[i][0] == 0)]
+        if placed is not None and placed.new:
+            self._send_with_fds(parts, placed.fds)
+        else:
+            self._write(parts)
+
+    def _send_with_fds(self, parts: list, fds: list[int]) -> None:
+        """Send ``parts`` with ``fds`` attached to their first byte."""
+        views = [memoryview(p).cast("B") for p in parts]
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+        while True:  # the first bytes carry the descriptors: retried until some are taken
+            try:
+                sent = self.sock.sendmsg(views[:512], rights)
+                break
+            except BlockingIOError:  # SO_SNDTIMEO: a peer reading nothing
+                if self.send_stall_timeout is None:
+                    raise TimeoutError("the peer reads nothing") from None
+                raise TimeoutError(f"the peer read nothing for {self.send_stall_timeout} s") from None
+        rest = []
+        for v in views:
+            if sent >= v.nbytes:
+                sent -= v.nbytes
+            else:
+                rest.append(v[sent:])
+                sent = 0
+        if rest:
+            self._write(rest)
+
+    # -- receiving ----------------------------------------------------------------
+    def read_header(self, limits: wire.Limits) -> wire.Frame:
+        frame = super().read_header(limits)
+        if frame.flags & wire.FLAG_SHM:
+            if self.mappings is None:
+                raise ProtocolError("a trainer may not send shared memory to a worker")
+            self._read_table(frame)
+        if self._fd_reader.fds and self.mappings is None:
+            self._fd_reader.close_fds()
+            raise ProtocolError("a trainer may not send file descriptors to a worker")
+        return frame
+
+    def _shm_allowed(self) -> bool:
+        return True
+
+    def _read_table(self, frame: wire.Frame) -> None:
+        def read(n: int) -> bytes:
+            raw = bytearray(n)
+            if n:
+                self._open_into(memoryview(raw))
+            return bytes(raw)
+
+        assert self.mappings is not None
+        new, dropped, where = shm.parse_table(read, len(frame.buffer_lengths))
+        fds = self._fd_reader.fds
+        if len(fds) < len(new):
+            self._fd_reader.close_fds()
+            raise ProtocolError(f"a reply announced {len(new)} shared slots and brought {len(fds)} descriptors")
+        taken = [fds.popleft() for _ in new]
+        for k, ((slot_id, capacity), fd) in enumerate(zip(new, taken)):
+            try:
+                self.mappings.add(slot_id, capacity, fd)
+            except BaseException:
+                for other in taken[k + 1 :]:
+                    os.close(other)
+                raise
+        self.mappings.drop(dropped)
+        frame.where = where
+
+    def receive_buffers(self, frame: wire.Frame, pin: bool, peer: str) -> list[memoryview]:
+        if frame.where is None:
+            return super().receive_buffers(frame, pin, peer)
+        assert self.mappings is not None
+        placed = self.mappings.views(frame.where, frame.buffer_lengths, pin=pin)
+        inline = [n for n, view in zip(frame.buffer_lengths, placed) if view is None]
+        received = allocate(inline, pin) if inline else []
+        self.read_buffers(received, None, peer)
+        rest = iter(pinned(received, inline, pin) if received else [])
+        return [view if view is not None else next(rest) for view in placed]
+
+    def skip(self, frame: wire.Frame, meta: bool = True) -> None:
+        if frame.where is None:
+            super().skip(frame, meta)
+            return
+        assert self.mappings is not None
+        self.mappings.release({slot for slot, _ in frame.where if slot})
+        inline = [n for n, (slot, _) in zip(frame.buffer_lengths, frame.where) if slot == 0]
+        rest = wire.Frame(frame.kind, frame.flags, frame.request_id, frame.meta, inline, frame.meta_len)
+        super().skip(rest, meta)
+
+    def close(self) -> None:
+        self._fd_reader.close_fds()
+        if self.arena is not None:
+            self.arena.close()
+        if self.mappings is not None:
+            self.mappings.close()
