@@ -475,6 +475,7 @@ class RemoteDataLoader(DataLoader[T_co]):
             length=length,
             reply_policy=self._reply_policy,
             compression=self._compression,
+            split_first=self._auto_collation and self.collate_fn is default_collate,
         )
 
     def _keep_estimates(self, estimates: dict[str, float]) -> None:

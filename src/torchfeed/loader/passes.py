@@ -18,6 +18,7 @@ from typing import Any
 from .. import events
 from ..errors import RemoteError, TorchfeedError, WorkerLost
 from . import plan as passplan
+from . import split
 from .basepass import POLL_SECONDS, Delivery, Pass
 from .ledger import Ledger
 from .plan import PassPlan, new_pass_id
@@ -87,6 +88,7 @@ class MapPass(Pass):
         self._predicted = False  # whether the next pass's first batches were predicted
         self._next_head: Head | None = None  # their prefetch, if they could be
         self.prefetched = 0  # batches of this pass loaded by the previous one
+        self._parts = 1  # scheduler batches the first batch was cut into (loader/split.py)
         workers = self._source.alive_workers()
         failed = plan.fetchers.ensure(workers)
         for w, exc in failed.items():
@@ -142,6 +144,9 @@ class MapPass(Pass):
                 break
         with self._lock:
             for idx in batches:
+                if self._sched.known == 0 and self._head is None and self._config.split_first:
+                    self._add_split(idx)
+                    continue
                 seq = self._sched.add_batch()
                 self._ledger.indices[seq] = idx
                 if self._head is not None:
@@ -149,6 +154,34 @@ class MapPass(Pass):
             if exhausted:
                 self._sched.exhausted = True
                 self._ready.notify()
+
+    def _add_split(self, idx) -> None:
+        """Add the pass's first batch as one part per serving worker (lock held)."""
+        parts = split.parts_of(idx, len(self._sched.serving_workers()))
+        for part in parts:
+            self._ledger.indices[self._sched.add_batch()] = part
+        self._parts = len(parts)
+        if self._sched.pass_length is not None:
+            self._sched.pass_length += len(parts) - 1
+
+    def _take_first(self) -> Delivery | None:
+        """The first batch, once every part of it is here: one delivery (lock held)."""
+        if any(seq not in self._ledger.results for seq in range(self._parts)):
+            return None
+        taken = [self._ledger.take(seq) for seq in range(self._parts)]
+        keys = [key for t in taken if t is not None for key in t.keys]
+        samples = sum(t.samples for t in taken if t is not None)
+        failed = next((t for t in taken if t is not None and not t.ok), None)
+        for _ in taken:
+            self._sched.take_delivered()
+        self._parts = 1
+        if failed is not None:
+            return Delivery(False, failed.value, samples, keys)
+        try:
+            value = split.join([t.value for t in taken if t is not None])
+        except Exception as exc:  # noqa: BLE001 - the batch fails in its turn, with the reason
+            return Delivery(False, exc, samples, keys)
+        return Delivery(True, value, samples, keys)
 
     def _adopt(self, head: Head, seq: int, idx) -> None:
         """Use the prefetched copy of batch ``seq`` if it loads the same keys (lock held)."""
@@ -358,7 +391,7 @@ class MapPass(Pass):
                 value = value.with_indices(self._ledger.keys(seq))
         if accepted:
             self._ledger.settle(seq, ok, value, others)
-            if seq == self._sched.delivered:
+            if seq == self._sched.delivered or seq < self._parts:  # a part of the first batch
                 self._ready.notify()
 
     def _settle_broken(self, address: str, seq: int, ok: bool, value: Any, exc: Exception) -> None:
@@ -385,10 +418,14 @@ class MapPass(Pass):
     def _poll(self) -> Delivery | None:
         sched = self._sched
         seq = sched.delivered
-        taken = self._ledger.take(seq)
+        if self._parts > 1 and seq == 0:
+            taken = self._take_first()
+        else:
+            taken = self._ledger.take(seq)
+            if taken is not None:
+                sched.take_delivered()
         if taken is not None:
             self._plan.progress.handed(taken.samples, taken.keys)
-            sched.take_delivered()
             if sched.known >= seq + sched.window:  # the window held the dispatch back
                 self._wake()
             return taken

@@ -156,6 +156,7 @@ class LoaderConfig:
     length: int | None  # len(loader) when the pass starts; None when it has no length
     reply_policy: Any  # how batches are loaded (protocol.replies.ReplyPolicy)
     compression: int = 0  # how batches may travel (a protocol.codec.MODES value)
+    split_first: bool = False  # a pass's first batch may be split across workers (loader/split.py)
 
 
 @dataclass

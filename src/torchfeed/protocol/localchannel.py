@@ -170,8 +170,9 @@ class LocalChannel(Channel):
         new, dropped, where = shm.parse_table(read, len(frame.buffer_lengths))
         fds = self._fd_reader.fds
         if len(fds) < len(new):
+            brought = len(fds)
             self._fd_reader.close_fds()
-            raise ProtocolError(f"a reply announced {len(new)} shared slots and brought {len(fds)} descriptors")
+            raise ProtocolError(f"a reply announced {len(new)} shared slots and brought {brought} descriptors")
         taken = [fds.popleft() for _ in new]
         for k, ((slot_id, capacity), fd) in enumerate(zip(new, taken)):
             try:

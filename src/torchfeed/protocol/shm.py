@@ -28,6 +28,7 @@ is incremented (a finalizer, under a lock: several threads may free batches).
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
@@ -56,8 +57,32 @@ def _address(buf) -> int:
     return int(np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0])
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def map_shared(fd: int, size: int) -> np.ndarray:
+    """``size`` bytes of ``fd`` mapped shared, as a uint8 array; unmapped when that array
+    and every view of it are gone. (Python's own mmap keeps a duplicate of the descriptor
+    for as long as the mapping lives: one more open file per slot on each side.)"""
+    address = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot map {size:,} bytes of shared memory: {os.strerror(err)}")
+    whole = np.frombuffer((ctypes.c_uint8 * size).from_address(address), dtype=np.uint8)
+    weakref.finalize(whole, _libc.munmap, address, size)
+    return whole
+
+
+def _counter(whole: np.ndarray) -> np.ndarray:
+    return whole[:8].view(np.uint64)
+
+
 class _Slot:
-    __slots__ = ("id", "fd", "map", "capacity", "start", "sent", "leased", "announced")
+    __slots__ = ("id", "fd", "whole", "capacity", "start", "sent", "leased", "announced")
 
     def __init__(self, slot_id: int, capacity: int):
         self.id, self.capacity = slot_id, capacity
@@ -65,27 +90,23 @@ class _Slot:
         try:
             os.ftruncate(self.fd, HEAD + capacity)
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
-            self.map = mmap.mmap(self.fd, HEAD + capacity)
+            self.whole = map_shared(self.fd, HEAD + capacity)
         except BaseException:
             os.close(self.fd)
             raise
-        self.start = _address(self.map) + HEAD
+        self.start = _address(self.whole) + HEAD
         self.sent = 0
         self.leased = 0  # worker arrays alive over this slot
         self.announced = False
 
     def released(self) -> int:
-        return int.from_bytes(self.map[:8], "little")
+        return int(_counter(self.whole)[0])
 
     def free(self) -> bool:
         return not self.leased and self.released() == self.sent
 
     def close(self) -> None:
-        os.close(self.fd)
-        try:
-            self.map.close()
-        except BufferError:  # a view still exports it: unmapped when that goes
-            pass
+        os.close(self.fd)  # the mapping goes with the last array over it
 
 
 class Placed:
@@ -161,7 +182,7 @@ class Arena:
             if slot is None:
                 return None
             slot.leased += 1
-        lease = np.frombuffer(slot.map, dtype=np.uint8, count=nbytes, offset=HEAD)
+        lease = slot.whole[HEAD : HEAD + nbytes]
         weakref.finalize(lease, self._unlease, slot)
         # as buffers.BlockPool: an array over a memoryview keeps `lease` alive in every slice
         return slot, np.frombuffer(memoryview(lease), dtype=np.uint8)  # type: ignore[arg-type,unused-ignore]
@@ -246,10 +267,10 @@ class Mappings:
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self._maps: dict[int, mmap.mmap] = {}
+        self._maps: dict[int, np.ndarray] = {}  # slot id -> the whole slot, mapped
         self._lock = threading.Lock()
         self.total = 0
-        self._pinned: dict[int, int] = {}  # id(mapping) -> its address, registered with CUDA once
+        self._pinned: dict[int, int] = {}  # slot id -> its address, registered with CUDA once
 
     def add(self, slot_id: int, capacity: int, fd: int) -> None:
         """Map a new slot (its descriptor is closed here, whatever happens)."""
@@ -263,19 +284,19 @@ class Mappings:
                 )
             if not seals_ok(fd, HEAD + capacity):
                 raise ProtocolError("the worker sent shared memory that is not a sealed memory file of its size")
-            self._maps[slot_id] = mmap.mmap(fd, HEAD + capacity)
+            self._maps[slot_id] = map_shared(fd, HEAD + capacity)
             self.total += capacity
         finally:
             os.close(fd)
 
     def drop(self, slot_ids: Sequence[int]) -> None:
         for slot_id in slot_ids:
-            mm = self._maps.pop(slot_id, None)
-            if mm is not None:
-                self.total -= len(mm) - HEAD
+            whole = self._maps.pop(slot_id, None)
+            if whole is not None:
+                self.total -= len(whole) - HEAD
                 # unmapped when the last view of it goes (replies still held keep it); a
                 # slot the worker drops is one the trainer let go of: no copy from it runs
-                address = self._pinned.pop(id(mm), None)
+                address = self._pinned.pop(slot_id, None)
                 if address is not None:
                     buffers.unregister_host(address)
 
@@ -293,34 +314,32 @@ class Mappings:
                 continue
             lease = leases.get(slot_id)
             if lease is None:
-                mm = self._maps.get(slot_id)
-                if mm is None:  # the connection fails: the worker lets its slots go
+                whole = self._maps.get(slot_id)
+                if whole is None:  # the connection fails: the worker lets its slots go
                     raise ProtocolError(f"the worker placed a buffer in slot {slot_id}, which it never announced")
-                whole = np.frombuffer(mm, dtype=np.uint8, offset=HEAD)
-                if pin and id(mm) not in self._pinned:
-                    address = _address(whole) - HEAD
-                    if buffers.register_host(address, len(mm)):
-                        self._pinned[id(mm)] = address
-                weakref.finalize(whole, self._let_go, mm)
-                lease = leases[slot_id] = np.frombuffer(memoryview(whole), dtype=np.uint8)  # type: ignore[arg-type,unused-ignore]
+                if pin and slot_id not in self._pinned and buffers.register_host(_address(whole), len(whole)):
+                    self._pinned[slot_id] = _address(whole)
+                data = whole[HEAD:]
+                weakref.finalize(data, self._let_go, whole)
+                # as buffers.BlockPool: an array over a memoryview keeps `data` alive in every slice
+                lease = leases[slot_id] = np.frombuffer(memoryview(data), dtype=np.uint8)  # type: ignore[arg-type,unused-ignore]
             if offset + n > len(lease):
-                raise ProtocolError(f"a buffer placed at {offset:,} + {n:,} lies outside its slot of {len(lease):,} bytes")
+                raise ProtocolError(
+                    f"a buffer placed at {offset:,} + {n:,} lies outside its slot of {len(lease):,} bytes"
+                )
             out.append(memoryview(lease[offset : offset + n]))  # type: ignore[arg-type,unused-ignore]
         return out
 
     def release(self, slot_ids) -> None:
         """Let go of one reply's use of each of ``slot_ids`` now (a reply dropped unread)."""
         for slot_id in set(slot_ids):
-            mm = self._maps.get(slot_id)
-            if mm is not None:
-                self._let_go(mm)
+            whole = self._maps.get(slot_id)
+            if whole is not None:
+                self._let_go(whole)
 
-    def _let_go(self, mm: mmap.mmap) -> None:
+    def _let_go(self, whole: np.ndarray) -> None:
         with self._lock:
-            try:
-                mm[:8] = (int.from_bytes(mm[:8], "little") + 1).to_bytes(8, "little")
-            except ValueError:  # closed
-                pass
+            _counter(whole)[0] += 1
 
     def close(self) -> None:
         self.drop(list(self._maps))

@@ -1,0 +1,75 @@
+"""The first batch of a pass, split across the workers, and joined again in the trainer.
+
+A pass's first batch is the one the trainer waits for with nothing else to do: built by one
+worker, it costs what that worker takes for a whole batch. So a map-style pass with several
+workers and torch's ``default_collate`` cuts its first batch's keys into as many contiguous
+parts as it has workers; each part is an ordinary batch for the scheduler (dispatched,
+retried, hedged like any other), and the consumer takes them together and hands the user
+one batch: :func:`join` puts the parts' collated values back together, structure by
+structure, into what ``default_collate`` makes of the whole list (a tensor stacked from the
+samples equals the concatenation of the stacks of its parts; lists of strings are
+concatenated; mappings, tuples, named tuples and sequences are joined member by member).
+Later batches are whole, as before.
+
+A custom ``collate_fn`` is never split: nothing says how its outputs join.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
+from typing import Any
+
+import torch
+
+
+def parts_of(keys: Sequence[Any], workers: int) -> list[list[Any]]:
+    """``keys`` cut into at most ``workers`` contiguous, nearly equal parts (one part when
+    there is nothing to share)."""
+    keys = list(keys)
+    k = max(1, min(workers, len(keys)))
+    size, extra = divmod(len(keys), k)
+    out, start = [], 0
+    for i in range(k):
+        end = start + size + (i < extra)
+        out.append(keys[start:end])
+        start = end
+    return out
+
+
+def join(parts: Sequence[Any]) -> Any:
+    """The ``default_collate`` value of the whole batch from those of its parts, in order."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(parts), dim=0)
+    if isinstance(first, Mapping):  # keeps the mapping's type, as default_collate does
+        joined = {key: join([p[key] for p in parts]) for key in first}
+        if isinstance(first, MutableMapping):
+            clone = copy.copy(first)
+            clone.update(joined)
+            return clone
+        try:
+            return type(first)(joined)
+        except TypeError:
+            return joined
+    if isinstance(first, tuple) and type(first) is not tuple:  # a named tuple (collate keeps those)
+        return type(first)(*(join(column) for column in zip(*parts)))
+    if isinstance(first, (str, bytes)):
+        raise TypeError(f"cannot join collated parts of type {type(first).__name__}")
+    if isinstance(first, Sequence):
+        if all(isinstance(item, (str, bytes)) for p in parts for item in p):
+            # a batch of strings comes back as it went in: a list, or a column's tuple
+            items = [item for p in parts for item in p]
+            return tuple(items) if isinstance(first, tuple) else items
+        columns = [join(list(column)) for column in zip(*parts)]
+        if type(first) is list:
+            return columns
+        if isinstance(first, MutableSequence):  # a list type of the user's: as default_collate keeps it
+            clone = copy.copy(first)
+            for i, column in enumerate(columns):
+                clone[i] = column
+            return clone
+        return columns
+    raise TypeError(f"cannot join collated parts of type {type(first).__name__}")
