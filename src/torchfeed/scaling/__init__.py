@@ -3,6 +3,8 @@
 - :mod:`~torchfeed.scaling.policy`: when to grow or shrink (pure decisions from readings);
 - :mod:`~torchfeed.scaling.controller`: the controller thread behind :func:`torchfeed.autoscale`;
 - :mod:`~torchfeed.scaling.pool`: what a pool of workers offers the controller;
+- :mod:`~torchfeed.scaling.local_pool`: workers on the trainer's machine, up to a CPU budget;
+- :mod:`~torchfeed.scaling.tiers`: several pools as one, the cheapest grown first, retired last;
 - the pools on each engine: :mod:`~torchfeed.scaling.dask_pool`,
   :mod:`~torchfeed.scaling.ray_pool` and :mod:`~torchfeed.scaling.slurm_pool` (also importable
   as ``torchfeed.dask.Pool``, ``torchfeed.ray.Pool`` and ``torchfeed.cluster.SlurmPool``).
@@ -19,14 +21,16 @@ from ..util import lazy_exports
 _EXPORTS = {
     "Autoscaler": "controller",
     "Decision": "policy",
+    "LocalPool": "local_pool",
     "Policy": "policy",
     "Pool": "pool",
     "WorkerPool": "pool",
     "Reading": "policy",
+    "Tiers": "tiers",
     "autoscale": "controller",
 }
 
-__all__ = ["Autoscaler", "Decision", "Policy", "Pool", "Reading", "WorkerPool", "autoscale"]
+__all__ = ["Autoscaler", "Decision", "LocalPool", "Policy", "Pool", "Reading", "Tiers", "WorkerPool", "autoscale"]
 assert sorted(__all__) == sorted(_EXPORTS)
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)
@@ -38,5 +42,7 @@ def __dir__():
 
 if TYPE_CHECKING:
     from .controller import Autoscaler, autoscale
+    from .local_pool import LocalPool
     from .policy import Decision, Policy, Reading
     from .pool import Pool, WorkerPool
+    from .tiers import Tiers

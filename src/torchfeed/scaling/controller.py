@@ -35,6 +35,7 @@ from ..loader.dataset import RemoteDataset
 from ..loader.views import Source
 from .policy import Decision, Policy, Reading
 from .pool import WorkerPool
+from .tiers import Tiers
 
 log = logging.getLogger("torchfeed.autoscale")
 
@@ -290,9 +291,12 @@ class Autoscaler:
         members = self._members()
         rows = s.workers
 
-        def cost(a: str) -> tuple:  # the first to go: the fewest in flight, then the slowest
+        expense = getattr(self.pool, "expense", None)  # Tiers: the dearest pool's workers go first
+
+        def cost(a: str) -> tuple:  # then the fewest in flight, then the slowest
             w = rows.get(a)
-            return (w.inflight, -(w.mean_batch_seconds or 0.0)) if w is not None else (0, 0.0)
+            dear = -expense(a) if expense is not None else 0
+            return (dear, w.inflight, -(w.mean_batch_seconds or 0.0)) if w is not None else (dear, 0, 0.0)
 
         going = sorted(members, key=cost)[: max(len(members) - d.target, 0)]
         if not going:
@@ -335,7 +339,7 @@ class Autoscaler:
 
 def autoscale(
     loader: Any,
-    pool: WorkerPool,
+    pool: WorkerPool | Sequence[WorkerPool],
     *,
     min_workers: int = 1,
     max_workers: int | None = None,
@@ -361,8 +365,11 @@ def autoscale(
     loader : RemoteDataLoader
         The loader whose wait drives the decisions; its dataset (a RemoteDataset, or a view of
         RemoteDatasets) gains and loses the workers.
-    pool : torchfeed.scaling.pool.WorkerPool
-        E.g. ``torchfeed.dask.Pool(cluster)`` or ``torchfeed.cluster.SlurmPool(...)``.
+    pool : torchfeed.scaling.pool.WorkerPool, or a list of them
+        E.g. ``torchfeed.dask.Pool(cluster)`` or ``torchfeed.cluster.SlurmPool(...)``. A list is
+        used cheapest first (:class:`torchfeed.scaling.tiers.Tiers`): e.g. ``[LocalPool(), remote]``
+        grows the trainer machine's own workers up to its CPU budget before asking for remote
+        ones, and drains the remote ones first.
     min_workers, max_workers : int
         Bounds (``max_workers`` None: no upper bound but the pool's).
     target_wait : float
@@ -386,6 +393,8 @@ def autoscale(
     """
     if min_workers < 1:
         raise ValueError(f"min_workers must be >= 1 (a loader needs a worker), got {min_workers}")
+    if isinstance(pool, (list, tuple)):
+        pool = Tiers(pool)
     policy = Policy(
         min_workers=min_workers,
         max_workers=max_workers,
