@@ -20,11 +20,10 @@ import pytest
 import torch
 
 import torchfeed
+from relay import Relay
 from torchfeed import LocalWorkers, RemoteDataLoader, RemoteDataset
 from torchfeed.client.session import Session
 from torchfeed.protocol import localpath, shm
-
-from relay import Relay
 
 BIG = (3, 224, 224)  # one sample: 602 KB of float32; 64 of them: 38.5 MB
 
@@ -151,7 +150,9 @@ def test_slots_are_freed_with_the_batches_and_with_the_connection():
         del kept
         gc.collect()
         assert len(slot_maps()) <= before
-        wait_for(lambda: slot_fds(worker_pid) == 0 and slot_maps(worker_pid) == [], "the worker let its slots go")
+        wait_for(
+            lambda: slot_fds(worker_pid) == 0 and slot_maps(worker_pid) == [], "the worker let its slots go"
+        )
 
 
 def test_a_worker_killed_mid_epoch_loses_nothing_and_its_slots_go_with_its_batches():
@@ -233,7 +234,9 @@ def test_the_block_budget_bounds_shared_memory_and_loses_nothing():
     """A trainer holding more batches than the worker's --shm-bytes allows: the rest travel
     through the socket (one warning naming the option), every sample intact."""
     budget = 48 << 20
-    with LocalWorkers(1, extra_args=["--shm-bytes", str(budget)], env={"PYTHONWARNINGS": "ignore"}) as workers:
+    with LocalWorkers(
+        1, extra_args=["--shm-bytes", str(budget)], env={"PYTHONWARNINGS": "ignore"}
+    ) as workers:
         ds = RemoteDataset(workers.addresses, Filled, 64 * 8)
         held = list(RemoteDataLoader(ds, batch_size=64))
         ys = [y for _x, y in held]
@@ -251,8 +254,8 @@ def test_another_user_gets_nothing_from_the_same_host_socket(other_user):
         port = int(workers.addresses[0].rsplit(":", 1)[1])
         name = localpath.name_of("127.0.0.1", port)
         probe = (
-            "import socket; s = socket.socket(socket.AF_UNIX); s.connect(%r); s.settimeout(30); "
-            "print(len(s.recv(100)))" % (name,)
+            f"import socket; s = socket.socket(socket.AF_UNIX); s.connect({name!r}); s.settimeout(30); "
+            "print(len(s.recv(100)))"
         )
         out = subprocess.run(
             ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", sys.executable, "-c", probe],

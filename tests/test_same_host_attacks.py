@@ -60,7 +60,9 @@ def honest(rid):
     HOLD.append(arena)
     lengths = [memoryview(b).nbytes for b in out]
     head = wire.pack_fixed(wire.REPLY, rid, len(meta), len(lengths), wire.FLAG_SHM)
-    return head + struct.pack(f"<{len(lengths)}Q", *lengths) + placed.table() + meta, [os.dup(fd) for fd in placed.fds]
+    return head + struct.pack(f"<{len(lengths)}Q", *lengths) + placed.table() + meta, [
+        os.dup(fd) for fd in placed.fds
+    ]
 
 
 HOLD: list = []

@@ -59,7 +59,13 @@ class Slow(torch.utils.data.Dataset):
 
 
 FAST = dict(
-    target_wait=0.2, interval=0.25, window=1.5, up_cooldown=1.5, down_after=2.0, down_cooldown=1.0, drain_timeout=30
+    target_wait=0.2,
+    interval=0.25,
+    window=1.5,
+    up_cooldown=1.5,
+    down_after=2.0,
+    down_cooldown=1.0,
+    drain_timeout=30,
 )
 
 

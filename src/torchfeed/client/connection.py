@@ -34,8 +34,8 @@ from ..errors import (
 )
 from ..protocol import auth, codec, limits, localpath, shm, wire
 from ..protocol.channel import Channel
-from ..protocol.localchannel import FdReader, LocalChannel
 from ..protocol.errordata import rebuild_remote_error
+from ..protocol.localchannel import FdReader, LocalChannel
 from ..protocol.replies import SAFE, ReplyPolicy, load_data
 from .addresses import Address, connect_failure, format_address, parse_address
 
@@ -136,7 +136,9 @@ def _open(host: str, port: int, address: str, secret: auth.Secret, timeout: floa
         else:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            channel = auth.client_handshake(sock, secret, address, integrity_only=auth.integrity_only_requested())
+            channel = auth.client_handshake(
+                sock, secret, address, integrity_only=auth.integrity_only_requested()
+            )
         sock.settimeout(None)
         # sends fail when the worker reads nothing for the heartbeat timeout (a hung
         # worker must not block a sending thread forever); receives stay blocking
@@ -312,7 +314,9 @@ class Connection:
                     started, headed = time.perf_counter(), channel.bytes_received
                     channel.read_meta(frame)
                     buffers = (  # each record received counts as life
-                        channel.receive_buffers(frame, pending.pin, self.address) if frame.buffer_lengths else []
+                        channel.receive_buffers(frame, pending.pin, self.address)
+                        if frame.buffer_lengths
+                        else []
                     )
                     arriving = time.perf_counter() - started
                     if frame.buffer_lengths:  # how fast this reply arrived (header to last byte)

@@ -51,7 +51,7 @@ def join(parts: Sequence[Any]) -> Any:
             clone.update(joined)
             return clone
         try:
-            return type(first)(joined)
+            return type(first)(joined)  # type: ignore[call-arg]
         except TypeError:
             return joined
     if isinstance(first, tuple) and type(first) is not tuple:  # a named tuple (collate keeps those)
@@ -67,9 +67,9 @@ def join(parts: Sequence[Any]) -> Any:
         if type(first) is list:
             return columns
         if isinstance(first, MutableSequence):  # a list type of the user's: as default_collate keeps it
-            clone = copy.copy(first)
+            seq = copy.copy(first)
             for i, column in enumerate(columns):
-                clone[i] = column
-            return clone
+                seq[i] = column
+            return seq
         return columns
     raise TypeError(f"cannot join collated parts of type {type(first).__name__}")

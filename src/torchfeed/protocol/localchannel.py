@@ -172,7 +172,9 @@ class LocalChannel(Channel):
         if len(fds) < len(new):
             brought = len(fds)
             self._fd_reader.close_fds()
-            raise ProtocolError(f"a reply announced {len(new)} shared slots and brought {brought} descriptors")
+            raise ProtocolError(
+                f"a reply announced {len(new)} shared slots and brought {brought} descriptors"
+            )
         taken = [fds.popleft() for _ in new]
         for k, ((slot_id, capacity), fd) in enumerate(zip(new, taken)):
             try:

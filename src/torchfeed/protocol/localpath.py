@@ -75,7 +75,10 @@ def listen_beside(tcp_listener: socket.socket) -> socket.socket | None:
     except OSError as exc:
         sock.close()
         log.warning(
-            "worker %s:%s offers no same-host path (%s): trainers on this machine reach it over TCP", ip, port, exc
+            "worker %s:%s offers no same-host path (%s): trainers on this machine reach it over TCP",
+            ip,
+            port,
+            exc,
         )
         return None
     return sock

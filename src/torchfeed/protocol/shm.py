@@ -59,7 +59,14 @@ def _address(buf) -> int:
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
@@ -72,7 +79,7 @@ def map_shared(fd: int, size: int) -> np.ndarray:
     if address is None or address == _MAP_FAILED:
         err = ctypes.get_errno()
         raise OSError(err, f"cannot map {size:,} bytes of shared memory: {os.strerror(err)}")
-    whole = np.frombuffer((ctypes.c_uint8 * size).from_address(address), dtype=np.uint8)
+    whole = np.frombuffer((ctypes.c_uint8 * size).from_address(address), dtype=np.uint8)  # type: ignore[call-overload]
     weakref.finalize(whole, _libc.munmap, address, size)
     return whole
 
@@ -205,7 +212,11 @@ class Arena:
                     continue
                 at = _address(v)
                 slot = next(
-                    (s for s in self._slots.values() if s.start <= at and at + v.nbytes <= s.start + s.capacity),
+                    (
+                        s
+                        for s in self._slots.values()
+                        if s.start <= at and at + v.nbytes <= s.start + s.capacity
+                    ),
                     None,
                 )
                 if slot is None:
@@ -229,7 +240,7 @@ class Arena:
                     where[i] = (slot.id, off)
                 used[slot.id] = slot
         with self._lock:
-            new = []
+            new: list[tuple[int, int, int]] = []
             for slot in used.values():
                 slot.sent += 1
                 if not slot.announced:
@@ -283,7 +294,9 @@ class Mappings:
                     f"({self.max_bytes:,} bytes in all)"
                 )
             if not seals_ok(fd, HEAD + capacity):
-                raise ProtocolError("the worker sent shared memory that is not a sealed memory file of its size")
+                raise ProtocolError(
+                    "the worker sent shared memory that is not a sealed memory file of its size"
+                )
             self._maps[slot_id] = map_shared(fd, HEAD + capacity)
             self.total += capacity
         finally:
@@ -316,7 +329,9 @@ class Mappings:
             if lease is None:
                 whole = self._maps.get(slot_id)
                 if whole is None:  # the connection fails: the worker lets its slots go
-                    raise ProtocolError(f"the worker placed a buffer in slot {slot_id}, which it never announced")
+                    raise ProtocolError(
+                        f"the worker placed a buffer in slot {slot_id}, which it never announced"
+                    )
                 if pin and slot_id not in self._pinned and buffers.register_host(_address(whole), len(whole)):
                     self._pinned[slot_id] = _address(whole)
                 data = whole[HEAD:]

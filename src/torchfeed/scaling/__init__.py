@@ -30,7 +30,17 @@ _EXPORTS = {
     "autoscale": "controller",
 }
 
-__all__ = ["Autoscaler", "Decision", "LocalPool", "Policy", "Pool", "Reading", "Tiers", "WorkerPool", "autoscale"]
+__all__ = [
+    "Autoscaler",
+    "Decision",
+    "LocalPool",
+    "Policy",
+    "Pool",
+    "Reading",
+    "Tiers",
+    "WorkerPool",
+    "autoscale",
+]
 assert sorted(__all__) == sorted(_EXPORTS)
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -393,8 +393,7 @@ def autoscale(
     """
     if min_workers < 1:
         raise ValueError(f"min_workers must be >= 1 (a loader needs a worker), got {min_workers}")
-    if isinstance(pool, (list, tuple)):
-        pool = Tiers(pool)
+    one: WorkerPool = Tiers(pool) if isinstance(pool, (list, tuple)) else pool  # type: ignore[assignment]
     policy = Policy(
         min_workers=min_workers,
         max_workers=max_workers,
@@ -407,7 +406,7 @@ def autoscale(
     )
     return Autoscaler(
         loader,
-        pool,
+        one,
         policy,
         interval=interval,
         window=window,

@@ -115,7 +115,13 @@ class _Handshake:
     __slots__ = ("sock", "peer", "host", "source", "hello", "buf", "deadline", "same_host")
 
     def __init__(
-        self, sock: socket.socket, peer: str, host: str, hello: bytes, deadline: float, same_host: bool = False
+        self,
+        sock: socket.socket,
+        peer: str,
+        host: str,
+        hello: bytes,
+        deadline: float,
+        same_host: bool = False,
     ):
         self.sock, self.peer, self.host, self.hello, self.deadline = sock, peer, host, hello, deadline
         self.source = source_of(host)
