@@ -79,28 +79,24 @@ def one_epoch(loader) -> tuple[list[int], bool]:
     return seen, intact
 
 
-def kinds(session: Session) -> dict[str, bool]:
-    return {c.address: c.channel.local for c in session.connections()}
-
-
 def test_the_path_follows_the_host_and_the_option(monkeypatch):
     """A worker of this machine and uid: same-host socket. The same worker dialled through a
     relay (what a remote worker looks like), or with TORCHFEED_SAME_HOST=tcp: TCP."""
     with LocalWorkers(1) as workers, Session() as near:
         address = workers.addresses[0]
         near.connect(address)
-        assert kinds(near) == {address: True}
+        assert near.paths() == {address: "same-host"}
         relay = Relay(address)
         try:
             with Session() as far:
                 far.connect(relay.address)
-                assert kinds(far) == {relay.address: False}
+                assert far.paths() == {relay.address: "tcp"}
         finally:
             relay.close()
         monkeypatch.setenv(localpath.ENV, "tcp")
         with Session() as forced:
             forced.connect(address)
-            assert kinds(forced) == {address: False}
+            assert forced.paths() == {address: "tcp"}
 
 
 @pytest.mark.parametrize("same_host", ["1", "tcp"])
@@ -119,9 +115,9 @@ def test_batches_are_exact_on_both_paths_and_mixed(monkeypatch, same_host):
                 seen, intact = one_epoch(loader)
                 assert intact
                 assert seen == torch.cat(expected).tolist()
-            session = torchfeed.client.default_session()
-            assert kinds(session)[workers.addresses[0]] is (same_host == "1")
-            assert kinds(session)[relay.address] is False
+            paths = torchfeed.client.paths()
+            assert paths[workers.addresses[0]] == ("same-host" if same_host == "1" else "tcp")
+            assert paths[relay.address] == "tcp"
         finally:
             relay.close()
 
@@ -219,7 +215,7 @@ def test_nothing_is_left_after_either_side_is_killed(tmp_path):
         wait_for(lambda: slot_maps(worker.pid) == [], "the worker unmapped the killed trainer's slots")
         with Session() as session:  # and it still serves
             session.connect(address)
-            assert kinds(session) == {address: True}
+            assert session.paths() == {address: "same-host"}
     finally:
         worker.kill()
         worker.wait()
@@ -268,7 +264,7 @@ def test_another_user_gets_nothing_from_the_same_host_socket(other_user):
         # this user is still served there
         with Session() as session:
             session.connect(workers.addresses[0])
-            assert kinds(session) == {workers.addresses[0]: True}
+            assert session.paths() == {workers.addresses[0]: "same-host"}
 
 
 def _squat(uid: int, gid: int, name: bytes) -> int:
@@ -307,7 +303,7 @@ def test_a_name_squatted_by_another_user_is_not_trusted(other_user):
             assert server.same_host_listener is None
             with Session() as session:
                 session.connect(server.address)
-                assert kinds(session) == {server.address: False}
+                assert session.paths() == {server.address: "tcp"}
         finally:
             server.stop()
     finally:
@@ -325,7 +321,7 @@ _SMALL_SHM = textwrap.dedent(
         ds = torchfeed.RemoteDataset(workers.addresses, Filled, 64 * 4)
         seen, intact = one_epoch(torchfeed.RemoteDataLoader(ds, batch_size=64))
         assert intact and sorted(seen) == list(range(64 * 4)), seen
-        assert {{c.channel.local for c in torchfeed.client.default_session().connections()}} == {{True}}
+        assert set(torchfeed.client.paths().values()) == {{"same-host"}}
     print("ok")
     """
 )
@@ -356,3 +352,11 @@ def test_a_small_dev_shm_does_not_matter(tmp_path):
         pytest.skip(f"no private mount namespace here: {run.stderr.strip()}")
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().endswith("ok")
+
+
+def test_heartbeats_keep_a_long_call_alive_on_the_same_host_path():
+    """A call that runs far longer than the heartbeat timeout: PONGs count as life here too."""
+    with LocalWorkers(1) as workers, Session(heartbeat_interval=0.2, heartbeat_timeout=1.0) as session:
+        got = session.rpc_async(workers.addresses[0], time.sleep, args=(3.0,), timeout=60).wait()
+        assert got is None
+        assert session.paths() == {workers.addresses[0]: "same-host"}

@@ -43,6 +43,7 @@ __all__ = [
     "default_session",
     "format_address",
     "parse_address",
+    "paths",
     "reply_bytes",
     "reply_wire",
     "rpc_async",
@@ -112,6 +113,11 @@ def connect(address: Address, secret: auth.SecretLike = None, timeout: float = 1
 def close_all(join_timeout: float = 1.0) -> None:
     """Close every connection of the default session."""
     sessions.default_session().close(join_timeout)
+
+
+def paths() -> dict[str, str]:
+    """How the default session reaches each worker it is connected to (:meth:`Session.paths`)."""
+    return sessions.default_session().paths()
 
 
 def close_connections(addresses: Sequence[Address]) -> None:

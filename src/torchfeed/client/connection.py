@@ -186,6 +186,11 @@ class Connection:
         owner.watch(self)
 
     @property
+    def path(self) -> str:
+        """``"same-host"`` (Unix socket, shared memory) or ``"tcp"`` (the sealed channel)."""
+        return "same-host" if self.channel.local else "tcp"
+
+    @property
     def session(self) -> Owner | None:
         """The session looking after this connection; None once that session was collected
         (its connections are then closed)."""

@@ -204,6 +204,11 @@ class Session:
         with self._lock:
             return list(self._conns.values())
 
+    def paths(self) -> dict[str, str]:
+        """How each open connection reaches its worker: ``"same-host"`` (a worker of this
+        machine and user: Unix socket and shared memory) or ``"tcp"`` (the sealed channel)."""
+        return {c.address: c.path for c in self.connections() if not c.closed}
+
     def close_connections(self, addresses: Sequence[client.Address]) -> None:
         """Close the connections to these workers (before stopping them on purpose).
 

@@ -21,6 +21,7 @@ import array
 import os
 import socket
 import struct
+import time
 from collections import deque
 
 from ..errors import ProtocolError
@@ -99,6 +100,7 @@ class LocalChannel(Channel):
     def _open_into(self, dest: memoryview) -> None:
         self._recv_seq += 1
         self._fill(dest)
+        self.last_activity = time.monotonic()  # the peer is alive (heartbeats read this)
 
     # -- sending ------------------------------------------------------------------
     def send(self, kind, request_id=0, meta=b"", buffers=(), flags=0, *, aux=0, packed=None) -> None:

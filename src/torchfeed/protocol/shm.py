@@ -145,7 +145,7 @@ class Arena:
         self.budget = budget
         self._slots: dict[int, _Slot] = {}
         self._ids = iter(range(1, 1 << 32))
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # finalizers take it: they may run inside it (GC)
         self._dropped: list[int] = []
         self.total = 0  # bytes of all slots
         self._on_over_budget = on_over_budget
@@ -279,7 +279,7 @@ class Mappings:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self._maps: dict[int, np.ndarray] = {}  # slot id -> the whole slot, mapped
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # finalizers take it: they may run inside it (GC)
         self.total = 0
         self._pinned: dict[int, int] = {}  # slot id -> its address, registered with CUDA once
 
