@@ -360,3 +360,24 @@ def test_heartbeats_keep_a_long_call_alive_on_the_same_host_path():
         got = session.rpc_async(workers.addresses[0], time.sleep, args=(3.0,), timeout=60).wait()
         assert got is None
         assert session.paths() == {workers.addresses[0]: "same-host"}
+
+
+def test_a_forked_child_dropping_its_copy_of_a_batch_does_not_free_the_parents():
+    """A child forked while the trainer holds a batch (an evaluation loader's workers, a
+    subprocess) and that frees its copy must not hand the batch's slot back to the worker."""
+    with LocalWorkers(1) as workers:
+        loader = RemoteDataLoader(RemoteDataset(workers.addresses, Filled, 64 * 8), batch_size=64)
+        it = iter(loader)
+        held_x, held_y = next(it)
+        expected = held_y.float().clone()
+        pid = os.fork()
+        if pid == 0:  # the child: drop everything it inherited, collect, leave
+            try:
+                del held_x, held_y, it
+                gc.collect()
+            finally:
+                os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        rest = [y for _x, y in it]  # the worker fills the slots it believes free
+        assert len(rest) == 7
+        assert torch.equal(held_x[:, 0, 0, 0], expected) and torch.equal(held_x[:, -1, -1, -1], expected)

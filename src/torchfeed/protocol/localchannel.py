@@ -24,7 +24,7 @@ import struct
 import time
 from collections import deque
 
-from ..errors import ProtocolError
+from ..errors import FrameTooLarge, ProtocolError
 from . import shm, wire
 from .buffers import allocate, pinned
 from .channel import Channel
@@ -148,11 +148,14 @@ class LocalChannel(Channel):
 
     # -- receiving ----------------------------------------------------------------
     def read_header(self, limits: wire.Limits) -> wire.Frame:
-        frame = super().read_header(limits)
+        try:
+            frame = super().read_header(limits)
+        except FrameTooLarge as exc:  # authentic but too big: its table is read, so it can be skipped
+            if exc.frame is not None and exc.frame.flags & wire.FLAG_SHM:
+                self._shared(exc.frame)
+            raise
         if frame.flags & wire.FLAG_SHM:
-            if self.mappings is None:
-                raise ProtocolError("a trainer may not send shared memory to a worker")
-            self._read_table(frame)
+            self._shared(frame)
         if self._fd_reader.fds and self.mappings is None:
             self._fd_reader.close_fds()
             raise ProtocolError("a trainer may not send file descriptors to a worker")
@@ -160,6 +163,11 @@ class LocalChannel(Channel):
 
     def _shm_allowed(self) -> bool:
         return True
+
+    def _shared(self, frame: wire.Frame) -> None:
+        if self.mappings is None:
+            raise ProtocolError("a trainer may not send shared memory to a worker")
+        self._read_table(frame)
 
     def _read_table(self, frame: wire.Frame) -> None:
         def read(n: int) -> bytes:

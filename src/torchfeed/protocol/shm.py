@@ -282,6 +282,7 @@ class Mappings:
         self._lock = threading.RLock()  # finalizers take it: they may run inside it (GC)
         self.total = 0
         self._pinned: dict[int, int] = {}  # slot id -> its address, registered with CUDA once
+        self._pid = os.getpid()
 
     def add(self, slot_id: int, capacity: int, fd: int) -> None:
         """Map a new slot (its descriptor is closed here, whatever happens)."""
@@ -353,6 +354,8 @@ class Mappings:
                 self._let_go(whole)
 
     def _let_go(self, whole: np.ndarray) -> None:
+        if os.getpid() != self._pid:  # a forked child freeing its copy: the parent still holds the batch
+            return
         with self._lock:
             _counter(whole)[0] += 1
 

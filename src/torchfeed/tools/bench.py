@@ -49,6 +49,8 @@ from .measure import (
 
 
 def _ratio_result(case, metric, runs: Runs, per_batch, target, notes=()) -> Result:
+    if runs.paths:
+        notes = [*notes, f"torchfeed reached its workers by: {runs.paths}"]
     best = {k: max(v) * per_batch for k, v in runs.rates.items()}
     ratio = best["torchfeed"] / best["torch"]
     return Result(

@@ -32,12 +32,14 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
+from . import measure
 from .bench_cache import make_jpegs
 from .measure import own_cpu_seconds, touch
 
@@ -161,6 +163,21 @@ def children() -> list[int]:
     return found
 
 
+def _in_process(root: str, tries: int = 3) -> float:
+    """Seconds to build one batch in this process (the dataset warm): what a split first batch
+    is measured against."""
+    ds = JpegPipeline(root)
+    order = torch.randperm(len(ds)).tolist()
+    default_collate([ds[i] for i in order[:BATCH]])  # warm: imports, caches
+    times = []
+    for t in range(tries):
+        keys = order[(t + 1) * BATCH : (t + 2) * BATCH]
+        start = time.perf_counter()
+        default_collate([ds[i] for i in keys])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def _first_batch(make: Callable[[], Any]) -> float:
     start = time.perf_counter()
     loader = make()
@@ -177,7 +194,14 @@ def run(
     torch.manual_seed(0)
     out: dict[str, Any] = {"images": count, "workers": WORKERS, "batch_size": BATCH, "rounds": rounds}
     runs: dict[str, list[Epochs]] = {"torch": [], "torchfeed": [], "cached": []}
-    first: dict[str, list[float]] = {"local_workers": [], "running_workers": [], "torch": []}
+    first: dict[str, list[float]] = {
+        "local_workers": [],
+        "running_workers": [],
+        "new_pass": [],
+        "in_process": [],
+        "torch": [],
+    }
+    paths = ""
     with tempfile.TemporaryDirectory(prefix="torchfeed-jpeg-bench-") as root:
         make_jpegs(root, count)
         orders = list(itertools.permutations(runs))  # in turn: each side follows each other as often
@@ -200,6 +224,17 @@ def run(
                         )
                     )
                 )
+                # a new pass over a dataset the workers have served (what an epoch without a
+                # seed starts with: nothing of it was prefetched)
+                built: Any = RemoteDataset(w.addresses, JpegPipeline, root)
+                next(iter(RemoteDataLoader(built, batch_size=BATCH, shuffle=True)))
+                time.sleep(IDLE)
+                first["new_pass"].append(
+                    _first_batch(partial(RemoteDataLoader, built, batch_size=BATCH, shuffle=True))
+                )
+                paths = measure.paths_used()
+                del built
+            first["in_process"].append(_in_process(root))
             first["torch"].append(
                 _first_batch(
                     lambda: DataLoader(
@@ -212,8 +247,9 @@ def run(
                 f"{runs['torchfeed'][-1].rates[0]:.0f}/s, cached {runs['cached'][-1].rates[0]:.0f}/s; later epochs "
                 f"torch {statistics.median(runs['torch'][-1].rates[1:]):.0f}/s, torchfeed "
                 f"{statistics.median(runs['torchfeed'][-1].rates[1:]):.0f}/s; first batch: LocalWorkers "
-                f"{first['local_workers'][-1]:.2f} s, running workers {first['running_workers'][-1]:.3f} s, torch "
-                f"{first['torch'][-1]:.3f} s"
+                f"{first['local_workers'][-1]:.2f} s, running workers {first['running_workers'][-1]:.3f} s, a new "
+                f"pass {first['new_pass'][-1]:.3f} s (in-process {first['in_process'][-1]:.3f} s), torch "
+                f"{first['torch'][-1]:.3f} s; torchfeed reached its workers by {paths}"
             )
     med = statistics.median
 
@@ -231,6 +267,8 @@ def run(
             "runs": [e.rates for e in es],
         }
     out["first_batch_s"] = {k: med(v) for k, v in first.items()}
+    out["new_pass_over_in_process"] = med(a / b for a, b in zip(first["new_pass"], first["in_process"]))
+    out["paths"] = paths
     out["first_batch_runs"] = first
     epoch1, later = (lambda e: e.rates[0]), (lambda e: med(e.rates[1:]))
     out["epoch1_ratio"] = paired("torchfeed", "torch", epoch1)
@@ -284,6 +322,11 @@ def iter_summary(result: dict[str, Any]) -> Iterator[str]:
     )
     yield f"first batch: {fb['local_workers']:.2f} s from entering LocalWorkers(2) (target <= 1)"
     yield f"first batch: {fb['running_workers']:.3f} s on running workers (target <= 0.25); torch {fb['torch']:.3f} s"
+    yield (
+        f"first batch of a new pass on warm workers: {fb['new_pass']:.3f} s, {result['new_pass_over_in_process']:.2f}x "
+        f"building it in-process ({fb['in_process']:.3f} s; target <= 0.6x)"
+    )
+    yield f"torchfeed reached its workers by: {result['paths']}"
     for side in ("torch", "torchfeed"):
         s = result[side]
         yield (

@@ -12,6 +12,7 @@ import math
 import os
 import resource
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -279,6 +280,7 @@ class Runs:
     rates: dict[str, list[float]]
     trainer_ms: dict[str, float]  # CPU of the consuming process (all its threads)
     workers_ms: dict[str, float]  # CPU of the loading processes together
+    paths: str = ""  # how torchfeed reached its workers: "same-host x2", "tcp x2", ...
 
 
 def measure(sides: Sequence[Side], seconds: float, repeats: int, log: Callable[[str], None]) -> Runs:
@@ -374,9 +376,19 @@ def make_pair(
     ]
 
 
+def paths_used() -> str:
+    """How torchfeed's default session reaches its workers now: ``"same-host x2"`` and so on."""
+    from ..client import paths
+
+    counts = Counter(paths().values())
+    return ", ".join(f"{path} x{n}" for path, n in sorted(counts.items())) or "none"
+
+
 def run_pair(ctx: Context, sides: list[Side]) -> Runs:
     try:
-        return measure(sides, ctx.seconds, ctx.repeats, ctx.log)
+        runs = measure(sides, ctx.seconds, ctx.repeats, ctx.log)
+        runs.paths = paths_used()
+        return runs
     finally:
         for s in sides:
             s.close()
