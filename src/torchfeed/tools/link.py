@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ..protocol import localpath
+
 BATCH = 32
 KINDS = ("tokens", "photos", "floats")
 
@@ -117,6 +119,9 @@ def measure(kind: str, seconds: float, workers: int = 2, compression: str | None
 
 
 def _inside(args) -> int:
+    # the workers share this namespace with the trainer: without this they would be reached over
+    # the same-host socket, which no link shapes
+    os.environ[localpath.ENV] = "tcp"
     out = [
         measure(kind, args.seconds, compression=c) for kind in args.kinds for c in args.compression.split(",")
     ]
