@@ -381,3 +381,22 @@ def test_a_forked_child_dropping_its_copy_of_a_batch_does_not_free_the_parents()
         rest = [y for _x, y in it]  # the worker fills the slots it believes free
         assert len(rest) == 7
         assert torch.equal(held_x[:, 0, 0, 0], expected) and torch.equal(held_x[:, -1, -1, -1], expected)
+
+
+def test_with_pin_memory_each_slot_is_registered_once(monkeypatch):
+    """CUDA cannot run here: its host registration is replaced by a recorder (the one mock of
+    this file). Over many batches each shared slot is registered once, not per batch."""
+    from torchfeed.protocol import buffers
+
+    registered: list[tuple[int, int]] = []
+    monkeypatch.setattr(buffers, "register_host", lambda address, n: registered.append((address, n)) or True)
+    monkeypatch.setattr(buffers, "unregister_host", lambda address: None)
+    monkeypatch.setattr(buffers, "_cuda_pinnable", lambda: False)  # inline buffers: ordinary memory
+    with LocalWorkers(1) as workers:
+        loader = RemoteDataLoader(RemoteDataset(workers.addresses, Filled, 64 * 12), batch_size=64, pin_memory=True)
+        for _ in range(2):
+            seen, intact = one_epoch(loader)
+            assert intact and sorted(seen) == list(range(64 * 12))
+    assert registered, "no slot was registered"
+    assert len(registered) == len(set(registered))  # once each
+    assert len(registered) <= 8  # a few slots, reused: not one per batch (24 batches)
