@@ -70,6 +70,15 @@ def other_user():
     return entry.pw_uid, entry.pw_gid
 
 
+@pytest.fixture
+def tcp_only(monkeypatch):
+    """Trainers reach every worker over TCP (the sealed channel), same-host ones included: for
+    tests of the wire itself (captures, compression, relays of the stream)."""
+    from torchfeed.protocol import localpath
+
+    monkeypatch.setenv(localpath.ENV, "tcp")
+
+
 @pytest.fixture(scope="session")
 def ray_cluster_shared():
     """A two-node Ray cluster on loopback (tests/raycluster.py) for test_ray.py and the Ray

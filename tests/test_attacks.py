@@ -27,7 +27,7 @@ import torchfeed
 from helpers import PROMPT, RangeDataset, wait_for
 from relay import C2W_SEALED, W2C_SEALED, Relay, flip_byte_at, inject_before_sealed, replay_first_sealed
 from torchfeed import client
-from torchfeed.protocol import auth, replies, serialize, wire
+from torchfeed.protocol import auth, localpath, replies, serialize, wire
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -402,7 +402,7 @@ def test_opt_out_needs_both_sides(spawn, relays, monkeypatch):
 )
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="capturing on loopback needs root")
-def test_tcpdump_of_loopback_holds_nothing_in_clear(spawn, tmp_path):
+def test_tcpdump_of_loopback_holds_nothing_in_clear(spawn, tmp_path, tcp_only):
     w = spawn()
     port = w.address.rsplit(":", 1)[1]
     pcap, err = tmp_path / "lo.pcap", tmp_path / "tcpdump.err"
@@ -538,15 +538,19 @@ def test_a_flood_from_one_source_sheds_its_own_connections(spawn, tmp_path):
 
 
 @pytest.mark.slow
-def test_accept_survives_running_out_of_file_descriptors(spawn, many_fds, tmp_path):
+def test_accept_survives_running_out_of_file_descriptors(spawn, many_fds, tmp_path, monkeypatch):
     """With more handshakes allowed than descriptors, accept() hits EMFILE: the worker
-    logs it, sheds the oldest handshake, backs off and keeps serving."""
+    logs it, sheds the oldest handshake, backs off and keeps serving, over TCP and over the
+    same-host socket (which the flood cannot starve: it is accepted from first)."""
     log = tmp_path / "worker.log"
     w = spawn("--handshake-timeout", "600", "--max-handshakes", "100000", nofile=96, log=log)
     held = _connect_many(w.address, 400)
     assert wait_for(lambda: "cannot accept connections" in log.read_text(), timeout=15)
     assert w.alive()
-    served_within(w.address, PROMPT)
+    served_within(w.address, PROMPT)  # same-host
+    monkeypatch.setenv(localpath.ENV, "tcp")
+    served_within(w.address, PROMPT)  # TCP, in the flood's own queue
+    monkeypatch.delenv(localpath.ENV)
     for s in held:
         s.close()
     assert w.alive()
@@ -630,7 +634,7 @@ def test_slow_upload_longer_than_the_timeout_is_not_cut(spawn, relays):
     assert fresh_call(r.address, len, (payload,), timeout=60) == len(payload)
 
 
-def test_closing_while_a_reply_is_received_fails_that_request(spawn):
+def test_closing_while_a_reply_is_received_fails_that_request(spawn, tcp_only):
     w = spawn()
     conn = client.Connection(w.address, auth.load_secret(), 10, session=client.default_session())
     done = threading.Event()

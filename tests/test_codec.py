@@ -22,7 +22,7 @@ from torchfeed.protocol import codec, wire
 from torchfeed.protocol.channel import CHUNK, Channel
 from torchfeed.stats import LoaderStats, advise
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("tcp_only")]  # tests of the wire
 
 
 class Mixed(Dataset):

@@ -17,7 +17,7 @@ from torchfeed.errors import ProtocolError
 from torchfeed.protocol import auth, codec, serialize, wire
 from torchfeed.protocol.channel import CHUNK
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("tcp_only")]  # tests of the wire
 
 
 def _compress_everything() -> None:

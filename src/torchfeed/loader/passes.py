@@ -157,7 +157,8 @@ class MapPass(Pass):
 
     def _add_split(self, idx) -> None:
         """Add the pass's first batch as one part per serving worker (lock held)."""
-        parts = split.parts_of(idx, len(self._sched.serving_workers()))
+        alive = sum(1 for w in self._sched.workers.values() if w.status == "alive")
+        parts = split.parts_of(idx, alive)
         for part in parts:
             self._ledger.indices[self._sched.add_batch()] = part
         self._parts = len(parts)

@@ -42,7 +42,6 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ..errors import FrameTooLarge, ProtocolError
 from . import codec, wire
-from .buffers import allocate, pinned
 
 TAG = 16
 CHUNK = 256 * 1024  # plaintext bytes per record: large enough to amortise, small enough for cache
@@ -312,6 +311,8 @@ class Channel:
     def receive_buffers(self, frame: wire.Frame, pin: bool, peer: str) -> list[memoryview]:
         """The buffers of ``frame`` (after its meta), in one block allocated for them
         (page-locked when ``pin`` asks and CUDA is here; ``peer`` names the sender in errors)."""
+        from .buffers import allocate, pinned  # torch: not imported by the command line's --help
+
         buffers = allocate(frame.buffer_lengths, pin)
         self.read_buffers(buffers, frame, peer)
         return pinned(buffers, frame.buffer_lengths, pin)  # page-locked once a large reply is here

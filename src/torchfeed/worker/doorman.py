@@ -20,6 +20,11 @@ held to a small budget:
 A client with the right secret is answered AUTH_OK only if the endpoint it dialled names
 this worker (:mod:`torchfeed.worker.names`); else AUTH_FAIL says which worker it reached.
 
+The same loop accepts on the worker's same-host socket (:mod:`torchfeed.protocol.localpath`)
+when it has one: a connection there whose peer (``SO_PEERCRED``) is not this process's uid
+is closed before a byte is sent; the others go through the same handshake, where they may
+ask for the unsealed same-host mode (refused over TCP).
+
 ``accept`` failing for lack of file descriptors, memory or buffers (EMFILE, ENFILE,
 ENOMEM, ENOBUFS) is logged, a handshake is evicted as above to free a descriptor, and
 accepting pauses with exponential backoff (10 ms to 1 s): the loop never ends because of
@@ -158,8 +163,10 @@ def judge(
     return ("ok", reply, keys) if ok else ("fail", reply, None)
 
 
-def _listener_last(event) -> bool:
-    return event[0].data in (None, _SAME_HOST)
+def _listener_last(event) -> int:
+    """Handshakes in progress first, then the same-host socket (only this user's processes
+    reach it: a TCP flood must not take every descriptor it frees), then TCP."""
+    return {_SAME_HOST: 1, None: 2}.get(event[0].data, 0)
 
 
 class Doorman:
