@@ -17,7 +17,10 @@ import torchfeed
 from torchfeed.protocol import buffers
 from torchfeed.protocol.channel import Channel
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.usefixtures("tcp_only"),
+]  # the sealed channel's receive path
 
 
 def _ones(n: int) -> torch.Tensor:
@@ -27,7 +30,7 @@ def _ones(n: int) -> torch.Tensor:
 @pytest.fixture
 def events(monkeypatch):
     seen: list[tuple[str, int]] = []
-    monkeypatch.setattr(buffers, "_cuda_pinnable", lambda: True)
+    monkeypatch.setattr(buffers, "cuda_pinnable", lambda: True)
     monkeypatch.setattr(buffers, "PIN_AHEAD", 1 << 20)
 
     def pinned(n: int) -> np.ndarray:

@@ -131,8 +131,7 @@ def _open(host: str, port: int, address: str, secret: auth.Secret, timeout: floa
         if near is not None:
             reader = FdReader(sock)
             auth.client_session(sock, secret, address, same_host=(ip, port), reader=reader)
-            mappings = shm.Mappings(limits.reply_limits().max_buffer_bytes)
-            channel = LocalChannel(sock, reader=reader, mappings=mappings)
+            channel = LocalChannel(sock, reader=reader, mappings=shm.Mappings())
         else:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -345,6 +344,8 @@ class Connection:
                 del frame, buffers, pending  # an idle connection must not keep the last reply alive
         except BaseException as exc:  # noqa: BLE001 - the thread must fail every waiter
             self._fail(exc)
+        finally:  # again, from this thread: descriptors that arrived while another one closed it
+            self.channel.close()
 
     def _refuse(self, frame: wire.Frame, pending: _Pending, receiving: list, why: str) -> None:
         """Fail the call of a refused reply, then read past the reply.

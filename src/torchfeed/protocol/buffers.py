@@ -14,7 +14,7 @@ import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -102,20 +102,22 @@ _here = threading.local()
 
 
 class Lender(Protocol):
-    def lease(self, nbytes: int) -> np.ndarray | None: ...
+    def lease(self, nbytes: int, fresh: list | None = None) -> np.ndarray | None: ...
 
 
 @contextlib.contextmanager
-def lending(lender: Lender | None):
+def lending(lender: Lender | None) -> Iterator[list]:
     """Within this block, large arrays this thread allocates come from ``lender`` (a
     same-host connection's shared slots: a worker's batch is stacked straight into memory
-    the trainer maps) while it has room, else from the pool."""
-    before = getattr(_here, "lender", None)
-    _here.lender = lender
+    the trainer maps) while it has room, else from the pool. Yields the list of the slots
+    leased in the block (what the reply may send without a copy)."""
+    before = getattr(_here, "lender", None), getattr(_here, "fresh", None)
+    fresh: list = []
+    _here.lender, _here.fresh = lender, fresh
     try:
-        yield
+        yield fresh
     finally:
-        _here.lender = before
+        _here.lender, _here.fresh = before
 
 
 def empty_array(nbytes: int) -> np.ndarray:
@@ -124,7 +126,7 @@ def empty_array(nbytes: int) -> np.ndarray:
         return np.empty(nbytes, dtype=np.uint8)
     lender = getattr(_here, "lender", None)
     if lender is not None:
-        got = lender.lease(nbytes)
+        got = lender.lease(nbytes, _here.fresh)
         if got is not None:
             return got
     return pool.lease(nbytes)
@@ -151,7 +153,8 @@ def empty_tensor(shape, dtype: torch.dtype) -> torch.Tensor:
 _warned_pin = False
 
 
-def _cuda_pinnable() -> bool:
+def cuda_pinnable() -> bool:
+    """Whether page-locked memory can be had (CUDA is here); warns once where it is not."""
     global _warned_pin
     if torch.cuda.is_available():
         return True
@@ -166,7 +169,7 @@ def _cuda_pinnable() -> bool:
 def check_pinnable(pin: bool) -> None:
     """Warn (once, at the user's line) when ``pin`` is asked for and cannot be had."""
     if pin:
-        _cuda_pinnable()
+        cuda_pinnable()
 
 
 # page-locked bytes one message may have reserved before its bytes arrive: a reply's header
@@ -198,30 +201,17 @@ def allocate(lengths: Sequence[int], pin: bool = False, *, arrived: bool = False
     receiver calls :func:`pinned` after receiving into ordinary memory).
     """
     offsets, total = _layout(lengths)
-    if pin and (arrived or total <= PIN_AHEAD) and _cuda_pinnable():
+    if pin and (arrived or total <= PIN_AHEAD) and cuda_pinnable():
         arr = _pinned(max(total, 1))
     else:
         arr = empty_array(max(total, 1))
     return [_view(arr[o : o + n]) for o, n in zip(offsets, lengths)]
 
 
-def register_host(address: int, nbytes: int) -> bool:
-    """Register ``nbytes`` of host memory at ``address`` as page-locked with CUDA (shared
-    slots: registered once, then every batch in them copies to the GPU asynchronously);
-    False where CUDA is not available or refuses."""
-    if not _cuda_pinnable():
-        return False
-    return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)) == 0
-
-
-def unregister_host(address: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(address)
-
-
 def pinned(views: list[memoryview], lengths: Sequence[int], pin: bool) -> list[memoryview]:
     """A received message's buffers in page-locked memory when ``pin`` asked for it and
     :func:`allocate` could not reserve it ahead (a copy, made now that the bytes are here)."""
-    if not pin or _layout(lengths)[1] <= PIN_AHEAD or not _cuda_pinnable():
+    if not pin or _layout(lengths)[1] <= PIN_AHEAD or not cuda_pinnable():
         return views
     out = allocate(lengths, pin, arrived=True)
     for src, dst in zip(views, out):

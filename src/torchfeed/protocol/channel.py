@@ -138,11 +138,15 @@ class Channel:
         *,
         aux: int = 0,
         packed=None,
+        placed=None,
     ) -> None:
         """Seal and send one message; large buffers are sealed chunk by chunk.
 
         ``packed`` (a :class:`torchfeed.protocol.codec.Packed`) sends compressed buffers
-        in place of ``buffers`` (then empty: the original memory need not stay alive)."""
+        in place of ``buffers`` (then empty: the original memory need not stay alive).
+        ``placed`` (shared memory) exists only on same-host channels."""
+        if placed is not None:
+            raise ValueError("shared memory is only for same-host connections")
         views = [memoryview(b).cast("B") for b in buffers]
         records = self._plaintexts(kind, request_id, meta, views, flags, aux, packed)
         parts: list = self._seal_small(next(records))  # the header

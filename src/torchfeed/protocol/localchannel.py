@@ -25,8 +25,7 @@ import time
 from collections import deque
 
 from ..errors import FrameTooLarge, ProtocolError
-from . import shm, wire
-from .buffers import allocate, pinned
+from . import buffers, shm, wire
 from .channel import Channel
 
 _MAX_FDS = 2 * shm.MAX_NEW  # descriptors one read may bring (one message's, and the next's)
@@ -103,13 +102,19 @@ class LocalChannel(Channel):
         self.last_activity = time.monotonic()  # the peer is alive (heartbeats read this)
 
     # -- sending ------------------------------------------------------------------
-    def send(self, kind, request_id=0, meta=b"", buffers=(), flags=0, *, aux=0, packed=None) -> None:
+    def send(
+        self, kind, request_id=0, meta=b"", buffers=(), flags=0, *, aux=0, packed=None, placed=None
+    ) -> None:
+        """Send one message; ``placed`` (a :class:`~torchfeed.protocol.shm.Placed`, made by the
+        worker's executor with :meth:`~torchfeed.protocol.shm.Arena.place`) says which
+        buffers travel in shared memory. Large buffers of a message sent without it are
+        copied into slots here."""
         if packed is not None:
             raise ValueError("same-host connections send buffers as they are (no compression)")
         views = [memoryview(b).cast("B") for b in buffers]
-        placed = None
-        if self.arena is not None and any(v.nbytes >= shm.MIN_PLACED for v in views):
+        if placed is None and self.arena is not None and any(v.nbytes >= shm.MIN_PLACED for v in views):
             placed = self.arena.place(views)
+        if placed is not None:
             flags |= wire.FLAG_SHM
         parts: list = [wire.pack_fixed(kind, request_id, len(meta), len(views), flags, aux)]
         if views:
@@ -118,24 +123,26 @@ class LocalChannel(Channel):
             parts.append(placed.table())
         if meta:
             parts.append(meta)
-        parts += [v for i, v in enumerate(views) if v.nbytes and (placed is None or placed.where[i][0] == 0)]
+        parts += placed.inline(views) if placed is not None else [v for v in views if v.nbytes]
         if placed is not None and placed.new:
             self._send_with_fds(parts, placed.fds)
         else:
             self._write(parts)
 
     def _send_with_fds(self, parts: list, fds: list[int]) -> None:
-        """Send ``parts`` with ``fds`` attached to their first byte."""
+        """Send ``parts`` with ``fds`` attached to their first byte; a peer that reads nothing
+        for ``send_stall_timeout`` seconds raises TimeoutError, as for any send."""
         views = [memoryview(p).cast("B") for p in parts]
         rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-        while True:  # the first bytes carry the descriptors: retried until some are taken
+        progress = time.monotonic()
+        while True:  # the descriptors go with the first bytes the socket takes
             try:
                 sent = self.sock.sendmsg(views[:512], rights)
                 break
-            except BlockingIOError:  # SO_SNDTIMEO: a peer reading nothing
-                if self.send_stall_timeout is None:
-                    raise TimeoutError("the peer reads nothing") from None
-                raise TimeoutError(f"the peer read nothing for {self.send_stall_timeout} s") from None
+            except BlockingIOError:  # SO_SNDTIMEO expired with nothing taken
+                stalled = time.monotonic() - progress
+                if self.send_stall_timeout is None or stalled > self.send_stall_timeout:
+                    raise TimeoutError(f"the peer read nothing for {stalled:.0f} s") from None
         rest = []
         for v in views:
             if sent >= v.nbytes:
@@ -186,6 +193,7 @@ class LocalChannel(Channel):
                 f"a reply announced {len(new)} shared slots and brought {brought} descriptors"
             )
         taken = [fds.popleft() for _ in new]
+        self.mappings.drop(dropped)  # first: their room is the new slots'
         for k, ((slot_id, capacity), fd) in enumerate(zip(new, taken)):
             try:
                 self.mappings.add(slot_id, capacity, fd)
@@ -193,19 +201,28 @@ class LocalChannel(Channel):
                 for other in taken[k + 1 :]:
                     os.close(other)
                 raise
-        self.mappings.drop(dropped)
         frame.where = where
 
     def receive_buffers(self, frame: wire.Frame, pin: bool, peer: str) -> list[memoryview]:
+        """The reply's buffers: views of their slots for the placed ones. With ``pin`` (and
+        CUDA) all are copied into page-locked memory, as torch's pin_memory does: a slot
+        registered with CUDA instead could be reused by the worker once its tensors are
+        freed, while an asynchronous copy to the GPU still reads it."""
         if frame.where is None:
             return super().receive_buffers(frame, pin, peer)
         assert self.mappings is not None
-        placed = self.mappings.views(frame.where, frame.buffer_lengths, pin=pin)
+        placed = self.mappings.views(frame.where, frame.buffer_lengths)
         inline = [n for n, view in zip(frame.buffer_lengths, placed) if view is None]
-        received = allocate(inline, pin) if inline else []
+        received = buffers.allocate(inline) if inline else []
         self.read_buffers(received, None, peer)
-        rest = iter(pinned(received, inline, pin) if received else [])
-        return [view if view is not None else next(rest) for view in placed]
+        rest = iter(received)
+        out = [view if view is not None else next(rest) for view in placed]
+        if pin and buffers.cuda_pinnable():
+            pinned_out = buffers.allocate(frame.buffer_lengths, True, arrived=True)
+            for src, dst in zip(out, pinned_out):
+                dst[:] = src
+            return pinned_out
+        return out
 
     def skip(self, frame: wire.Frame, meta: bool = True) -> None:
         if frame.where is None:
@@ -218,6 +235,8 @@ class LocalChannel(Channel):
         super().skip(rest, meta)
 
     def close(self) -> None:
+        """Let go of the descriptors, slots and mappings (idempotent: the connection's reader
+        calls it again as it leaves, for descriptors that arrived meanwhile)."""
         self._fd_reader.close_fds()
         if self.arena is not None:
             self.arena.close()

@@ -46,15 +46,21 @@ def name_of(ip: str, port: int) -> bytes:
 
 
 def is_local(ip) -> bool:
-    """Whether ``ip`` is an address of this machine (it can be bound here)."""
+    """Whether ``ip`` is an address of this machine: a loopback address, or one the kernel
+    routes to itself (connecting a UDP socket there, which sends nothing, picks that very
+    address as the source). Being able to bind it is not enough: with ``ip_nonlocal_bind``
+    any address can be bound."""
     ip = ipaddress.ip_address(str(ip).split("%", 1)[0])
+    if ip.is_loopback:
+        return True
     family = socket.AF_INET if ip.version == 4 else socket.AF_INET6
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         try:
-            s.bind((str(ip), 0))
-        except OSError:
+            s.connect((str(ip), 9))
+            source = ipaddress.ip_address(str(s.getsockname()[0]).split("%", 1)[0])
+        except (OSError, ValueError):
             return False
-    return True
+    return source == ip
 
 
 def peer_uid(sock: socket.socket) -> int:

@@ -40,7 +40,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import ProtocolError
-from . import buffers
 
 HEAD = 64  # the trainer's counter (u64), then padding to keep the data 64-byte aligned
 GRAIN = 1 << 20  # slot sizes are rounded up to this, so similar batches share slots
@@ -48,6 +47,8 @@ MIN_PLACED = 64 * 1024  # smaller buffers travel in the message
 MAX_NEW = 64  # new slots one message may announce (descriptors travel with it)
 ALIGN = 64
 DEFAULT_BUDGET = 1 << 30
+MAX_SLOTS = 256  # slots of one connection: each holds a descriptor and a mapping on both sides
+MAX_MAPPED = 1 << 40  # what a trainer maps of one worker at most (its --shm-bytes bounds it first)
 NEW = struct.Struct("<IQ")  # a new slot: id, data capacity
 PLACE = struct.Struct("<IQ")  # per buffer: slot id (0: in the message), offset in the slot's data
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
@@ -80,7 +81,8 @@ def map_shared(fd: int, size: int) -> np.ndarray:
         err = ctypes.get_errno()
         raise OSError(err, f"cannot map {size:,} bytes of shared memory: {os.strerror(err)}")
     whole = np.frombuffer((ctypes.c_uint8 * size).from_address(address), dtype=np.uint8)  # type: ignore[call-overload]
-    weakref.finalize(whole, _libc.munmap, address, size)
+    # not at exit: threads still running then (a collate stacking into a slot) would fault
+    weakref.finalize(whole, _libc.munmap, address, size).atexit = False
     return whole
 
 
@@ -103,7 +105,9 @@ class _Slot:
             raise
         self.start = _address(self.whole) + HEAD
         self.sent = 0
-        self.leased = 0  # worker arrays alive over this slot
+        # a worker array over it is alive; set under the arena's lock only on a free slot, and
+        # cleared by that array's finalizer alone (no lock: finalizers run inside other locks)
+        self.leased = False
         self.announced = False
 
     def released(self) -> int:
@@ -137,18 +141,27 @@ class Placed:
     def fds(self) -> list[int]:
         return [fd for _i, _cap, fd in self.new]
 
+    def inline(self, views: Sequence[memoryview]) -> list[memoryview]:
+        """The buffers that travel in the message itself."""
+        return [v for v, (slot, _) in zip(views, self.where) if slot == 0 and v.nbytes]
+
 
 class Arena:
-    """The worker's slots for one same-host connection (see the module docstring)."""
+    """The worker's slots for one same-host connection (see the module docstring).
+
+    Invariant: a slot is in at most one reply the trainer has not let go of (a slot is
+    leased, or copied into, only when free), so the trainer's counter is written by one
+    finalizer at a time and needs no lock."""
 
     def __init__(self, budget: int = DEFAULT_BUDGET, on_over_budget=None):
         self.budget = budget
         self._slots: dict[int, _Slot] = {}
         self._ids = iter(range(1, 1 << 32))
-        self._lock = threading.RLock()  # finalizers take it: they may run inside it (GC)
+        self._lock = threading.Lock()  # never taken by a finalizer
         self._dropped: list[int] = []
         self.total = 0  # bytes of all slots
         self._on_over_budget = on_over_budget
+        self._said: set[str] = set()
         self.closed = False
 
     # -- leasing ----------------------------------------------------------------------
@@ -163,61 +176,72 @@ class Arena:
             return best
         size = -(-max(nbytes, 1) // GRAIN) * GRAIN
         for slot in sorted(self._slots.values(), key=lambda s: s.capacity):
-            if self.total + size <= self.budget:
+            if self.total + size <= self.budget and len(self._slots) < MAX_SLOTS:
                 break
             if slot.free():  # too small or too big for this and in the way: let it go
                 del self._slots[slot.id]
                 self.total -= slot.capacity
                 self._dropped.append(slot.id)
                 slot.close()
-        if self.total + size > self.budget or self.closed:
+        if self.total + size > self.budget or len(self._slots) >= MAX_SLOTS or self.closed:
             return None
-        slot = _Slot(next(self._ids), size)
+        try:
+            slot = _Slot(next(self._ids), size)
+        except OSError as exc:  # out of descriptors, memory or mappings: this buffer goes inline
+            self._say(
+                f"cannot make a shared slot of {size:,} bytes ({exc}): batches travel through the socket"
+            )
+            return None
         self._slots[slot.id] = slot
         self.total += size
         return slot
 
-    def lease(self, nbytes: int) -> np.ndarray | None:
+    def _say(self, text: str) -> None:
+        if text not in self._said and self._on_over_budget is not None:
+            self._said.add(text)
+            self._on_over_budget(text)
+
+    def lease(self, nbytes: int, fresh: list | None = None) -> np.ndarray | None:
         """A uint8 array of ``nbytes`` in a slot (None when the budget is spent); the slot is
-        the worker's until the array and everything cut from it are gone."""
+        the worker's until the array and everything cut from it are gone. ``fresh`` (the
+        lender's list for the running call) records the slot: it may travel without a copy."""
         got = self._lease(nbytes)
-        return None if got is None else got[1]
+        if got is None:
+            return None
+        if fresh is not None:
+            fresh.append(got[0].id)
+        return got[1]
 
     def _lease(self, nbytes: int) -> tuple[_Slot, np.ndarray] | None:
         with self._lock:
             slot = self._take(nbytes)
             if slot is None:
                 return None
-            slot.leased += 1
+            slot.leased = True
         lease = slot.whole[HEAD : HEAD + nbytes]
-        weakref.finalize(lease, self._unlease, slot)
+        weakref.finalize(lease, _unlease, slot)
         # as buffers.BlockPool: an array over a memoryview keeps `lease` alive in every slice
         return slot, np.frombuffer(memoryview(lease), dtype=np.uint8)  # type: ignore[arg-type,unused-ignore]
 
-    def _unlease(self, slot: _Slot) -> None:
-        with self._lock:
-            slot.leased -= 1
-
     # -- placing a reply --------------------------------------------------------------
-    def place(self, views: Sequence[memoryview]) -> Placed:
-        """Where each buffer of a reply travels: in a slot (placed where it lies, or copied
-        into one) or in the message; the new slots' descriptors go with it."""
+    def place(self, views: Sequence[memoryview], fresh: Sequence[int] = ()) -> Placed:
+        """Where each buffer of a reply travels: in a slot or in the message; the new slots'
+        descriptors go with it. A buffer lying in a slot leased during the call that made the
+        reply (``fresh``: the batch it collated) travels without a copy; any other large
+        buffer is copied into a slot (an array the worker keeps, a cached or registered
+        object, must not be shared with the trainer: a reply is a snapshot)."""
         where = [(0, 0)] * len(views)
         got = None  # the slot copied into stays the worker's until its `sent` counts this reply
         copies = []
         used: dict[int, _Slot] = {}
         with self._lock:
+            mine = [self._slots[i] for i in set(fresh) if i in self._slots]
             for i, v in enumerate(views):
                 if v.nbytes < MIN_PLACED:
                     continue
                 at = _address(v)
                 slot = next(
-                    (
-                        s
-                        for s in self._slots.values()
-                        if s.start <= at and at + v.nbytes <= s.start + s.capacity
-                    ),
-                    None,
+                    (s for s in mine if s.start <= at and at + v.nbytes <= s.start + s.capacity), None
                 )
                 if slot is None:
                     copies.append(i)
@@ -231,8 +255,9 @@ class Arena:
                 total += -(-views[i].nbytes // ALIGN) * ALIGN
             got = self._lease(total)
             if got is None:
-                if self._on_over_budget is not None:
-                    self._on_over_budget(total, self.budget)
+                self._say(
+                    f"a reply needs {total:,} bytes of shared memory beyond the budget of {self.budget:,}"
+                )
             else:
                 slot, block = got
                 for i, off in zip(copies, offsets):
@@ -242,12 +267,11 @@ class Arena:
         with self._lock:
             new: list[tuple[int, int, int]] = []
             for slot in used.values():
+                if not slot.announced and len(new) == MAX_NEW:  # more than one message announces
+                    where = [(0, 0) if w[0] == slot.id else w for w in where]
+                    continue
                 slot.sent += 1
                 if not slot.announced:
-                    if len(new) == MAX_NEW:  # cannot announce more at once: send those bytes inline
-                        slot.sent -= 1
-                        where = [(0, 0) if w[0] == slot.id else w for w in where]
-                        continue
                     slot.announced = True
                     new.append((slot.id, slot.capacity, slot.fd))
             dropped, self._dropped = self._dropped, []
@@ -264,6 +288,10 @@ class Arena:
             slot.close()
 
 
+def _unlease(slot: _Slot) -> None:
+    slot.leased = False
+
+
 def seals_ok(fd: int, size: int) -> bool:
     """Whether ``fd`` is a sealed memory file of at least ``size`` bytes that cannot shrink."""
     try:
@@ -276,12 +304,10 @@ def seals_ok(fd: int, size: int) -> bool:
 class Mappings:
     """The trainer's mappings of one connection's slots (see the module docstring)."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int = MAX_MAPPED):
         self.max_bytes = max_bytes
         self._maps: dict[int, np.ndarray] = {}  # slot id -> the whole slot, mapped
-        self._lock = threading.RLock()  # finalizers take it: they may run inside it (GC)
         self.total = 0
-        self._pinned: dict[int, int] = {}  # slot id -> its address, registered with CUDA once
         self._pid = os.getpid()
 
     def add(self, slot_id: int, capacity: int, fd: int) -> None:
@@ -306,20 +332,12 @@ class Mappings:
     def drop(self, slot_ids: Sequence[int]) -> None:
         for slot_id in slot_ids:
             whole = self._maps.pop(slot_id, None)
-            if whole is not None:
+            if whole is not None:  # unmapped when the last view of it goes
                 self.total -= len(whole) - HEAD
-                # unmapped when the last view of it goes (replies still held keep it); a
-                # slot the worker drops is one the trainer let go of: no copy from it runs
-                address = self._pinned.pop(slot_id, None)
-                if address is not None:
-                    buffers.unregister_host(address)
 
-    def views(
-        self, where: Sequence[tuple[int, int]], lengths: Sequence[int], pin: bool = False
-    ) -> list[memoryview | None]:
+    def views(self, where: Sequence[tuple[int, int]], lengths: Sequence[int]) -> list[memoryview | None]:
         """The placed buffers of one reply as views of their slots (None: in the message).
-        Each slot the reply uses is let go of once all views of it are freed. With ``pin``
-        (and CUDA), a slot is registered as page-locked memory the first time, once."""
+        Each slot the reply uses is let go of once all views of it are freed."""
         leases: dict[int, np.ndarray] = {}
         out: list[memoryview | None] = []
         for (slot_id, offset), n in zip(where, lengths):
@@ -333,8 +351,6 @@ class Mappings:
                     raise ProtocolError(
                         f"the worker placed a buffer in slot {slot_id}, which it never announced"
                     )
-                if pin and slot_id not in self._pinned and buffers.register_host(_address(whole), len(whole)):
-                    self._pinned[slot_id] = _address(whole)
                 data = whole[HEAD:]
                 weakref.finalize(data, self._let_go, whole)
                 # as buffers.BlockPool: an array over a memoryview keeps `data` alive in every slice
@@ -354,9 +370,10 @@ class Mappings:
                 self._let_go(whole)
 
     def _let_go(self, whole: np.ndarray) -> None:
-        if os.getpid() != self._pid:  # a forked child freeing its copy: the parent still holds the batch
-            return
-        with self._lock:
+        """One reply in this slot is let go of (a finalizer: no lock; one reply per slot at a
+        time, see :class:`Arena`). A forked child freeing its copy of a batch does nothing:
+        the parent still holds it."""
+        if os.getpid() == self._pid:
             _counter(whole)[0] += 1
 
     def close(self) -> None:

@@ -29,6 +29,7 @@ import socket
 from collections.abc import Sequence
 
 from ..protocol import auth
+from ..protocol.localpath import is_local
 
 IP = ipaddress.IPv4Address | ipaddress.IPv6Address
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
@@ -65,16 +66,6 @@ def _resolve(entry: str) -> set[tuple[IP | None, int | None]]:
         ip, _ = auth.unpack_endpoint(auth.pack_endpoint(info[4]))
         out.add((ip, port))
     return out
-
-
-def is_local(ip: IP) -> bool:
-    """Whether ``ip`` is an address of this machine (it can be bound)."""
-    with socket.socket(socket.AF_INET if ip.version == 4 else socket.AF_INET6, socket.SOCK_DGRAM) as s:
-        try:
-            s.bind((str(ip), 0))
-        except OSError:
-            return False
-    return True
 
 
 class Names:

@@ -230,19 +230,13 @@ class WorkerServer:
                     conn.close()
 
 
-_said_budget: set = set()
-
-
-def _over_budget(wanted: int, budget: int) -> None:
-    if budget not in _said_budget:
-        _said_budget.add(budget)
-        log.warning(
-            "a reply needs %s bytes of shared memory beyond this worker's --shm-bytes of %s per same-host trainer "
-            "(the trainer holds that much of its batches): it travels through the socket instead, with a copy. "
-            "Start the worker with a larger --shm-bytes to keep batches in shared memory",
-            f"{wanted:,}",
-            f"{budget:,}",
-        )
+def _over_budget(what: str) -> None:
+    """An arena could not give a reply shared memory (said once per connection and reason)."""
+    log.warning(
+        "%s: it travels through the socket instead, with a copy. A trainer holding many batches, or large "
+        "ones, needs more: start the worker with a larger --shm-bytes (per same-host trainer)",
+        what,
+    )
 
 
 def _timeval(seconds: float) -> bytes:

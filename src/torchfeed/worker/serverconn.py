@@ -120,10 +120,18 @@ class ServerConnection:
 
     # -- writer thread -------------------------------------------------------
     def send(
-        self, kind: int, request_id: int = 0, meta: bytes = b"", buffers=(), flags: int = 0, packed=None
+        self,
+        kind: int,
+        request_id: int = 0,
+        meta: bytes = b"",
+        buffers=(),
+        flags: int = 0,
+        packed=None,
+        placed=None,
     ) -> None:
         """Send a message, or queue it for the writer; never blocks (``packed``: its
-        buffers compressed, :class:`~torchfeed.protocol.codec.Packed`, sent in their place).
+        buffers compressed, :class:`~torchfeed.protocol.codec.Packed`, sent in their place;
+        ``placed``: on a same-host connection, which buffers travel in shared memory).
 
         A small message with nothing queued before it is sealed and written here, without
         blocking (no hop to the writer thread: the usual case for small replies); what the
@@ -131,14 +139,26 @@ class ServerConnection:
         """
         if packed is not None:
             buffers, size = (), len(meta) + packed.wire_bytes
+        elif placed is not None:  # the bytes that go through the socket
+            size = len(meta) + sum(
+                v.nbytes for v in placed.inline([memoryview(b).cast("B") for b in buffers])
+            )
         else:
             size = len(meta) + sum(memoryview(b).nbytes for b in buffers)
         with self._cond:
             if self.closed:
                 return
-            if self._outbox or self.sending or size > _DIRECT_BYTES or packed is not None:
+            if (
+                self._outbox
+                or self.sending
+                or size > _DIRECT_BYTES
+                or packed is not None
+                or placed is not None
+            ):
                 # an entry is charged its overhead too: empty replies (PONG) are bounded as well
-                self._outbox.append((kind, request_id, meta, buffers, flags, size + ENTRY_BYTES, packed))
+                self._outbox.append(
+                    (kind, request_id, meta, buffers, flags, size + ENTRY_BYTES, packed, placed)
+                )
                 self.unsent_bytes += size + ENTRY_BYTES
                 self._cond.notify_all()
                 return
@@ -154,7 +174,7 @@ class ServerConnection:
             with self._cond:
                 self.sending = False
                 if rest is not None and len(rest) and not self.closed:
-                    self._outbox.appendleft((_SEALED, 0, rest, (), 0, len(rest) + ENTRY_BYTES, None))
+                    self._outbox.appendleft((_SEALED, 0, rest, (), 0, len(rest) + ENTRY_BYTES, None, None))
                     self.unsent_bytes += len(rest) + ENTRY_BYTES
                 if self._outbox:  # queued meanwhile: the writer waited for us
                     self._cond.notify_all()
@@ -167,13 +187,15 @@ class ServerConnection:
                         self._cond.wait()
                     if self.closed:
                         return
-                    kind, rid, meta, buffers, flags, size, packed = self._outbox.popleft()
+                    kind, rid, meta, buffers, flags, size, packed, placed = self._outbox.popleft()
                     self.sending = True
                 if kind == _SEALED:  # the rest of a message send() began to write
                     self.channel.write(meta)
+                elif placed is not None:
+                    self.channel.send(kind, rid, meta, buffers, flags, placed=placed)
                 else:
                     self.channel.send(kind, rid, meta, buffers, flags, packed=packed)
-                del meta, buffers, packed
+                del meta, buffers, packed, placed
                 with self._cond:
                     self.sending = False
                     self.unsent_bytes -= size
@@ -307,11 +329,12 @@ class ServerConnection:
             if not getattr(func, "manages_rng", False):
                 seeding.restore_outside()  # seeded loading may have left its seeds behind
             # a same-host trainer's batches are stacked straight into the slots it maps
-            with lending(self.channel.arena if self.channel.local else None):
+            arena = self.channel.arena if self.channel.local else None
+            with lending(arena) as fresh:
                 result = func(*(args or ()), **(kwargs or {}))
             flags = frame.flags & wire.FLAG_RREF
             out: list[memoryview]
-            packed = None
+            packed = placed = None
             if flags:
                 ref = self.server.registry.put(result, self.id, self.limits.max_refs)
                 meta, out = pickle.dumps(ref), []
@@ -319,19 +342,23 @@ class ServerConnection:
                 meta, out = serialize.dumps_reply(result)
                 check_reply(meta, out, getattr(func, "reply_limits", None))
                 mode = (frame.flags & wire.FLAG_CODEC) >> wire.FLAG_CODEC_SHIFT
-                if mode and out and not self.channel.local:  # compress, then seal (the writer seals it)
+                if arena is not None and out:  # in shared memory: the batch just collated as it lies
+                    placed = arena.place([memoryview(b).cast("B") for b in out], fresh)
+                elif mode and out:  # compress, then seal (the writer seals it)
                     packed = self.codec.pack(out, mode, codec.rate_of_hint(frame.aux))
             del result
         except BaseException as exc:  # user code may raise anything, SystemExit and Ctrl-C included
             self._reply(wire.ERROR, rid, _describe_exception(exc), [])
             return
-        self._reply(wire.REPLY, rid, meta, out, flags, packed)
+        self._reply(wire.REPLY, rid, meta, out, flags, packed, placed)
 
-    def _reply(self, kind: int, rid: int, meta: bytes, buffers, flags: int = 0, packed=None) -> None:
+    def _reply(
+        self, kind: int, rid: int, meta: bytes, buffers, flags: int = 0, packed=None, placed=None
+    ) -> None:
         self.cancelled.discard(rid)
         wire_bytes = packed.wire_bytes if packed is not None else None
         self.server.counters.replied(kind, meta, buffers, wire_bytes)  # [stats hook]
-        self.send(kind, rid, meta, buffers, flags, packed)
+        self.send(kind, rid, meta, buffers, flags, packed, placed)
 
     def _answered(self, frame: wire.Frame) -> None:
         with self._cond:
