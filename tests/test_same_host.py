@@ -41,12 +41,13 @@ class Filled(torch.utils.data.Dataset):
         return torch.full(self.shape, float(i)), i
 
 
-def slot_maps(pid: int | str = "self") -> list[int]:
-    """Sizes of the shared slots mapped in process ``pid``."""
+def slot_maps(pid: int | str = "self", worker: int | None = None) -> list[int]:
+    """Sizes of the shared slots mapped in process ``pid`` (only ``worker``'s, if given)."""
     sizes = []
+    mark = "memfd:torchfeed-slot-" + ("" if worker is None else f"{worker}-")
     with open(f"/proc/{pid}/maps") as f:
         for line in f:
-            if "memfd:torchfeed-slot" in line:
+            if mark in line:
                 lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
                 sizes.append(hi - lo)
     return sizes
@@ -125,36 +126,32 @@ def test_batches_are_exact_on_both_paths_and_mixed(monkeypatch, same_host):
 def test_slots_are_freed_with_the_batches_and_with_the_connection():
     """The trainer maps a slot once and lets it go when the batch is freed; the worker reuses
     it; closing the connection unmaps everything the trainer no longer holds."""
-    gc.collect()
-    before = len(slot_maps())  # what other tests of this process still hold
     with LocalWorkers(1) as workers:
         worker_pid = workers.processes[0].pid
         ds = RemoteDataset(workers.addresses, Filled, 64 * 6)
         loader = RemoteDataLoader(ds, batch_size=64)
         seen, intact = one_epoch(loader)
         assert intact and sorted(seen) == list(range(64 * 6))
-        held = slot_maps()
-        assert len(held) > before, "no batch came through shared memory"
-        # a second epoch reuses the slots: no new mapping per batch
-        one_epoch(loader)
-        assert len(slot_maps()) <= len(held) + 2
+        held = slot_maps(worker=worker_pid)
+        assert held, "no batch came through shared memory"
+        one_epoch(loader)  # a second epoch reuses the slots: no new mapping per batch
+        assert len(slot_maps(worker=worker_pid)) <= len(held) + 2
         kept = next(iter(loader))  # a batch the trainer still holds
         torchfeed.client.default_session().close()
         gc.collect()
-        assert len(slot_maps()) > before  # the held batch keeps its slot mapped ...
+        assert slot_maps(worker=worker_pid)  # the held batch keeps its slot mapped ...
         assert kept[0][:, 0, 0, 0].tolist() == kept[1].float().tolist()  # ... and readable
         del kept
         gc.collect()
-        assert len(slot_maps()) <= before
+        assert slot_maps(worker=worker_pid) == []
         wait_for(
             lambda: slot_fds(worker_pid) == 0 and slot_maps(worker_pid) == [], "the worker let its slots go"
         )
 
 
 def test_a_worker_killed_mid_epoch_loses_nothing_and_its_slots_go_with_its_batches():
-    gc.collect()
-    before = len(slot_maps())
     with LocalWorkers(2) as workers:
+        pids = [p.pid for p in workers.processes]
         ds = RemoteDataset(workers.addresses, Filled, 64 * 8)
         loader = RemoteDataLoader(ds, batch_size=32)
         seen = []
@@ -168,7 +165,7 @@ def test_a_worker_killed_mid_epoch_loses_nothing_and_its_slots_go_with_its_batch
         gc.collect()
         torchfeed.client.default_session().close()
         gc.collect()
-        assert len(slot_maps()) <= before
+        assert [slot_maps(worker=pid) for pid in pids] == [[], []]
 
 
 _TRAINER = textwrap.dedent(
@@ -238,8 +235,9 @@ def test_the_block_budget_bounds_shared_memory_and_loses_nothing():
         ys = [y for _x, y in held]
         assert sorted(torch.cat(ys).tolist()) == list(range(64 * 8))
         assert all((x[:, 0, 0, 0] == y.float()).all() for x, y in held)
-        assert 0 < sum(slot_maps()) <= budget + len(slot_maps()) * shm.HEAD + (1 << 16)
-        assert slot_maps(workers.processes[0].pid)  # some did go through shared memory
+        mine = slot_maps(workers.processes[0].pid)  # the worker's: this connection's slots only
+        assert mine, "nothing went through shared memory"
+        assert sum(mine) <= budget + len(mine) * (shm.HEAD + 4096)  # (a mapping rounds up to pages)
 
 
 def test_another_user_gets_nothing_from_the_same_host_socket(other_user):

@@ -194,14 +194,14 @@ def test_fork_while_another_thread_holds_the_buffer_pool(workers2):
 def test_a_connect_that_straddles_close_is_undone(workers2, monkeypatch):
     """close() while another thread is in its handshake: that connection must not survive
     in the closed session (it did: close() had emptied the cache before it was stored)."""
-    in_handshake, real = threading.Event(), auth.client_handshake
+    in_handshake, real = threading.Event(), auth.client_session  # both paths' handshake
 
     def slow_handshake(*args, **kwargs):
         in_handshake.set()
         time.sleep(0.5)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(auth, "client_handshake", slow_handshake)
+    monkeypatch.setattr(auth, "client_session", slow_handshake)
     session = torchfeed.Session(timeout=10)
     outcome: list = []
 
@@ -219,7 +219,7 @@ def test_a_connect_that_straddles_close_is_undone(workers2, monkeypatch):
     assert isinstance(outcome[0], torchfeed.ConnectionClosed), outcome
     assert "closed while connecting" in str(outcome[0])
     assert [c for c in session.connections() if not c.closed] == []
-    monkeypatch.setattr(auth, "client_handshake", real)
+    monkeypatch.setattr(auth, "client_session", real)
     assert session.rpc_async(workers2[0], _square, args=(3,)).wait() == 9  # a later call reconnects
     session.close()
 

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Sampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 
 from .. import stats
-from ..protocol import buffers, codec
+from ..protocol import buffers, codec, limits
 from . import arguments, cache, checks, prefetch, resume
 from .dataset import RemoteDataset
 from .iterable import IterablePass
@@ -475,7 +475,9 @@ class RemoteDataLoader(DataLoader[T_co]):
             length=length,
             reply_policy=self._reply_policy,
             compression=self._compression,
-            split_first=self._auto_collation and self.collate_fn is default_collate,
+            # the first batch is split only where nothing depends on a reply's size: lowered
+            # reply limits bound the batch, not its parts (loader/split.py)
+            split_first=self._auto_collation and self.collate_fn is default_collate and not limits.lowered(),
         )
 
     def _keep_estimates(self, estimates: dict[str, float]) -> None:

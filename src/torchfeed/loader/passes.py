@@ -176,8 +176,9 @@ class MapPass(Pass):
         for _ in taken:
             self._sched.take_delivered()
         self._parts = 1
-        if failed is not None:
-            return Delivery(False, failed.value, samples, keys)
+        if failed is not None:  # the batch failed: it names all of its samples, as unsplit
+            error = failed.value.with_indices(keys) if isinstance(failed.value, RemoteError) else failed.value
+            return Delivery(False, error, samples, keys)
         try:
             value = split.join([t.value for t in taken if t is not None])
         except Exception as exc:  # noqa: BLE001 - the batch fails in its turn, with the reason
@@ -384,7 +385,7 @@ class MapPass(Pass):
             if accepted:  # where the reply's size is known (client.reply_bytes)
                 state = self._sched.workers.get(address)
                 spb = state.seconds_per_batch if state is not None else None
-                self._stats.reply(address, len(self._ledger.keys(seq)), spb)
+                self._stats.reply(address, len(self._ledger.keys(seq)), spb, whole=not 0 < seq < self._parts)
         else:
             accepted = seq not in self._sched.done and seq >= self._sched.delivered
             others = self._sched.failed(address, seq) if accepted else []

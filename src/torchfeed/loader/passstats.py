@@ -61,8 +61,11 @@ class PassObserver:
     def inspect(self, batch: Any) -> None:
         """A batch handed to the user (the first of each pass is looked at for the advice)."""
 
-    def reply(self, address: str, samples: int, seconds_per_batch: float | None = None) -> None:
-        """A worker's reply was accepted (its reader thread, inside the result callback)."""
+    def reply(
+        self, address: str, samples: int, seconds_per_batch: float | None = None, whole: bool = True
+    ) -> None:
+        """A worker's reply was accepted (its reader thread, inside the result callback);
+        ``whole`` False: a later part of a split first batch."""
 
     def preloaded(self, address: str, samples: int, nbytes: int) -> None:
         """A batch the previous pass loaded ahead for this one was taken (size ``nbytes``)."""
@@ -120,9 +123,11 @@ class PassStats(PassObserver):
     def inspect(self, batch: Any) -> None:
         self._acc.inspect(batch)
 
-    def reply(self, address: str, samples: int, seconds_per_batch: float | None = None) -> None:
+    def reply(
+        self, address: str, samples: int, seconds_per_batch: float | None = None, whole: bool = True
+    ) -> None:
         wire, arriving = client.reply_wire()
-        self._acc.delivered(address, samples, client.reply_bytes(), seconds_per_batch, wire, arriving)
+        self._acc.delivered(address, samples, client.reply_bytes(), seconds_per_batch, wire, arriving, whole)
 
     def preloaded(self, address: str, samples: int, nbytes: int) -> None:
         self._acc.delivered(address, samples, nbytes, None)

@@ -56,6 +56,12 @@ def reply_limits() -> Limits:
         return _limits()
 
 
+def lowered() -> bool:
+    """Whether any reply limit is below its default (the user bounds batches)."""
+    current = reply_limits()
+    return any(getattr(current, name) < ENVIRONMENT[name][1] for name in ENVIRONMENT)
+
+
 def set_reply_limits(
     max_meta_bytes: int | None = None, max_buffers: int | None = None, max_buffer_bytes: int | None = None
 ) -> Limits:

@@ -95,7 +95,9 @@ class _Slot:
 
     def __init__(self, slot_id: int, capacity: int):
         self.id, self.capacity = slot_id, capacity
-        self.fd = os.memfd_create(f"torchfeed-slot-{slot_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        # named for /proc/PID/maps: the worker's pid and the slot
+        name = f"torchfeed-slot-{os.getpid()}-{slot_id}"
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, HEAD + capacity)
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)

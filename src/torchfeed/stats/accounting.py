@@ -256,10 +256,12 @@ class Accounting:
         seconds_per_batch: float | None,
         wire: int | None = None,
         arriving: float = 0.0,
+        whole: bool = True,
     ) -> None:
         """A worker's batch was accepted (reader thread); ``nbytes`` None: its size is unknown;
         ``wire``: its bytes on the wire (default ``nbytes``); ``arriving``: seconds from its
-        header to its last byte."""
+        header to its last byte; ``whole`` False: a later part of a split first batch (its
+        samples and bytes count, the batch was counted with its first part)."""
         now = self._clock()
         with self._lock:
             w = self._workers.get(address)
@@ -269,14 +271,14 @@ class Accounting:
             w.advance(sec)
             w.slots[sec % _SLOTS] += samples
             w.recent += samples
-            w.batches += 1
+            w.batches += whole
             w.samples += samples
             if seconds_per_batch:
                 w.spb = seconds_per_batch
             if nbytes is not None:
                 self._bytes += nbytes
                 self._wire += nbytes if wire is None else wire
-                self._sized += 1
+                self._sized += whole
             if arriving:
                 w.arriving[sec % _SLOTS] += arriving
                 w.arriving_recent += arriving
