@@ -74,9 +74,13 @@ def other_user():
 def tcp_only(monkeypatch):
     """Trainers reach every worker over TCP (the sealed channel), same-host ones included: for
     tests of the wire itself (captures, compression, relays of the stream)."""
+    import torchfeed
     from torchfeed.protocol import localpath
 
+    torchfeed.client.close_all()  # connections pooled by earlier tests may be same-host ones
     monkeypatch.setenv(localpath.ENV, "tcp")
+    yield
+    torchfeed.client.close_all()  # and later tests get theirs by their own path
 
 
 @pytest.fixture(scope="session")

@@ -28,12 +28,12 @@ def _compress_everything() -> None:
     chooser = codec.Chooser(CHUNK)
     codec.Chooser.pack = lambda self, buffers, mode, rate: plain_pack(self, buffers, codec.ZSTD, rate)
 
-    def send(self, kind, request_id=0, meta=b"", buffers=(), flags=0, packed=None):
+    def send(self, kind, request_id=0, meta=b"", buffers=(), flags=0, packed=None, placed=None):
         if kind == wire.ERROR:
             buffers = [memoryview(bytes(1 << 20))]
         if kind in (wire.REPLY, wire.ERROR) and buffers and packed is None:
             packed = chooser.pack(list(buffers), codec.ZSTD, 0.0)
-        return plain(self, kind, request_id, meta, buffers, flags, packed)
+        return plain(self, kind, request_id, meta, buffers, flags, packed, placed)
 
     wc.ServerConnection.send = send
 
