@@ -112,7 +112,7 @@ class LocalChannel(Channel):
         if packed is not None:
             raise ValueError("same-host connections send buffers as they are (no compression)")
         views = [memoryview(b).cast("B") for b in buffers]
-        if placed is None and self.arena is not None and any(v.nbytes >= shm.MIN_PLACED for v in views):
+        if placed is None and self.arena is not None:
             placed = self.arena.place(views)
         if placed is not None:
             flags |= wire.FLAG_SHM

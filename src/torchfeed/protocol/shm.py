@@ -226,12 +226,15 @@ class Arena:
         return slot, np.frombuffer(memoryview(lease), dtype=np.uint8)  # type: ignore[arg-type,unused-ignore]
 
     # -- placing a reply --------------------------------------------------------------
-    def place(self, views: Sequence[memoryview], fresh: Sequence[int] = ()) -> Placed:
+    def place(self, views: Sequence[memoryview], fresh: Sequence[int] = ()) -> Placed | None:
         """Where each buffer of a reply travels: in a slot or in the message; the new slots'
-        descriptors go with it. A buffer lying in a slot leased during the call that made the
+        descriptors go with it (None: no buffer is large enough to be placed). A buffer lying
+        in a slot leased during the call that made the
         reply (``fresh``: the batch it collated) travels without a copy; any other large
         buffer is copied into a slot (an array the worker keeps, a cached or registered
         object, must not be shared with the trainer: a reply is a snapshot)."""
+        if self.closed or not any(v.nbytes >= MIN_PLACED for v in views):
+            return None  # a small reply (it all travels in the message), or a closed connection
         where = [(0, 0)] * len(views)
         got = None  # the slot copied into stays the worker's until its `sent` counts this reply
         copies = []
@@ -256,7 +259,7 @@ class Arena:
                 offsets.append(total)
                 total += -(-views[i].nbytes // ALIGN) * ALIGN
             got = self._lease(total)
-            if got is None:
+            if got is None and not self.closed:
                 self._say(
                     f"a reply needs {total:,} bytes of shared memory beyond the budget of {self.budget:,}"
                 )
