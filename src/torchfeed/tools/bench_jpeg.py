@@ -179,9 +179,10 @@ def _in_process(root: str, tries: int = 3) -> float:
 
 
 def _first_batch(make: Callable[[], Any]) -> float:
+    """Seconds from ``make()`` (a loader, or an iterator of one) to its first batch."""
     start = time.perf_counter()
-    loader = make()
-    next(iter(loader))
+    made = make()
+    next(iter(made))
     return time.perf_counter() - start
 
 
@@ -224,16 +225,15 @@ def run(
                         )
                     )
                 )
-                # a new pass over a dataset the workers have served (what an epoch without a
-                # seed starts with: nothing of it was prefetched)
-                built: Any = RemoteDataset(w.addresses, JpegPipeline, root)
-                next(iter(RemoteDataLoader(built, batch_size=BATCH, shuffle=True)))
-                time.sleep(IDLE)
-                first["new_pass"].append(
-                    _first_batch(partial(RemoteDataLoader, built, batch_size=BATCH, shuffle=True))
+                # a new pass of a loader that has run one (an epoch's start: nothing of it was
+                # prefetched without a seed), on idle workers
+                again: Any = RemoteDataLoader(
+                    RemoteDataset(w.addresses, JpegPipeline, root), batch_size=BATCH, shuffle=True
                 )
+                next(iter(again))
+                time.sleep(IDLE)
+                first["new_pass"].append(_first_batch(partial(iter, again)))
                 paths = measure.paths_used()
-                del built
             first["in_process"].append(_in_process(root))
             first["torch"].append(
                 _first_batch(
