@@ -15,7 +15,7 @@ import torch
 
 import torchfeed
 from torchfeed.scaling import LocalPool, Tiers
-from torchfeed.scaling.local_pool import usable_cores
+from torchfeed.util import cpu_count
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,8 +30,8 @@ def wait_for(condition, limit: float = 120.0) -> bool:
 
 
 def test_a_local_pool_keeps_a_core_for_the_trainer_by_default():
-    assert LocalPool().limit == max(usable_cores() - 1, 1)
-    assert LocalPool(keep_for_trainer=0).limit == usable_cores()
+    assert LocalPool().limit == max(cpu_count() - 1, 1)
+    assert LocalPool(keep_for_trainer=0).limit == cpu_count()
     with pytest.raises(ValueError, match="cpu_budget"):
         LocalPool(cpu_budget=0)
 

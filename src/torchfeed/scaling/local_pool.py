@@ -10,22 +10,14 @@ local workers are grown first and retired last (see :mod:`torchfeed.scaling.tier
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Sequence
 
 from ..local import LocalWorkers
+from ..util import cpu_count
 from ..worker.options import WorkerOptions
 
 log = logging.getLogger("torchfeed.autoscale")
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity, which a Slurm step or a container sets)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 class LocalPool:
@@ -34,7 +26,7 @@ class LocalPool:
     Parameters
     ----------
     cpu_budget : int, optional
-        Most workers at once (default: :func:`usable_cores` less ``keep_for_trainer``, at least 1).
+        Most workers at once (default: the CPUs this process may run on, :func:`torchfeed.util.cpu_count`, less ``keep_for_trainer``, at least 1).
     keep_for_trainer : int
         Cores left to the training process when ``cpu_budget`` is not given (default 1).
     options : WorkerOptions, optional
@@ -54,7 +46,7 @@ class LocalPool:
         if keep_for_trainer < 0:
             raise ValueError(f"keep_for_trainer must be >= 0, got {keep_for_trainer}")
         if cpu_budget is None:
-            cpu_budget = max(usable_cores() - keep_for_trainer, 1)
+            cpu_budget = max(cpu_count() - keep_for_trainer, 1)
         if cpu_budget < 1:
             raise ValueError(f"cpu_budget must be >= 1 worker, got {cpu_budget}")
         self.limit = cpu_budget
