@@ -202,8 +202,8 @@ class Channel:
         """Seal and send one record of arbitrary content (for tests and protocol tools)."""
         self._write(self._seal_small(plaintext))
 
-    def _write(self, parts: list) -> None:
-        wire.sendmsg_all(self.sock, parts, self.send_stall_timeout)
+    def _write(self, parts: list, ancillary: Sequence = ()) -> None:
+        wire.sendmsg_all(self.sock, parts, self.send_stall_timeout, ancillary)
         n = sum(memoryview(p).nbytes for p in parts)
         if n >= _SEND_BATCH:  # a write this large only completes while the peer reads
             self.last_activity = time.monotonic()

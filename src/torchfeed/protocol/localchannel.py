@@ -43,14 +43,8 @@ class FdReader(wire.FrameReader):
         super().__init__(sock, initial)
         self.fds: deque[int] = deque()
 
-    def _recv_some(self) -> None:
-        if self._start == self._end:
-            self._start = self._end = 0
-        elif self._end == len(self._buf):
-            n = self._end - self._start
-            self._buf[:n] = self._buf[self._start : self._end]
-            self._start, self._end = 0, n
-        got, anc, flags, _ = self.sock.recvmsg_into([self._view[self._end :]], _ANC, socket.MSG_CMSG_CLOEXEC)
+    def _receive(self, into: memoryview) -> int:
+        got, anc, flags, _ = self.sock.recvmsg_into([into], _ANC, socket.MSG_CMSG_CLOEXEC)
         for level, kind, data in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds = array.array("i")
@@ -59,10 +53,7 @@ class FdReader(wire.FrameReader):
         if flags & socket.MSG_CTRUNC or len(self.fds) > _MAX_FDS:
             self.close_fds()
             raise ProtocolError("the peer sent more file descriptors than one message may carry")
-        if not got:
-            raise ConnectionError("connection closed by peer")
-        self._end += got
-        self.bytes_received += got
+        return got
 
     def close_fds(self) -> None:
         while self.fds:
@@ -124,34 +115,9 @@ class LocalChannel(Channel):
         if meta:
             parts.append(meta)
         parts += placed.inline(views) if placed is not None else [v for v in views if v.nbytes]
-        if placed is not None and placed.new:
-            self._send_with_fds(parts, placed.fds)
-        else:
-            self._write(parts)
-
-    def _send_with_fds(self, parts: list, fds: list[int]) -> None:
-        """Send ``parts`` with ``fds`` attached to their first byte; a peer that reads nothing
-        for ``send_stall_timeout`` seconds raises TimeoutError, as for any send."""
-        views = [memoryview(p).cast("B") for p in parts]
-        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-        progress = time.monotonic()
-        while True:  # the descriptors go with the first bytes the socket takes
-            try:
-                sent = self.sock.sendmsg(views[:512], rights)
-                break
-            except BlockingIOError:  # SO_SNDTIMEO expired with nothing taken
-                stalled = time.monotonic() - progress
-                if self.send_stall_timeout is None or stalled > self.send_stall_timeout:
-                    raise TimeoutError(f"the peer read nothing for {stalled:.0f} s") from None
-        rest = []
-        for v in views:
-            if sent >= v.nbytes:
-                sent -= v.nbytes
-            else:
-                rest.append(v[sent:])
-                sent = 0
-        if rest:
-            self._write(rest)
+        # the new slots' descriptors go with the message's first bytes
+        fds = placed.fds if placed is not None else []
+        self._write(parts, [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else [])
 
     # -- receiving ----------------------------------------------------------------
     def read_header(self, limits: wire.Limits) -> wire.Frame:

@@ -181,8 +181,11 @@ def send_frame(
     sendmsg_all(sock, parts)
 
 
-def sendmsg_all(sock: socket.socket, parts: list, stall_timeout: float | None = None) -> None:
-    """Write every byte of ``parts`` (a list of bytes-like objects), handling partial writes.
+def sendmsg_all(
+    sock: socket.socket, parts: list, stall_timeout: float | None = None, ancillary: Sequence = ()
+) -> None:
+    """Write every byte of ``parts`` (a list of bytes-like objects), handling partial writes;
+    ``ancillary`` (``sendmsg``'s, e.g. descriptors) goes with the first bytes written.
 
     On a socket with a send timeout (``SO_SNDTIMEO``), a peer that reads nothing for
     ``stall_timeout`` seconds raises :class:`TimeoutError`.
@@ -193,7 +196,8 @@ def sendmsg_all(sock: socket.socket, parts: list, stall_timeout: float | None = 
     while i < len(views):
         batch = views[i : i + _IOV_MAX]
         try:
-            sent = sock.sendmsg(batch)
+            sent = sock.sendmsg(batch, ancillary) if ancillary else sock.sendmsg(batch)
+            ancillary = ()
         except BlockingIOError:
             if stall_timeout is None or time.monotonic() - progress > stall_timeout:
                 raise TimeoutError(f"the peer read nothing for {stall_timeout} s") from None
@@ -236,11 +240,15 @@ class FrameReader:
             n = self._end - self._start
             self._buf[:n] = self._buf[self._start : self._end]
             self._start, self._end = 0, n
-        got = self.sock.recv_into(self._view[self._end :])
+        got = self._receive(self._view[self._end :])
         if not got:
             raise ConnectionError("connection closed by peer")
         self._end += got
         self.bytes_received += got
+
+    def _receive(self, into: memoryview) -> int:
+        """One staged read from the socket (a subclass may take ancillary data with it)."""
+        return self.sock.recv_into(into)
 
     def _take(self, n: int) -> bytes:
         """Return exactly n bytes (n <= staging size)."""
