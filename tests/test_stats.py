@@ -63,6 +63,16 @@ def test_worker_rates_sum_to_the_loaders(workers2):
     assert all(w.samples_per_s > 0 and w.mean_batch_seconds for w in s.workers.values()), s
 
 
+def test_a_new_dataset_on_an_address_once_lost_shows_it_serving(workers2):
+    """What this process saw at an address before (a lost worker whose port the kernel gave
+    to a new one) is not the state of a worker a new dataset was just built on."""
+    events.worker_lost(workers2[0], ConnectionResetError("an earlier worker at this port"), 0)
+    assert events.state_of(workers2[0]) == "lost"
+    loader = torchfeed.RemoteDataLoader(torchfeed.RemoteDataset(workers2, RangeDataset, 40), batch_size=4)
+    assert sum(len(b[1]) for b in loader) == 40
+    assert {w.state for w in loader.stats().workers.values()} == {"serving"}
+
+
 @pytest.mark.slow
 def test_killed_worker_shows_lost_then_serving_after_restart(fresh_workers, caplog):
     w = fresh_workers(2)

@@ -182,6 +182,8 @@ class Membership:
         self._owners: list[tuple[weakref.WeakMethod, weakref.WeakMethod]] = []
         self.bind(build, drop)
         self._fresh()
+        for address in self.workers:  # built just now: not what this process saw there before
+            events.set_state(address, "serving")  # [stats hook] (a reused port's lost worker)
         for address, error in (skipped or {}).items():
             self._skip(address, error)
         if watched is not None:
