@@ -56,6 +56,29 @@ def test_joined_parts_equal_the_whole_batch_collated(kind, size, workers):
     assert same(joined, default_collate(samples))
 
 
+@pytest.mark.parametrize(
+    "parts",
+    [
+        [torch.arange(6, dtype=torch.bfloat16).view(2, 3), torch.ones(1, 3, dtype=torch.bfloat16)],  # no numpy dtype
+        [torch.arange(6.0).view(3, 2).t(), torch.zeros(1, 3)],  # a strided view
+        [torch.ones(2, 2, dtype=torch.complex64).conj(), torch.zeros(1, 2, dtype=torch.complex64)],  # conj bit
+        [torch.tensor([[1, 2]]), torch.tensor([[3.5, 4.0]])],  # mixed dtypes: torch.cat promotes
+        [torch.ones(2, 3, 4, 5).to(memory_format=torch.channels_last)[:, :, :, 0], torch.zeros(1, 3, 4)],
+    ],
+)
+def test_a_joined_tensor_is_torch_cat_of_its_parts(parts):
+    joined, expected = split.join(parts), torch.cat(parts)
+    assert joined.dtype == expected.dtype and torch.equal(joined, expected)
+    assert joined.is_contiguous() and joined.data_ptr() not in {p.data_ptr() for p in parts}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned host memory); CI has no GPU")
+def test_a_batch_joined_from_pinned_parts_is_pinned():
+    parts = [torch.ones(2, 3).pin_memory(), torch.zeros(1, 3).pin_memory()]
+    joined = split.join(parts)
+    assert joined.is_pinned() and torch.equal(joined, torch.cat(parts))
+
+
 class Timed(torch.utils.data.Dataset):
     """Each sample names the worker process that loaded it."""
 

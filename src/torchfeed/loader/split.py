@@ -12,6 +12,11 @@ concatenated; mappings, tuples, named tuples and sequences are joined member by 
 Later batches are whole, as before.
 
 A custom ``collate_fn`` is never split: nothing says how its outputs join.
+
+Tensors are joined on the consumer's thread alone (:func:`_cat`): torch's intra-op threads
+would wait for cores the workers keep busy building the next batches (on 2 cores, joining
+two 2.4 MB parts with ``torch.cat`` stalled 15-35 ms in a third of first batches; on one
+thread it takes under 1 ms). A joined batch is pinned when its parts are.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import copy
 from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -43,7 +49,7 @@ def join(parts: Sequence[Any]) -> Any:
     if len(parts) == 1:
         return first
     if isinstance(first, torch.Tensor):
-        return torch.cat(list(parts), dim=0)
+        return _cat(list(parts))
     if isinstance(first, Mapping):  # keeps the mapping's type, as default_collate does
         joined = {key: join([p[key] for p in parts]) for key in first}
         if isinstance(first, MutableMapping):
@@ -73,3 +79,35 @@ def join(parts: Sequence[Any]) -> Any:
             return seq
         return columns
     raise TypeError(f"cannot join collated parts of type {type(first).__name__}")
+
+
+# the dtypes numpy copies bit for bit (not bfloat16, float8 or quantized ones: torch.cat joins those)
+_NUMPY_DTYPES = frozenset(
+    (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+    + (torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128)
+)
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)``, copied by this thread alone, pinned if the parts are."""
+    first = parts[0]
+    pinned = first.is_pinned()
+    plain = (
+        first.device.type == "cpu"
+        and first.dtype in _NUMPY_DTYPES
+        and first.layout == torch.strided
+        and all(
+            p.dtype == first.dtype
+            and p.device == first.device
+            and p.layout == torch.strided
+            and p.shape[1:] == first.shape[1:]
+            and not (p.requires_grad or p.is_conj() or p.is_neg())
+            for p in parts
+        )
+    )
+    if not plain:
+        out = torch.cat(parts, dim=0)
+        return out.pin_memory() if pinned and not out.is_pinned() else out
+    out = torch.empty((sum(len(p) for p in parts), *first.shape[1:]), dtype=first.dtype, pin_memory=pinned)
+    np.concatenate([p.numpy() for p in parts], axis=0, out=out.numpy())
+    return out
