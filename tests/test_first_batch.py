@@ -59,9 +59,15 @@ def test_joined_parts_equal_the_whole_batch_collated(kind, size, workers):
 @pytest.mark.parametrize(
     "parts",
     [
-        [torch.arange(6, dtype=torch.bfloat16).view(2, 3), torch.ones(1, 3, dtype=torch.bfloat16)],  # no numpy dtype
+        [
+            torch.arange(6, dtype=torch.bfloat16).view(2, 3),
+            torch.ones(1, 3, dtype=torch.bfloat16),
+        ],  # no numpy dtype
         [torch.arange(6.0).view(3, 2).t(), torch.zeros(1, 3)],  # a strided view
-        [torch.ones(2, 2, dtype=torch.complex64).conj(), torch.zeros(1, 2, dtype=torch.complex64)],  # conj bit
+        [
+            torch.ones(2, 2, dtype=torch.complex64).conj(),
+            torch.zeros(1, 2, dtype=torch.complex64),
+        ],  # conj bit
         [torch.tensor([[1, 2]]), torch.tensor([[3.5, 4.0]])],  # mixed dtypes: torch.cat promotes
         [torch.ones(2, 3, 4, 5).to(memory_format=torch.channels_last)[:, :, :, 0], torch.zeros(1, 3, 4)],
     ],
