@@ -1,13 +1,20 @@
-"""Smoke test of the benchmark runner: one tiny case end to end (numbers are not checked)."""
+"""The benchmark runner end to end on one tiny case (numbers are not checked), and the bare
+processes that measure ceilings."""
 
 from __future__ import annotations
 
+import collections
 import importlib.util
+import os
 import re
 import subprocess
 import sys
+from functools import partial
 
 import pytest
+import torch
+
+from torchfeed.tools.bench_ceiling import Bare
 
 
 @pytest.mark.slow
@@ -46,3 +53,46 @@ def test_bench_rejects_unknown_case():
     )
     assert proc.returncode == 2
     assert "unknown benchmark case" in proc.stderr
+
+
+class _Logged(torch.utils.data.Dataset):
+    """Each sample loaded appends ``pid key`` to a file (what a bare process built)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int):
+        if i == 63:
+            raise ValueError("sample 63 is broken")
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()} {i}\n")
+        return torch.tensor([i])
+
+
+def test_bare_processes_share_the_work_equally_and_report_failures(tmp_path):
+    log = tmp_path / "built"
+    split = lambda ds: (ds.__getitem__, lambda x: x + 1)  # noqa: E731 - decode, then
+    with Bare(2, partial(_Logged, log), split) as bare:
+        batches = [list(range(i, i + 8)) for i in range(0, 40, 8)]
+        for mode in ("epoch", "cached"):
+            log.write_text("")
+            assert bare.run(mode, batches) > 0
+            rows = [line.split() for line in log.read_text().splitlines()]
+            by_pid = collections.Counter(pid for pid, _ in rows)
+            assert sorted(int(k) for _, k in rows) == list(range(40))  # each sample once
+            assert sorted(by_pid.values()) == [20, 20] and str(os.getpid()) not in by_pid
+        log.write_text("")
+        bare.run("parts", [list(range(10))])
+        assert sorted(
+            collections.Counter(line.split()[0] for line in log.read_text().splitlines()).values()
+        ) == [5, 5]
+        with pytest.raises(RuntimeError, match="sample 63 is broken"):
+            bare.run("epoch", [[60, 61, 62, 63]])
+        with pytest.raises(ValueError, match="parts of one"):
+            bare.run("parts", batches)
+        assert bare.run("epoch", [[1, 2]]) > 0  # still serving after a failure
+        procs = bare.processes
+    assert not any(p.is_alive() for p in procs)

@@ -11,7 +11,7 @@ each sample as the stream yields it.
 **Sharing.** Datasets built from equal pickles of ``(factory, args, kwargs)`` on one worker
 share one instance (map-style) and one set of cached samples, whatever their ``then``:
 two jobs of a hyperparameter search pay for one decode. So a kept sample is never given
-to ``then`` itself: ``then`` gets a deep copy (:func:`_fresh`), which it may change in
+to ``then`` itself: ``then`` gets a deep copy (:func:`copy_for_then`), which it may change in
 place (``x.mul_(2)``) without changing what another job, or its own next epoch, receives
 (read-only arrays too: ``torch.from_numpy`` of one is a writable tensor over its memory).
 The copy costs about what copying the sample's bytes costs (a 3x224x224 float tensor:
@@ -323,7 +323,7 @@ class CachedDataset(Dataset):
 
     def __getitem__(self, index):
         x = self.sample(index)
-        return self.then(_fresh(x)) if self.then is not None else x
+        return self.then(copy_for_then(x)) if self.then is not None else x
 
     def sample(self, index) -> Any:
         """The cached (inner) sample of ``index``: kept here, kept by a peer, or decoded (and kept
@@ -377,13 +377,13 @@ class _ShardOpener:
 
     def _then(self, samples):
         for x in samples:
-            yield self.then(_fresh(x)) if self.then is not None else x
+            yield self.then(copy_for_then(x)) if self.then is not None else x
 
     def _decode(self, url: str, entry: tuple):
         kept = []
         for x in self.open_shard(url):
             kept.append(x)
-            yield self.then(_fresh(x)) if self.then is not None else x
+            yield self.then(copy_for_then(x)) if self.then is not None else x
         # read to its end: keep it (a stream that stopped early keeps nothing) and tell its owner
         if store_module.store.put(self.shared.key, entry, kept):
             owner = self.peers.owner(entry)
@@ -394,7 +394,7 @@ class _ShardOpener:
 _IMMUTABLE = (str, bytes, int, float, complex, bool, type(None))
 
 
-def _fresh(sample: Any, depth: int = 0) -> Any:
+def copy_for_then(sample: Any, depth: int = 0) -> Any:
     """A copy of a kept sample for ``then`` (tensors cloned, arrays and containers copied,
     other objects deep-copied): what ``then`` does in place stays in its copy."""
     kind = type(sample)
@@ -407,9 +407,9 @@ def _fresh(sample: Any, depth: int = 0) -> Any:
         return sample.copy()
     if depth < 32:
         if kind in (list, tuple):
-            return kind(_fresh(v, depth + 1) for v in sample)
+            return kind(copy_for_then(v, depth + 1) for v in sample)
         if kind is dict:
-            return {k: _fresh(v, depth + 1) for k, v in sample.items()}
+            return {k: copy_for_then(v, depth + 1) for k, v in sample.items()}
     return copy.deepcopy(sample)  # anything else (shared parts stay shared within it)
 
 

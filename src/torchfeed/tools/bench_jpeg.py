@@ -20,6 +20,8 @@ workers from the process's fork server, started by the sides' earlier runs; from
 workers; from building torch's DataLoader), the trainer's CPU per
 batch, and minor page faults per batch of all the processes (memory mapped and unmapped per
 batch: what slows a loader most when something else on the machine stalls page faults).
+Every round also times the ceilings (:mod:`~torchfeed.tools.bench_ceiling`): the same work
+in 2 bare processes that send nothing back, which no loader with 2 workers can beat.
 ``benchmarks/jpeg.py`` runs it; numbers in benchmarks/README.md.
 """
 
@@ -41,6 +43,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from . import measure
 from .bench_cache import make_jpegs
+from .bench_ceiling import Bare
 from .measure import own_cpu_seconds, touch
 
 SIDE = 224
@@ -178,6 +181,20 @@ def _in_process(root: str, tries: int = 3) -> float:
     return statistics.median(times)
 
 
+def _decode_then(dataset: JpegPipeline) -> tuple[Callable[[int], np.ndarray], Callable]:
+    """A pipeline's cached part (the decode) and random part (crop and flip), for a bare process."""
+    return partial(JpegDecoded.__getitem__, dataset), crop_flip
+
+
+def _ceilings(bare: Bare, count: int, ceiling: dict[str, list[float]]) -> None:
+    """One round of the bare processes: an epoch, a cached epoch 1 and a split batch."""
+    order = torch.randperm(count).tolist()
+    batches = [order[i : i + BATCH] for i in range(0, count, BATCH)]
+    ceiling["epoch"].append(count / bare.run("epoch", batches))
+    ceiling["cached"].append(count / bare.run("cached", batches))
+    ceiling["parts"].append(bare.run("parts", batches[:1]))
+
+
 def _first_batch(make: Callable[[], Any]) -> float:
     """Seconds from ``make()`` (a loader, or an iterator of one) to its first batch."""
     start = time.perf_counter()
@@ -202,9 +219,11 @@ def run(
         "in_process": [],
         "torch": [],
     }
+    ceiling: dict[str, list[float]] = {"epoch": [], "cached": [], "parts": []}
     paths = ""
     with tempfile.TemporaryDirectory(prefix="torchfeed-jpeg-bench-") as root:
         make_jpegs(root, count)
+        bare = Bare(WORKERS, partial(JpegPipeline, root), _decode_then)
         orders = list(itertools.permutations(runs))  # in turn: each side follows each other as often
         for r in range(rounds):
             for kind in orders[r % len(orders)]:
@@ -235,6 +254,7 @@ def run(
                 first["new_pass"].append(_first_batch(partial(iter, again)))
                 paths = measure.paths_used()
             first["in_process"].append(_in_process(root))
+            _ceilings(bare, count, ceiling)
             first["torch"].append(
                 _first_batch(
                     lambda: DataLoader(
@@ -249,8 +269,11 @@ def run(
                 f"{statistics.median(runs['torchfeed'][-1].rates[1:]):.0f}/s; first batch: LocalWorkers "
                 f"{first['local_workers'][-1]:.2f} s, running workers {first['running_workers'][-1]:.3f} s, a new "
                 f"pass {first['new_pass'][-1]:.3f} s (in-process {first['in_process'][-1]:.3f} s), torch "
-                f"{first['torch'][-1]:.3f} s; torchfeed reached its workers by {paths}"
+                f"{first['torch'][-1]:.3f} s; torchfeed reached its workers by {paths}; bare processes: "
+                f"epoch {ceiling['epoch'][-1]:.0f}/s, cached epoch 1 {ceiling['cached'][-1]:.0f}/s, "
+                f"split batch {ceiling['parts'][-1]:.3f} s"
             )
+        bare.close()
     med = statistics.median
 
     def paired(a: str, b: str, pick: Callable[[Epochs], float]) -> float:
@@ -274,6 +297,15 @@ def run(
     out["epoch1_ratio"] = paired("torchfeed", "torch", epoch1)
     out["later_ratio"] = paired("torchfeed", "torch", later)
     out["cached_epoch1_over_uncached"] = paired("cached", "torchfeed", epoch1)
+    later_rates = [later(e) for e in runs["torch"]], [later(e) for e in runs["torchfeed"]]
+    out["ceiling"] = {
+        "epoch": med(ceiling["epoch"]),
+        "torch_later_over_ceiling": med(t / c for t, c in zip(later_rates[0], ceiling["epoch"])),
+        "torchfeed_later_over_ceiling": med(t / c for t, c in zip(later_rates[1], ceiling["epoch"])),
+        "cached_over_epoch": med(a / b for a, b in zip(ceiling["cached"], ceiling["epoch"])),
+        "parts_over_in_process": med(a / b for a, b in zip(ceiling["parts"], first["in_process"])),
+        "runs": ceiling,
+    }
     out["ratios_of_medians"] = {
         "epoch1": out["torchfeed"]["epoch1"] / out["torch"]["epoch1"],
         "later": out["torchfeed"]["later"] / out["torch"]["later"],
@@ -314,17 +346,24 @@ def iter_summary(result: dict[str, Any]) -> Iterator[str]:
     fb = result["first_batch_s"]
     rm = result["ratios_of_medians"]
     yield "ratios: the median of the rounds' ratios (in brackets: the ratio of the median rates)"
-    yield f"epoch 1: torchfeed {result['epoch1_ratio']:.2f}x ({rm['epoch1']:.2f}x) torch's DataLoader (target >= 1.00)"
-    yield f"later epochs: {result['later_ratio']:.2f}x ({rm['later']:.2f}x) torch"
+    ceil = result["ceiling"]
+    yield f"epoch 1: torchfeed {result['epoch1_ratio']:.2f}x ({rm['epoch1']:.2f}x) torch's DataLoader (target >= 1.1)"
+    yield f"later epochs: {result['later_ratio']:.2f}x ({rm['later']:.2f}x) torch (target >= 1.2)"
+    yield (
+        f"ceiling: 2 bare processes build {ceil['epoch']:.0f} samples/s; later epochs reach "
+        f"{ceil['torch_later_over_ceiling']:.2f} of it with torch, {ceil['torchfeed_later_over_ceiling']:.2f} "
+        "with torchfeed"
+    )
     yield (
         f"cached epoch 1: {result['cached_epoch1_over_uncached']:.2f}x ({rm['cached_epoch1']:.2f}x) "
-        "the uncached epoch 1 (target >= 0.95)"
+        f"the uncached epoch 1 (target >= 0.9; bare processes keeping the images: {ceil['cached_over_epoch']:.2f}x)"
     )
     yield f"first batch: {fb['local_workers']:.2f} s from entering LocalWorkers(2) (target <= 1)"
     yield f"first batch: {fb['running_workers']:.3f} s on running workers (target <= 0.25); torch {fb['torch']:.3f} s"
     yield (
         f"first batch of a new pass on warm workers: {fb['new_pass']:.3f} s, {result['new_pass_over_in_process']:.2f}x "
-        f"building it in-process ({fb['in_process']:.3f} s; target <= 0.6x)"
+        f"building it in-process ({fb['in_process']:.3f} s; target <= 0.6x; 2 bare processes: "
+        f"{ceil['parts_over_in_process']:.2f}x)"
     )
     yield f"torchfeed reached its workers by: {result['paths']}"
     for side in ("torch", "torchfeed"):
