@@ -166,19 +166,28 @@ def children() -> list[int]:
     return found
 
 
-def _in_process(root: str, tries: int = 3) -> float:
-    """Seconds to build one batch in this process (the dataset warm): what a split first batch
-    is measured against."""
+def _in_process(root: str, keys: list[int], tries: int = 3) -> float:
+    """Seconds to build the batch of ``keys`` in this process (the dataset warm; the median of
+    ``tries``): what a split first batch is measured against."""
     ds = JpegPipeline(root)
-    order = torch.randperm(len(ds)).tolist()
-    default_collate([ds[i] for i in order[:BATCH]])  # warm: imports, caches
+    default_collate([ds[i] for i in range(len(keys))])  # warm: imports, caches
     times = []
-    for t in range(tries):
-        keys = order[(t + 1) * BATCH : (t + 2) * BATCH]
+    for _ in range(tries):
         start = time.perf_counter()
         default_collate([ds[i] for i in keys])
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+class KeptOrder(torch.utils.data.RandomSampler):
+    """``shuffle=True``'s sampler, keeping the order of its last pass (so the in-process time
+    and the bare processes' are measured on the keys of the pass's first batch)."""
+
+    order: list[int] = []
+
+    def __iter__(self) -> Iterator[int]:
+        self.order = list(super().__iter__())
+        return iter(self.order)
 
 
 def _decode_then(dataset: JpegPipeline) -> tuple[Callable[[int], np.ndarray], Callable]:
@@ -186,13 +195,14 @@ def _decode_then(dataset: JpegPipeline) -> tuple[Callable[[int], np.ndarray], Ca
     return partial(JpegDecoded.__getitem__, dataset), crop_flip
 
 
-def _ceilings(bare: Bare, count: int, ceiling: dict[str, list[float]]) -> None:
-    """One round of the bare processes: an epoch, a cached epoch 1 and a split batch."""
+def _ceilings(bare: Bare, count: int, first: list[int], ceiling: dict[str, list[float]]) -> None:
+    """One round of the bare processes: an epoch, a cached epoch 1, and the batch of keys
+    ``first`` split between them."""
     order = torch.randperm(count).tolist()
     batches = [order[i : i + BATCH] for i in range(0, count, BATCH)]
     ceiling["epoch"].append(count / bare.run("epoch", batches))
     ceiling["cached"].append(count / bare.run("cached", batches))
-    ceiling["parts"].append(bare.run("parts", batches[:1]))
+    ceiling["parts"].append(bare.run("parts", [first]))
 
 
 def _first_batch(make: Callable[[], Any]) -> float:
@@ -246,15 +256,17 @@ def run(
                 )
                 # a new pass of a loader that has run one (an epoch's start: nothing of it was
                 # prefetched without a seed), on idle workers
+                kept_order = KeptOrder(range(count))
                 again: Any = RemoteDataLoader(
-                    RemoteDataset(w.addresses, JpegPipeline, root), batch_size=BATCH, shuffle=True
+                    RemoteDataset(w.addresses, JpegPipeline, root), batch_size=BATCH, sampler=kept_order
                 )
                 next(iter(again))
                 time.sleep(IDLE)
                 first["new_pass"].append(_first_batch(partial(iter, again)))
                 paths = measure.paths_used()
-            first["in_process"].append(_in_process(root))
-            _ceilings(bare, count, ceiling)
+            keys = kept_order.order[:BATCH]  # the new pass's first batch
+            first["in_process"].append(_in_process(root, keys))
+            _ceilings(bare, count, keys, ceiling)
             first["torch"].append(
                 _first_batch(
                     lambda: DataLoader(
