@@ -254,13 +254,14 @@ def run(
                         )
                     )
                 )
-                # a new pass of a loader that has run one (an epoch's start: nothing of it was
-                # prefetched without a seed), on idle workers
+                # a new pass of a loader that has run one whole (an epoch's start on warm workers:
+                # nothing of it was prefetched without a seed), on idle workers
                 kept_order = KeptOrder(range(count))
                 again: Any = RemoteDataLoader(
                     RemoteDataset(w.addresses, JpegPipeline, root), batch_size=BATCH, sampler=kept_order
                 )
-                next(iter(again))
+                for _ in again:
+                    pass
                 time.sleep(IDLE)
                 first["new_pass"].append(_first_batch(partial(iter, again)))
                 paths = measure.paths_used()
