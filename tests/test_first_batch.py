@@ -56,6 +56,10 @@ def test_joined_parts_equal_the_whole_batch_collated(kind, size, workers):
     assert same(joined, default_collate(samples))
 
 
+class Tagged(torch.Tensor):
+    """A tensor subclass of the user's: torch's functions keep the type."""
+
+
 @pytest.mark.parametrize(
     "parts",
     [
@@ -69,12 +73,13 @@ def test_joined_parts_equal_the_whole_batch_collated(kind, size, workers):
             torch.zeros(1, 2, dtype=torch.complex64),
         ],  # conj bit
         [torch.tensor([[1, 2]]), torch.tensor([[3.5, 4.0]])],  # mixed dtypes: torch.cat promotes
+        [Tagged(torch.ones(2, 2)), Tagged(torch.zeros(1, 2))],  # a subclass stays one
         [torch.ones(2, 3, 4, 5).to(memory_format=torch.channels_last)[:, :, :, 0], torch.zeros(1, 3, 4)],
     ],
 )
 def test_a_joined_tensor_is_torch_cat_of_its_parts(parts):
     joined, expected = split.join(parts), torch.cat(parts)
-    assert joined.dtype == expected.dtype and torch.equal(joined, expected)
+    assert type(joined) is type(expected) and joined.dtype == expected.dtype and torch.equal(joined, expected)
     assert joined.is_contiguous() and joined.data_ptr() not in {p.data_ptr() for p in parts}
 
 

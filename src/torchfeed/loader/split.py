@@ -97,7 +97,8 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
         and first.dtype in _NUMPY_DTYPES
         and first.layout == torch.strided
         and all(
-            p.dtype == first.dtype
+            type(p) is torch.Tensor  # a subclass stays one through torch.cat
+            and p.dtype == first.dtype
             and p.device == first.device
             and p.layout == torch.strided
             and p.shape[1:] == first.shape[1:]
