@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import secrets
 import sys
@@ -175,3 +176,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(group))
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(_module(item), len(rank)))  # stable: the rest keep their order
+
+
+# -- what was skipped, in one line at the end of the run --------------------------------------
+# the system programs some tests start (README: the Debian packages that bring them)
+PROGRAMS = ("slurm", "munge", "dnsmasq", "tcpdump", "prometheus", "useradd")
+
+
+def skip_kind(reason: str) -> str:
+    """What a skip reason comes down to: a missing program, no GPU, a docs fragment, or itself."""
+    low = reason.lower()
+    if low.startswith("docs/"):
+        return "docs blocks that need a real cluster or the reader's own data (run elsewhere in the suite)"
+    if "cuda" in low or "gpu" in low:
+        return "need a GPU"
+    missing = [p for p in PROGRAMS if p in low and ("install" in low or "missing" in low)]
+    if missing:
+        return f"need {'/'.join(missing)}, not installed"
+    return reason
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)  # outermost: after pytest's own summary of each skip
+def pytest_terminal_summary(terminalreporter):
+    yield
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    kinds: collections.Counter[str] = collections.Counter()
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        kinds[skip_kind(reason.removeprefix("Skipped: "))] += 1
+    parts = [f"{count} {kind}" for kind, count in kinds.most_common()]
+    terminalreporter.write_line(f"skipped {len(skipped)}: " + "; ".join(parts))

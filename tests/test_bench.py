@@ -40,7 +40,7 @@ def test_bench_overhead_prints_a_table_row(tmp_path):
         re.M,
     )
     assert row, proc.stdout
-    if plot:  # issue 13: the torchfeed runs drawn
+    if plot:  # the torchfeed runs drawn
         assert png.read_bytes()[:4] == b"\x89PNG" and "plot of the torchfeed runs" in proc.stdout
 
 

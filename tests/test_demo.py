@@ -47,7 +47,7 @@ def test_demo_trains_and_compares_loaders(tmp_path):
     assert _rate(r"torchfeed\.RemoteDataLoader", out) > 0
     assert _rate(r"torch DataLoader\(num_workers=2\)", out) > 0
     assert re.search(r"ratio torchfeed / torch\s+[\d.]+x", out), out
-    # the stats table and the advice end the training (issue 13)
+    # the stats table and the advice end the training
     assert re.search(r"^worker\s+state\s+samples/s", out, re.MULTILINE), out
     assert re.search(r"^(input-bound|not input-bound)", out, re.MULTILINE), out
     if torchfeed.plots.available():

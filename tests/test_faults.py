@@ -276,7 +276,7 @@ def test_poison_sample_gives_up_and_names_it(fresh_workers, caplog):
         list(loader)
     assert 21 in info.value.indices
     assert "max_retries=2" in str(info.value)
-    # issue 13: one log line for the poison batch and one per worker it killed; counted in stats
+    # one log line for the poison batch and one per worker it killed; counted in stats
     assert [r.levelno for r in caplog.records if r.name == "torchfeed.poison"] == [logging.ERROR]
     assert len([r for r in caplog.records if "lost worker" in r.getMessage()]) == 3
     assert sum(s.state == "lost" for s in loader.stats().workers.values()) >= 1

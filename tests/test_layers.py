@@ -205,7 +205,7 @@ PACKAGE = "torchfeed"
 # Layers, lowest first: a module may import its own layer and the layers below it, never above.
 # client and worker are two sides of the same layer and never import each other.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("errors", "notices", "events", "util", "seeding", "pumps", "stats")),
+    ("base", ("errors", "notices", "events", "util", "deprecation", "seeding", "pumps", "stats")),
     ("protocol", ("protocol",)),
     ("client", ("client",)),
     ("worker", ("worker",)),
@@ -215,9 +215,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "glue",
         ("local", "pools", "checkpoint", "plots", "cluster", "dask", "cli", "launch", "tools", "__main__"),
     ),
-    ("glue", ("scaling",)),  # torchfeed.autoscale, its policy and the engines' pools (issue 23)
-    ("glue", ("frameworks",)),  # Accelerate and the HF Trainer (issue 28)
-    ("glue", ("metrics", "ray", "audit")),  # Prometheus and Ray (issue 31)
+    ("glue", ("scaling",)),  # torchfeed.autoscale, its policy and the engines' pools
+    ("glue", ("frameworks",)),  # Accelerate and the HF Trainer
+    ("glue", ("metrics", "ray", "audit")),  # Prometheus and Ray
 ]
 SIDES = {"client": "worker", "worker": "client"}  # same height, no edges between them
 RANK = {"base": 0, "protocol": 1, "client": 2, "worker": 2, "loader": 3, "datasets": 4, "glue": 5}

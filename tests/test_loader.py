@@ -111,9 +111,11 @@ def test_two_loaders_interleaved_on_same_workers(rds):
     assert got_b == [sum(range(i, min(i + 5, N))) for i in range(0, N, 5)]
 
 
-def test_seed_form_builds_dataset(workers2):
-    loader = torchfeed.RPCDataloader(workers=workers2, dataset=RangeDataset, kwargs={"n": 9}, batch_size=4)
-    assert isinstance(loader.dataset, torchfeed.RPCDataset)
+@pytest.mark.filterwarnings("ignore:torchfeed.RPC:FutureWarning")  # the seed's names are deprecated
+@pytest.mark.parametrize("name", ["RemoteDataLoader", "RPCDataloader"])
+def test_seed_form_builds_dataset(workers2, name):
+    loader = getattr(torchfeed, name)(workers=workers2, dataset=RangeDataset, kwargs={"n": 9}, batch_size=4)
+    assert isinstance(loader.dataset, torchfeed.RemoteDataset)
     assert deep_equal(list(loader), list(DataLoader(RangeDataset(9), batch_size=4)))
 
 

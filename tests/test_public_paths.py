@@ -1,4 +1,4 @@
-"""Every public import path survives the move into subpackages (issue 19)."""
+"""Every public import path survives the move into subpackages."""
 
 from __future__ import annotations
 
@@ -14,14 +14,13 @@ import torchfeed
 
 @pytest.mark.parametrize("name", torchfeed.__all__)
 def test_every_name_in_all_is_the_object_its_module_defines(name):
-    target = torchfeed._ALIASES.get(name, name)
-    module = importlib.import_module(f"torchfeed.{torchfeed._EXPORTS[target]}")
-    assert getattr(torchfeed, name) is getattr(module, target)
-    assert getattr(module, target).__module__.startswith("torchfeed.")
+    module = importlib.import_module(f"torchfeed.{torchfeed._EXPORTS[name]}")
+    assert getattr(torchfeed, name) is getattr(module, name)
+    assert getattr(module, name).__module__.startswith("torchfeed.")
 
 
 def test_the_names_type_checkers_see_are_the_public_names():
-    """The TYPE_CHECKING imports of torchfeed/__init__.py name exactly _EXPORTS and _ALIASES."""
+    """The TYPE_CHECKING imports of torchfeed/__init__.py name exactly _EXPORTS and the old names."""
     import ast
     from pathlib import Path
 
@@ -29,7 +28,7 @@ def test_the_names_type_checkers_see_are_the_public_names():
     block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
     seen = {a.asname or a.name for n in ast.walk(block) if isinstance(n, ast.ImportFrom) for a in n.names}
     seen |= {t.id for n in ast.walk(block) if isinstance(n, ast.Assign) for t in n.targets}
-    assert seen == set(torchfeed.__all__)
+    assert seen == set(torchfeed.__all__) | set(torchfeed._RENAMED)
 
 
 def test_an_unknown_name_is_an_attribute_error():
@@ -37,9 +36,30 @@ def test_an_unknown_name_is_an_attribute_error():
         torchfeed.Nope  # noqa: B018
 
 
-def test_seed_aliases_are_the_primary_classes():
-    assert torchfeed.RPCDataset is torchfeed.RemoteDataset
-    assert torchfeed.RPCDataloader is torchfeed.RemoteDataLoader
+def test_old_names_are_the_new_objects_and_warn_once_naming_them(monkeypatch):
+    import importlib
+    import warnings
+
+    from torchfeed import deprecation
+
+    monkeypatch.setattr(deprecation, "_warned", set())
+    old_names = {
+        ("torchfeed", "RPCDataset"): torchfeed.RemoteDataset,
+        ("torchfeed", "RPCDataloader"): torchfeed.RemoteDataLoader,
+        ("torchfeed.pools", "Pool"): torchfeed.scaling.WorkerPool,
+        ("torchfeed.pools", "WorkerPool"): torchfeed.scaling.WorkerPool,
+        ("torchfeed.scaling", "Pool"): torchfeed.scaling.WorkerPool,
+    }
+    for (module, name), new in old_names.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert getattr(importlib.import_module(module), name) is new
+            assert getattr(importlib.import_module(module), name) is new  # the second use is silent
+        assert [w.category for w in caught] == [FutureWarning], (module, name)
+        text = str(caught[0].message)
+        assert f"{module}.{name} is deprecated" in text and deprecation.REMOVED_IN in text
+        assert new.__name__ in text and caught[0].filename == __file__  # the user's line
+    assert not {"RPCDataset", "RPCDataloader"} & set(torchfeed.__all__)  # `import *` stays silent
 
 
 def test_client_api_paths():
@@ -59,7 +79,9 @@ def test_worker_and_loader_paths():
     from torchfeed.worker import ConnectionLimits, WorkerServer, run_worker
 
     assert run_worker is torchfeed.run_worker and WorkerServer is torchfeed.WorkerServer
-    assert ConnectionLimits().max_refs >= 1
+    from torchfeed.worker import objects
+
+    assert ConnectionLimits is objects.ConnectionLimits  # the lazy name is the defining module's class
     assert RemoteDataLoader is torchfeed.RemoteDataLoader and RemoteDataset is torchfeed.RemoteDataset
 
 

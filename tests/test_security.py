@@ -679,7 +679,7 @@ def test_default_file_is_created_private(clean_env):
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(path.parent.stat().st_mode) & 0o077 == 0
     text = path.read_text().strip()
-    assert len(text) == 64 and int(text, 16) >= 0
+    assert len(bytes.fromhex(text)) == 32  # 64 hex digits
     assert secret.value == text.encode()
     assert str(path) in secret.source
     # found again (not regenerated) by a later discovery

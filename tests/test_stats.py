@@ -1,4 +1,4 @@
-"""RemoteDataLoader.stats(): is the trainer waiting for data? (issue 13), on real workers."""
+"""RemoteDataLoader.stats(): is the trainer waiting for data? On real workers."""
 
 from __future__ import annotations
 

@@ -47,7 +47,11 @@ def test_once_json_on_busy_workers(fresh2, tmp_path):
     rows = {r["address"]: r for r in doc["workers"]}
     assert set(rows) == set(workers2)
     for row in rows.values():
-        assert row["pid"] > 0 and row["rss_bytes"] > 10e6 and row["cpu_percent"] >= 0
+        assert (
+            row["pid"] > 0
+            and row["rss_bytes"] > 10e6
+            and 0 <= row["cpu_percent"] <= 100 * (os.cpu_count() or 1) * 1.1
+        )
         assert row["clients"] >= 2  # this process and `top` itself
         assert row["queued"] == 0 and row["errors"] == 0
         assert {"requests_per_s", "mb_per_s_sent", "bytes_sent"} <= set(row)

@@ -1,4 +1,4 @@
-"""What a worker sends that the trainer acts on, beyond loading it safely (issue 20, review).
+"""What a worker sends that the trainer acts on, beyond loading it safely.
 
 A worker's replies load without running code (tests/test_safe_replies.py); here, their
 *values*: an error's attributes must not shadow RemoteError's methods, a worker's torchfeed

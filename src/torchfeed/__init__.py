@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .deprecation import renamed_getattr
+
 __version__ = "0.2.0"
 
 # public name -> module that defines it
@@ -49,20 +51,22 @@ _EXPORTS = {
     "set_random_seeds": "loader.sampling",
     "set_reply_limits": "protocol.limits",
 }
-# Names of the design this project grew from, kept importable forever.
-_ALIASES = {"RPCDataset": "RemoteDataset", "RPCDataloader": "RemoteDataLoader"}
+# Names of the design this project grew from: deprecated (torchfeed.deprecation).
+_RENAMED = {"RPCDataset": "torchfeed.RemoteDataset", "RPCDataloader": "torchfeed.RemoteDataLoader"}
 
-__all__ = sorted([*_EXPORTS, *_ALIASES])  # the public names, listed once (in _EXPORTS)
+__all__ = sorted(_EXPORTS)  # the public names, listed once (in _EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    target = _ALIASES.get(name, name)
-    module = _EXPORTS.get(target)
+def _export(name: str) -> Any:
+    module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'torchfeed' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), target)
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value  # later lookups are plain attribute reads
     return value
+
+
+__getattr__ = renamed_getattr(__name__, _RENAMED, _export)
 
 
 def __dir__():

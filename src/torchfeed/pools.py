@@ -1,7 +1,9 @@
-"""``torchfeed.pools.Pool``, the documented path of :class:`torchfeed.scaling.pool.WorkerPool`."""
+"""Deprecated: ``torchfeed.pools.Pool`` is :class:`torchfeed.scaling.WorkerPool`."""
 
 from __future__ import annotations
 
-from .scaling.pool import Pool, WorkerPool
+from .deprecation import renamed_getattr
 
-__all__ = ["Pool", "WorkerPool"]
+__getattr__ = renamed_getattr(
+    __name__, {"Pool": "torchfeed.scaling.WorkerPool", "WorkerPool": "torchfeed.scaling.WorkerPool"}
+)

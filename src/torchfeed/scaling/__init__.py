@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..deprecation import renamed_getattr
 from ..util import lazy_exports
 
 _EXPORTS = {
@@ -23,7 +24,6 @@ _EXPORTS = {
     "Decision": "policy",
     "LocalPool": "local_pool",
     "Policy": "policy",
-    "Pool": "pool",
     "WorkerPool": "pool",
     "Reading": "policy",
     "Tiers": "tiers",
@@ -35,7 +35,6 @@ __all__ = [
     "Decision",
     "LocalPool",
     "Policy",
-    "Pool",
     "Reading",
     "Tiers",
     "WorkerPool",
@@ -43,7 +42,9 @@ __all__ = [
 ]
 assert sorted(__all__) == sorted(_EXPORTS)
 
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+__getattr__ = renamed_getattr(
+    __name__, {"Pool": "torchfeed.scaling.WorkerPool"}, lazy_exports(__name__, _EXPORTS)
+)
 
 
 def __dir__():
@@ -54,5 +55,5 @@ if TYPE_CHECKING:
     from .controller import Autoscaler, autoscale
     from .local_pool import LocalPool
     from .policy import Decision, Policy, Reading
-    from .pool import Pool, WorkerPool
+    from .pool import WorkerPool
     from .tiers import Tiers

@@ -44,6 +44,3 @@ class WorkerPool(Protocol):
     def close(self) -> None:
         """Stop every worker this pool started and release what it holds."""
         ...
-
-
-Pool = WorkerPool  # the name torchfeed.pools.Pool documents

@@ -101,7 +101,9 @@ def measure(kind: str, seconds: float, workers: int = 2, compression: str | None
             compression=None if compression == "none" else compression,
         )
         it = iter(loader)
-        for _ in range(4):  # warm up: connections, first batches
+        # warm up (connections, first batches), then drain what was prefetched meanwhile
+        # (prefetch_factor batches per worker): the window counts only what crosses the link in it
+        for _ in range(4 + 4 * workers):
             next(it)
         done, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds:
