@@ -11,7 +11,7 @@ import pytest
 
 import torchfeed
 from torchfeed.errors import FrameTooLarge
-from torchfeed.loader import cache
+from torchfeed.worker import lanes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,7 +48,7 @@ def worker():
 
 def test_the_lane_takes_the_workers_call_size_and_handshake_bounds(worker):
     assert torchfeed.rpc_async(worker, len, args=(b"x" * 1000,)).wait() == 1000
-    lane = torchfeed.rpc_async(worker, cache.lane_address, args=(None,)).wait()
+    lane = torchfeed.rpc_async(worker, lanes.lane_address, args=(None,)).wait()
     assert lane and lane != worker
     with pytest.raises(
         FrameTooLarge, match="limit of 4,096"

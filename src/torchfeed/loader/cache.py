@@ -51,6 +51,7 @@ from torch.utils.data import Dataset, IterableDataset
 from .. import client
 from ..protocol import serialize
 from ..worker import samplestore as store_module
+from ..worker.lanes import lane_address, lane_get, lane_note
 from ..worker.samplestore import MISSING
 
 _DOWN_SECONDS = 30.0  # a peer lane that failed is not asked again for this long
@@ -438,26 +439,7 @@ def _parts(dataset) -> CachedDataset | _ShardOpener:
     return found
 
 
-# -- lanes: run on the workers -----------------------------------------------------------------
-_lane_server: Any = None
-_lane_lock = threading.Lock()
-
-
-def lane_address(dataset) -> str | None:
-    """Runs on a worker: the address of its lane (started on first use); None without one."""
-    global _lane_server
-    settings = store_module.lane()
-    if settings is None:
-        return None
-    with _lane_lock:
-        if _lane_server is None:
-            from ..worker.server import WorkerServer
-
-            # the worker's own options (timeouts, call size, handshakes, reachable-at) apply here too
-            _lane_server = WorkerServer(settings.host, 0, parallel=2, **settings.server_options()).start()
-        return _lane_server.address
-
-
+# -- run on the workers (the lanes themselves: worker/lanes.py) ----------------------------------
 def set_peers(dataset, lanes: list[str], me: str | None) -> None:
     """Runs on a worker: the lanes of the workers ``dataset`` is built on, this one's among them."""
     _parts(dataset).peers.set([lane for lane in lanes if lane], me)
@@ -470,31 +452,9 @@ def counts(dataset) -> dict[str, int]:
     return {"hits": c.hits, "misses": c.misses, "bytes": figures.bytes, "budget": figures.budget}
 
 
-def lane_get(dataset: bytes, keys: list) -> dict:
-    """Runs on a lane: the samples of ``keys`` this worker keeps, and for those it only owns,
-    its notes (:class:`~torchfeed.worker.samplestore.Elsewhere`: the peer that keeps them)."""
-    store = store_module.store
-    out: dict = {}
-    for k in keys:
-        x = store.peek(dataset, k)
-        if x is MISSING:
-            lane = store.where(dataset, k)
-            if lane is not None:
-                out[k] = store_module.Elsewhere(lane)
-        else:
-            out[k] = x
-    return out
-
-
-def lane_note(dataset: bytes, keys: list, lane: str) -> None:
-    """Runs on a lane: a peer (at ``lane``) keeps these samples, which this worker owns."""
-    for k in keys:
-        store_module.store.note(dataset, k, lane)
-
-
-# These run beside seeded loading (on the lanes, or polled during a pass) and draw no random
-# numbers: the worker must not hand the global generators back to "outside" code for them.
-_RNG_FREE: tuple[Any, ...] = (lane_address, set_peers, counts, lane_get, lane_note)
+# polled during a pass, beside seeded loading, and drawing no random numbers: the worker must
+# not hand the global generators back to "outside" code for them
+_RNG_FREE: tuple[Any, ...] = (set_peers, counts)
 for _fn in _RNG_FREE:
     _fn.manages_rng = True
 

@@ -36,6 +36,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..protocol import localpath
+from . import measure as measure_tools
 
 BATCH = 32
 KINDS = ("tokens", "photos", "floats")
@@ -101,19 +102,21 @@ def measure(kind: str, seconds: float, workers: int = 2, compression: str | None
             compression=None if compression == "none" else compression,
         )
         it = iter(loader)
-        # warm up (connections, first batches), then drain what was prefetched meanwhile
-        # (prefetch_factor batches per worker): the window counts only what crosses the link in it
-        for _ in range(4 + 4 * workers):
+        for _ in range(4):  # warm up: connections, first batches
             next(it)
-        done, start = 0, time.perf_counter()
+        # bytes as they arrive (the loader's statistics), not as this loop takes batches: with
+        # two connections, a batch often arrives whole before the one ahead of it is taken
+        received, start = loader.stats().bytes_received, time.perf_counter()
         while time.perf_counter() - start < seconds:
-            done += next(it).nbytes
+            next(it)
         elapsed = time.perf_counter() - start
         stats = loader.stats()
+        paths = measure_tools.paths_used()
     return {
+        "paths": paths,
         "kind": kind,
         "compression": compression,
-        "mb_per_s": done / elapsed / 1e6,
+        "mb_per_s": (stats.bytes_received - received) / elapsed / 1e6,
         "wire_share": stats.wire_bytes_received / max(stats.bytes_received, 1),
         "wait": stats.wait_fraction,
         "advice": stats.advice,
