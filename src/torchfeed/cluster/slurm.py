@@ -413,11 +413,6 @@ def add_parser(sub) -> None:
         metavar="ARG",
         help="extra `torchfeed worker` argument (repeatable), e.g. --worker-arg=--parallel=4",
     )
-    p.add_argument(
-        "--cache-size",
-        metavar="SIZE",
-        help="each worker's --cache-size: memory for torchfeed.cached samples (e.g. 8GiB; default 1GiB)",
-    )
     p.add_argument("--time", help="time limit, e.g. 1-00:00:00")
     p.add_argument(
         "--signal",
@@ -445,6 +440,7 @@ def add_parser(sub) -> None:
     p.add_argument("--script", help="where to write the script (default: JOB_DIR's parent/JOB_NAME.sbatch)")
     p.add_argument("--dry-run", action="store_true", help="print the script, write and submit nothing")
     p.add_argument("--submit", action="store_true", help="submit the script with sbatch")
+    WorkerOptions.add_arguments(p, title="each torchfeed worker's options (torchfeed worker --help)")
     p.add_argument(
         "train_command", nargs="*", metavar="COMMAND", help="the training command and its arguments, after --"
     )
@@ -479,7 +475,7 @@ def run(args) -> int:
             python=args.python,
             worker_args=args.worker_args,
             worker_timeout=args.worker_timeout,
-            cache_size=args.cache_size,
+            options=WorkerOptions.from_args(args),
         )
         if args.dry_run:
             sys.stdout.write(job.script())

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from ..local import LocalWorkers
 from ..protocol import auth
+from ..worker.options import WorkerOptions
 
 
 class WorkerActor:
@@ -37,7 +38,8 @@ class WorkerActor:
         secret: bytes | None,
         secret_file: str | None,
         host: str,
-        args: Sequence[str],
+        options: WorkerOptions,
+        worker_args: Sequence[str],
         timeout: float,
     ) -> str:
         """Start the torchfeed worker on ``host`` (the node's address as Ray knows it); its ``host:port``.
@@ -55,7 +57,9 @@ class WorkerActor:
             raise ValueError("a torchfeed.ray worker needs the secret or a secret file")
         for name in (auth.ENV_SECRET, auth.ENV_SECRET_FILE):
             os.environ.pop(name, None)  # LocalWorkers reads the environment given, not the actor's
-        self.workers = LocalWorkers(1, host=host, env=env, start_timeout=timeout, extra_args=list(args))
+        self.workers = LocalWorkers(
+            1, host=host, env=env, start_timeout=timeout, options=options, extra_args=list(worker_args)
+        )
         return self.workers.addresses[0]
 
     def watch(self, every: float = 1.0) -> str:

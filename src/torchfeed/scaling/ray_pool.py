@@ -34,6 +34,7 @@ import ray
 from ..protocol import auth
 from ..ray import nodes
 from ..ray.actor import WorkerActor
+from ..worker.options import WorkerOptions
 
 log = logging.getLogger("torchfeed.ray")
 
@@ -100,8 +101,11 @@ class RayPool:
         unencrypted Ray connections that leave this machine.
     host : str, optional
         Interface the workers bind (default: their node's IP as Ray knows it).
-    parallel, threads, worker_args
-        ``torchfeed worker``'s ``--parallel``, ``--threads`` and any other arguments.
+    options : WorkerOptions, optional
+        How each torchfeed worker serves (``torchfeed worker``'s options, see
+        :class:`torchfeed.worker.options.WorkerOptions`); ``parallel`` and ``threads``, when given, replace its own.
+    worker_args
+        Any other ``torchfeed worker`` arguments.
     start_timeout : float
         Seconds a placed actor's torchfeed worker may take to start (a failed start is
         reported once per reason and tried again later).
@@ -122,8 +126,9 @@ class RayPool:
         secret_file: str | os.PathLike[str] | None = None,
         allow_insecure: bool = False,
         host: str | None = None,
-        parallel: int = 1,
-        threads: int = 1,
+        parallel: int | None = None,
+        threads: int | None = None,
+        options: WorkerOptions | None = None,
         worker_args: Sequence[str] = (),
         start_timeout: float = 120.0,
         place_timeout: float = 60.0,
@@ -156,7 +161,8 @@ class RayPool:
         self.label_selector = dict(label_selector or {})
         self.num_cpus = num_cpus
         self.host = host
-        self.args = ["--parallel", str(parallel), "--threads", str(threads), *worker_args]
+        self.options = (options or WorkerOptions()).merged(parallel=parallel, threads=threads)
+        self.worker_args = list(worker_args)
         self.start_timeout = start_timeout
         self.place_timeout = place_timeout
         self.poll = poll
@@ -327,7 +333,8 @@ class RayPool:
                 self._value if self._file is None else None,
                 self._file,
                 self.host or value,
-                self.args,
+                self.options,
+                self.worker_args,
                 self.start_timeout,
             )
         elif m.state == "starting":

@@ -14,11 +14,12 @@ from ..util import lazy_exports
 
 if TYPE_CHECKING:
     from .objects import ConnectionLimits, Registry, UnknownReference
-    from .server import HANDSHAKE_TIMEOUT, WorkerServer, raise_fd_limit, run_worker
+    from .options import HANDSHAKE_TIMEOUT
+    from .server import WorkerServer, raise_fd_limit, run_worker
 
 _EXPORTS = {
     "ConnectionLimits": "objects",
-    "HANDSHAKE_TIMEOUT": "server",
+    "HANDSHAKE_TIMEOUT": "options",
     "Registry": "objects",
     "UnknownReference": "objects",
     "WorkerServer": "server",

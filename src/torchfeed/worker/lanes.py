@@ -30,7 +30,9 @@ def lane_address(dataset) -> str | None:
         if _server is None:
             from .server import WorkerServer
 
-            _server = WorkerServer(settings.host, 0, parallel=2, **settings.server_options()).start()
+            _server = WorkerServer(
+                settings.host, 0, parallel=2, secret=settings.secret, options=settings.options
+            ).start()
         return _server.address
 
 

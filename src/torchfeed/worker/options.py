@@ -72,15 +72,18 @@ class WorkerOptions:
 
     timeout: float = field(
         default=120.0,
-        metadata=_cli("seconds of client silence before its connection is dropped (default 120)", float),
+        metadata=_cli("seconds of client silence before its connection is dropped (default 120)", float, "S"),
     )
     parallel: int = field(
-        default=1, metadata=_cli("requests executing concurrently in one process (threads, default 1)", int)
+        default=1,
+        metadata=_cli("requests executing concurrently in one process (threads, default 1)", int, "N"),
     )
-    threads: int = field(default=1, metadata=_cli("torch threads per worker process (default 1)", int))
+    threads: int = field(default=1, metadata=_cli("torch threads per worker process (default 1)", int, "N"))
     handshake_timeout: float = field(
         default=HANDSHAKE_TIMEOUT,
-        metadata=_cli(f"seconds a new connection has to authenticate (default {HANDSHAKE_TIMEOUT:g})", float),
+        metadata=_cli(
+            f"seconds a new connection has to authenticate (default {HANDSHAKE_TIMEOUT:g})", float, "S"
+        ),
     )
     cache_size: int | None = field(
         default=None,
@@ -117,13 +120,33 @@ class WorkerOptions:
         metadata=_cli(
             "largest call (pickled arguments plus tensors) a client may send (default 1 GiB)",
             positive,
-            group=_LIMITS_GROUP,
+            "N",
+            _LIMITS_GROUP,
         ),
     )
     max_queued_requests: int = field(
         default=_LIMITS.max_queued_requests,
         metadata=_cli(
-            "requests one client may have waiting for replies (default 1024)", positive, group=_LIMITS_GROUP
+            "requests one client may have waiting for replies (default 1024)", positive, "N", _LIMITS_GROUP
+        ),
+    )
+    max_queued_bytes: int = field(
+        default=_LIMITS.max_queued_bytes,
+        metadata=_cli(
+            "total size of the calls one client may have waiting (default 2 GiB)",
+            positive,
+            "N",
+            _LIMITS_GROUP,
+        ),
+    )
+    max_unsent_bytes: int = field(
+        default=_LIMITS.max_unsent_bytes,
+        metadata=_cli(
+            "reply bytes produced for one client and not yet sent; above it the worker stops reading "
+            "that client's calls until it reads replies (default 1 GiB)",
+            positive,
+            "N",
+            _LIMITS_GROUP,
         ),
     )
     max_worker_queued_requests: int = field(
@@ -132,19 +155,21 @@ class WorkerOptions:
             "calls of all clients together a worker process holds (being received, waiting or "
             "running; default 8192)",
             positive,
-            group=_LIMITS_GROUP,
+            "N",
+            _LIMITS_GROUP,
         ),
     )
     max_worker_queued_bytes: int = field(
         default=_LIMITS.max_worker_queued_bytes,
-        metadata=_cli("total announced size of those calls (default 4 GiB)", positive, group=_LIMITS_GROUP),
+        metadata=_cli("total announced size of those calls (default 4 GiB)", positive, "N", _LIMITS_GROUP),
     )
     max_refs: int = field(
         default=_LIMITS.max_refs,
         metadata=_cli(
             "live remote references (datasets, fetchers) one client may hold (default 4096)",
             positive,
-            group=_LIMITS_GROUP,
+            "N",
+            _LIMITS_GROUP,
         ),
     )
     max_handshakes: int = field(
@@ -153,7 +178,8 @@ class WorkerOptions:
             "unauthenticated connections held at once; beyond it the oldest of the source holding "
             "the most is dropped (default 128)",
             positive,
-            group=_LIMITS_GROUP,
+            "N",
+            _LIMITS_GROUP,
         ),
     )
     trusted_network_no_encryption: bool = field(
@@ -200,16 +226,18 @@ class WorkerOptions:
     def limits(self) -> ConnectionLimits:
         """The per-client and per-worker bounds these options set."""
         return ConnectionLimits(
-            max_queued_requests=self.max_queued_requests,
-            max_call_bytes=self.max_call_bytes,
-            max_refs=self.max_refs,
-            max_worker_queued_requests=self.max_worker_queued_requests,
-            max_worker_queued_bytes=self.max_worker_queued_bytes,
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(ConnectionLimits)}
         )
 
     def merged(self, **given: Any) -> WorkerOptions:
         """These options with the keywords given that are not None (constructors' shortcuts such
         as ``LocalWorkers(cache_size=...)`` land here)."""
+        unknown = sorted(set(given) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise TypeError(
+                f"unknown worker option {', '.join(map(repr, unknown))}: the options are the fields of "
+                f"torchfeed.worker.options.WorkerOptions ({', '.join(f.name for f in dataclasses.fields(self))})"
+            )
         chosen = {name: value for name, value in given.items() if value is not None}
         return dataclasses.replace(self, **chosen) if chosen else self
 
@@ -221,9 +249,9 @@ class WorkerOptions:
 
     # -- the command line -------------------------------------------------------------
     @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """Add every option to ``parser`` (the bounds in a group of their own)."""
-        groups: dict[str, Any] = {"": parser}
+    def add_arguments(cls, parser: argparse.ArgumentParser, title: str | None = None) -> None:
+        """Add every option to ``parser`` (under ``title`` when given; the bounds in a group of their own)."""
+        groups: dict[str, Any] = {"": parser if title is None else parser.add_argument_group(title)}
         for f in dataclasses.fields(cls):
             cli = f.metadata
             where = groups.get(cli["group"]) or groups.setdefault(
@@ -268,3 +296,16 @@ class WorkerOptions:
             else:
                 out += [flag, str(value)]
         return out
+
+
+def options_table() -> str:
+    """Every option as a Markdown table: docs/workers.md holds it, and a test checks that the
+    page and the fields agree."""
+    rows = ["| option | what it sets |", "|---|---|"]
+    for f in dataclasses.fields(WorkerOptions):
+        flag = "--" + f.name.replace("_", "-")
+        if f.metadata["metavar"]:
+            flag += " " + f.metadata["metavar"]
+        text = f.metadata["help"].replace("*", "\\*").replace("|", "\\|")
+        rows.append(f"| `{flag}` | {text} |")
+    return "\n".join(rows) + "\n"

@@ -248,31 +248,13 @@ store = Store()  # this process's cache
 
 @dataclass
 class Lane:
-    """Where this worker's peers reach its cache: an interface and the pool's secret, and the
-    worker's hardening options, which its lane (a second server) applies too."""
+    """Where this worker's peers reach its cache: an interface, the pool's secret, and the
+    worker's options (a :class:`~torchfeed.worker.options.WorkerOptions`), under which its lane
+    (a second server) serves too."""
 
     host: str
     secret: Any
-    timeout: float = 120.0
-    handshake_timeout: float | None = None  # None: the server's default
-    limits: Any = None  # a ConnectionLimits (None: defaults)
-    max_handshakes: int = 128
-    integrity_only: bool | None = None
-    reachable_at: tuple[str, ...] = ()
-
-    def server_options(self) -> dict[str, Any]:
-        """Keyword arguments of WorkerServer (besides host, port and parallel) for the lane."""
-        options = {
-            "timeout": self.timeout,
-            "secret": self.secret,
-            "limits": self.limits,
-            "max_pending_handshakes": self.max_handshakes,
-            "integrity_only": self.integrity_only,
-            "reachable_at": self.reachable_at,
-        }
-        if self.handshake_timeout is not None:
-            options["handshake_timeout"] = self.handshake_timeout
-        return options
+    options: Any
 
 
 _lane: Lane | None = None

@@ -43,6 +43,7 @@ by a connection that closes are dropped too (never run: nobody waits for them).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import resource
 import signal
@@ -50,8 +51,9 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from typing import Any
 
+from .. import deprecation
 from ..protocol import auth, localpath, shm, wire
 from ..protocol.addrfile import announce
 from ..protocol.channel import Channel
@@ -62,10 +64,13 @@ from .doorman import Doorman
 from .fair import FairQueue
 from .names import Names
 from .objects import Budget, ConnectionLimits, Registry
-from .options import HANDSHAKE_TIMEOUT, WorkerOptions
+from .options import WorkerOptions
 from .serverconn import ServerConnection
 
 log = logging.getLogger("torchfeed.worker")
+
+# keywords of WorkerServer renamed to the option they set
+_RENAMED = {"max_pending_handshakes": "max_handshakes", "integrity_only": "trusted_network_no_encryption"}
 
 
 class WorkerServer:
@@ -75,31 +80,34 @@ class WorkerServer:
         self,
         host: str = "127.0.0.1",
         port: int = 0,
-        timeout: float = 120.0,
-        parallel: int = 1,
+        timeout: float | None = None,
+        parallel: int | None = None,
         *,
         secret: auth.SecretLike = None,
-        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        options: WorkerOptions | None = None,
         limits: ConnectionLimits | None = None,
-        max_pending_handshakes: int = 128,
-        integrity_only: bool | None = None,
-        reachable_at: Sequence[str] = (),
-        shm_bytes: int = shm.DEFAULT_BUDGET,
+        **given: Any,
     ):
-        if parallel < 1:
-            raise ValueError(f"parallel must be >= 1, got {parallel}")
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-        if max_pending_handshakes < 1:
-            raise ValueError(f"max_pending_handshakes must be >= 1, got {max_pending_handshakes}")
-        if shm_bytes < 0:
-            raise ValueError(f"shm_bytes must be >= 0, got {shm_bytes}")
-        self.shm_bytes = shm_bytes  # shared slots per same-host connection (protocol.shm)
+        """``options``: how it serves (:class:`WorkerOptions`, checked there); ``timeout``,
+        ``parallel``, ``limits`` (a :class:`ConnectionLimits`) and any other field of the options
+        given by name replace theirs. A worker accepts clients that opted out of encryption when
+        ``trusted_network_no_encryption`` is set or its own environment has
+        ``TORCHFEED_TRUSTED_NETWORK_NO_ENCRYPTION=1``."""
+        for old, new in _RENAMED.items():
+            if old in given:
+                deprecation.warn(f"WorkerServer({old}=...)", f"WorkerServer({new}=...)")
+                given[new] = given.pop(old)
+        if given.get("trusted_network_no_encryption") is None:
+            given.pop("trusted_network_no_encryption", None)  # the old integrity_only=None: the environment's
+        if limits is not None:
+            given.update(dataclasses.asdict(limits))
+        self.options = (options or WorkerOptions()).merged(timeout=timeout, parallel=parallel, **given)
+        self.shm_bytes = self.options.shm_bytes  # shared slots per same-host connection (protocol.shm)
         self.secret = auth.load_secret(secret)
-        self.timeout = float(timeout)
-        self.handshake_timeout = float(handshake_timeout)
-        self.parallel = parallel
-        self.limits = limits or ConnectionLimits()
+        self.timeout = float(self.options.timeout)
+        self.handshake_timeout = float(self.options.handshake_timeout)
+        self.parallel = self.options.parallel
+        self.limits = self.options.limits()
         self.registry = Registry()
         self.counters = workerstats.Counters()  # [stats hook] for `torchfeed top`
         self.budget = Budget(self.limits)  # what all connections together hold
@@ -116,10 +124,9 @@ class WorkerServer:
         self.port = self.listener.getsockname()[1]
         shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
         self.address = f"[{shown}]:{self.port}" if ":" in shown else f"{shown}:{self.port}"
-        if integrity_only is None:
-            integrity_only = auth.integrity_only_requested()
+        integrity_only = self.options.trusted_network_no_encryption or auth.integrity_only_requested()
         try:
-            names = Names(host, self.port, self.address, reachable_at)
+            names = Names(host, self.port, self.address, self.options.reachable_at)
         except ValueError:
             self.listener.close()
             raise
@@ -130,14 +137,14 @@ class WorkerServer:
             self._authenticated,
             handshake_timeout=self.handshake_timeout,
             stopping=self._stopping,
-            max_pending=max_pending_handshakes,
+            max_pending=self.options.max_handshakes,
             allow_integrity_only=integrity_only,
             names=names,
             same_host=self.same_host_listener,
         )
         self._threads = [
             threading.Thread(target=self._executor, name=f"torchfeed-exec-{i}", daemon=True)
-            for i in range(parallel)
+            for i in range(self.parallel)
         ]
         self._threads.append(threading.Thread(target=self._keeper, name="torchfeed-keeper", daemon=True))
         for t in self._threads:
@@ -289,41 +296,14 @@ def run_worker(
         metrics port (see :class:`torchfeed.worker.options.WorkerOptions`).
     """
     options = (options or WorkerOptions()).merged(timeout=timeout, parallel=parallel)
-    timeout = options.timeout
-    limits = options.limits()
-    integrity_only = True if options.trusted_network_no_encryption else None
-    reachable_at = options.reachable_at
     raise_fd_limit()
     import torch
 
     torch.set_num_threads(options.threads)
-    handshake_timeout, max_handshakes = options.handshake_timeout, options.max_handshakes
-    server = WorkerServer(
-        host,
-        port,
-        timeout,
-        options.parallel,
-        secret=secret,
-        handshake_timeout=handshake_timeout,
-        limits=limits,
-        max_pending_handshakes=max_handshakes,
-        integrity_only=integrity_only,
-        reachable_at=reachable_at,
-        shm_bytes=options.shm_bytes,
-    )
-    workercache.configure(
-        workercache.DEFAULT_SIZE if options.cache_size is None else options.cache_size,
-        lane=workercache.Lane(  # peers reach this worker's cache there, under the same bounds
-            host,
-            server.secret,
-            timeout=timeout,
-            handshake_timeout=handshake_timeout,
-            limits=limits,
-            max_handshakes=max_handshakes,
-            integrity_only=integrity_only,
-            reachable_at=tuple(reachable_at),
-        ),
-    )
+    server = WorkerServer(host, port, secret=secret, options=options)
+    # peers reach this worker's cache through its lane, which serves under the same options
+    cache_size = workercache.DEFAULT_SIZE if options.cache_size is None else options.cache_size
+    workercache.configure(cache_size, lane=workercache.Lane(host, server.secret, options))
     metrics = None
     if options.metrics_port is not None:
         from .prometheus import serve_worker
