@@ -19,6 +19,10 @@ it reaps. The secret never crosses it: :class:`~torchfeed.worker.process.WorkerP
 writes it on the worker's stdin pipe, whose ends only this process and the worker hold; the
 server holds no end of the workers' pipes after the fork.
 
+This module holds the trainer's side (:class:`ForkServer`, the :func:`shared` server) and the
+``python -m`` entry; the server process's loop is :mod:`torchfeed.worker.forkloop`, and
+the channel's messages are framed by :mod:`torchfeed.worker.forkchannel`.
+
 NOTE [processes, threads and shutdown]
 
 * The **server process** runs on one thread: it waits (``select``) on the channel, on a
@@ -51,13 +55,9 @@ Linux only (:func:`available`).
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import queue
-import select
-import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -68,66 +68,18 @@ from typing import Any
 from ..protocol.auth import ENV_SECRET
 from ..pumps import Pump, to_stderr
 from ..util import pid_alive
-from .forked import become_worker
+from .forkchannel import receive, send
+from .forkloop import STOP_GRACE, main
 
 MODULE = "torchfeed.worker.forkserver"
-STOP_GRACE = 5.0  # seconds the server gives its workers after SIGTERM, when it stops, before SIGKILL
 FORK_TIMEOUT = 60.0  # seconds to wait for the answer to a fork
 LOST = 255  # the exit status of a worker whose server died before it reported it
-_HEADER = struct.Struct("!I")
-_MAX_MESSAGE = 64 << 20  # bytes: a request is a worker's arguments and environment
-_PARENT_CHECK = 1.0  # seconds between two looks at the server's parent (no pidfd)
 _PUMP_JOIN = 2.0
 
 
 def available() -> bool:
     """Whether workers can be forked by a fork server here (Linux)."""
     return sys.platform.startswith("linux") and hasattr(os, "fork")
-
-
-# -- the channel: length-prefixed JSON, descriptors as SCM_RIGHTS ----------------------------
-
-
-def _send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
-    data = json.dumps(message).encode()
-    payload = _HEADER.pack(len(data)) + data
-    sent = socket.send_fds(sock, [payload], list(fds)) if fds else 0
-    sock.sendall(payload[sent:])
-
-
-def _receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
-    """The next message and the descriptors that came with it; (None, []) at the channel's end."""
-    header, fds = b"", []
-    while len(header) < _HEADER.size:
-        if max_fds and not header:
-            chunk, got, _, _ = socket.recv_fds(sock, _HEADER.size, max_fds)
-            fds += got
-        else:
-            chunk = sock.recv(_HEADER.size - len(header))
-        if not chunk:
-            _close_all(fds)
-            return None, []
-        header += chunk
-    (size,) = _HEADER.unpack(header)
-    if size > _MAX_MESSAGE:
-        _close_all(fds)
-        raise OSError(f"fork server channel: a message of {size} bytes (at most {_MAX_MESSAGE})")
-    data = bytearray()
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            _close_all(fds)
-            return None, []
-        data += chunk
-    return json.loads(data), fds
-
-
-def _close_all(fds: Sequence[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 # -- the trainer's side -------------------------------------------------------------------------
@@ -188,7 +140,7 @@ class ForkServer:
     def _wait_ready(self, timeout: float) -> None:
         self._sock.settimeout(timeout)
         try:
-            message, _ = _receive(self._sock)
+            message, _ = receive(self._sock)
         except TimeoutError:
             raise TimeoutError(
                 f"the torchfeed fork server did not start in {timeout:g} s (importing torch); "
@@ -210,7 +162,7 @@ class ForkServer:
     def _read(self) -> None:
         try:
             while True:
-                message, _ = _receive(self._sock)
+                message, _ = receive(self._sock)
                 if message is None:
                     break
                 if message["op"] == "exit":
@@ -240,7 +192,7 @@ class ForkServer:
             if self.ended:
                 raise RuntimeError(self._gone())
             with self._send_lock:
-                _send(self._sock, request, fds)
+                send(self._sock, request, fds)
             deadline = time.monotonic() + FORK_TIMEOUT
             while True:
                 try:
@@ -277,7 +229,7 @@ class ForkServer:
         if not self.ended:
             try:
                 with self._send_lock:
-                    _send(self._sock, {"op": "signal", "pid": pid, "sig": int(sig)})
+                    send(self._sock, {"op": "signal", "pid": pid, "sig": int(sig)})
                 return
             except OSError:  # it just ended
                 pass
@@ -359,154 +311,6 @@ def _forget_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
-
-
-# -- the server process ---------------------------------------------------------------------------
-
-
-def _preload() -> None:
-    """What every worker imports, imported once here (no CUDA, no thread pools started)."""
-    import cloudpickle  # noqa: F401
-    import numpy  # noqa: F401
-    import torch  # noqa: F401
-
-    from . import server  # noqa: F401 - the worker daemon and the protocol under it
-
-
-def _parent_watch(parent: int) -> int | None:
-    """A descriptor readable once process ``parent`` ended (a pidfd), or None where there is none."""
-    try:
-        return os.pidfd_open(parent)
-    except (AttributeError, OSError):
-        return None
-
-
-class _Server:
-    """The server's loop (see the module's NOTE); one thread, the process's main one."""
-
-    def __init__(self, sock: socket.socket, parent: int):
-        self.sock = sock
-        self.parent = parent
-        self.children: set[int] = set()
-        self.stopping = False
-        self.wake_r, self.wake_w = os.pipe()
-        os.set_blocking(self.wake_r, False)
-        os.set_blocking(self.wake_w, False)
-        signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
-        signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select through the pipe
-        signal.signal(signal.SIGTERM, self._stop)
-        self.watch = _parent_watch(parent)
-
-    def _stop(self, *_: object) -> None:
-        self.stopping = True
-
-    def _report(self, message: dict[str, Any]) -> None:
-        try:
-            _send(self.sock, message)
-        except OSError:  # the trainer is gone: nobody to tell
-            pass
-
-    def reap(self, block: bool = False) -> None:
-        while self.children:
-            try:
-                pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
-            except ChildProcessError:
-                self.children.clear()
-                return
-            if pid == 0:
-                return
-            if pid in self.children:
-                self.children.discard(pid)
-                self._report({"op": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
-
-    def parent_gone(self, readable: list) -> bool:
-        return (self.watch is not None and self.watch in readable) or os.getppid() != self.parent
-
-    def run(self) -> None:
-        if os.getppid() != self.parent:
-            return  # the trainer died while this one started
-        watched: list = [self.sock, self.wake_r] + ([self.watch] if self.watch is not None else [])
-        while not self.stopping:
-            readable = select.select(watched, [], [], _PARENT_CHECK)[0]
-            if self.wake_r in readable:
-                try:
-                    while os.read(self.wake_r, 512):
-                        pass
-                except BlockingIOError:
-                    pass
-            self.reap()
-            if self.parent_gone(readable):
-                return
-            if self.sock in readable:
-                message, fds = _receive(self.sock, max_fds=3)
-                if message is None:
-                    return
-                self.handle(message, fds)
-
-    def handle(self, message: dict[str, Any], fds: list[int]) -> None:
-        try:
-            if message["op"] == "fork" and len(fds) == 3:
-                self.fork(message, fds)
-            elif message["op"] == "fork":
-                self._report({"op": "failed", "seq": message.get("seq"), "error": "its pipes did not arrive"})
-            elif message["op"] == "signal" and message["pid"] in self.children:
-                try:
-                    os.kill(message["pid"], message["sig"])
-                except ProcessLookupError:
-                    pass
-        finally:
-            _close_all(fds)
-
-    def fork(self, request: dict[str, Any], fds: list[int]) -> None:
-        try:
-            pid = os.fork()
-        except OSError as exc:
-            self._report({"op": "failed", "seq": request.get("seq"), "error": f"fork: {exc.strerror or exc}"})
-            return
-        if pid == 0:  # the worker: never returns
-            self.sock.close()
-            become_worker(
-                list(request["args"]),
-                dict(request["env"]),
-                bool(request["new_session"]),
-                fds[0],
-                fds[1],
-                fds[2],
-                cwd=request.get("cwd"),
-            )
-        self.children.add(pid)
-        self._report({"op": "forked", "seq": request.get("seq"), "pid": pid})
-
-    def stop_children(self) -> None:
-        """SIGTERM the workers still here, SIGKILL those left after :data:`STOP_GRACE` s; reap them."""
-        for sig in (signal.SIGCONT, signal.SIGTERM):
-            for pid in self.children:
-                os.kill(pid, sig)
-        deadline = time.monotonic() + STOP_GRACE
-        while self.children and time.monotonic() < deadline:
-            select.select([self.wake_r], [], [], 0.1)
-            self.reap()
-        for pid in self.children:
-            os.kill(pid, signal.SIGKILL)
-        self.reap(block=True)
-
-
-def main(argv: Sequence[str]) -> int:
-    """``python -m torchfeed.worker.forkserver FD PARENT``: serve the channel inherited as ``FD``
-    for process ``PARENT`` (see the module's docstring)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    fd, parent = int(argv[0]), int(argv[1])
-    sock = socket.socket(fileno=fd)
-    server = _Server(sock, parent)
-    _preload()
-    try:
-        _send(sock, {"op": "ready"})
-        server.run()
-    except OSError:  # the channel broke: the trainer is gone
-        pass
-    finally:
-        server.stop_children()
-    return 0
 
 
 if __name__ == "__main__":
