@@ -23,7 +23,8 @@ from ..errors import Timeout
 from ..protocol import auth, wire
 from . import session as sessions
 from .addresses import Address, format_address, parse_address
-from .connection import JSON_REPLY, Callback, Connection, reply_bytes, reply_wire
+from .connection import Callback, Connection
+from .delivery import JSON_REPLY, reply_bytes, reply_wire
 from .refs import Call, RemoteRef
 from .session import Session
 

@@ -1,7 +1,8 @@
 """One persistent, multiplexed, authenticated connection to one worker.
 
 Many requests share a connection (request ids); a reader thread per connection receives
-replies straight into their final buffers and hands them to callbacks. Each connection
+replies straight into their final buffers and hands them to callbacks (each reply's outcome
+is made by :mod:`torchfeed.client.delivery`, on that thread). Each connection
 belongs to an owner (a :class:`~torchfeed.Session`, session.py) that it reports to
 (``watch`` when made, ``forget`` when it fails or closes) and whose heartbeat settings it
 reads; the owner's keeper thread calls :meth:`Connection.tick`.
@@ -10,7 +11,6 @@ reads; the owner's keeper thread calls :meth:`Connection.tick`.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import pickle
 import socket
@@ -22,22 +22,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from .. import errors
-from ..errors import (
-    ConnectionClosed,
-    FrameTooLarge,
-    ProtocolError,
-    SerializationError,
-    Timeout,
-    TorchfeedError,
-    UnsafeReplyError,
-    WorkerLost,
-)
+from ..errors import ConnectionClosed, FrameTooLarge, ProtocolError, Timeout, TorchfeedError, WorkerLost
 from ..protocol import auth, codec, limits, localpath, shm, wire
 from ..protocol.channel import Channel
-from ..protocol.errordata import rebuild_remote_error
 from ..protocol.localchannel import FdReader, LocalChannel
-from ..protocol.replies import SAFE, ReplyPolicy, load_data
+from ..protocol.replies import SAFE, ReplyPolicy
 from .addresses import Address, connect_failure, format_address, parse_address
+from .delivery import JSON_REPLY, deliver, ref_id, reply_bytes, reply_wire  # noqa: F401 - re-exported
 
 log = logging.getLogger("torchfeed.client")
 
@@ -54,20 +45,6 @@ class Owner(Protocol):
     def watch(self, connection: Connection) -> None: ...
 
     def forget(self, connection: Connection) -> None: ...
-
-
-_delivering = threading.local()
-
-
-def reply_bytes() -> int:
-    """Inside a result callback: the size of the reply being delivered (header excluded)."""
-    return getattr(_delivering, "nbytes", 0)
-
-
-def reply_wire() -> tuple[int, float]:
-    """Inside a result callback: the bytes the reply took on the wire (compressed and
-    sealed) and the seconds from its header to its last byte."""
-    return getattr(_delivering, "wire", (0, 0.0))
 
 
 class _Pending:
@@ -88,27 +65,6 @@ class _Pending:
         self.session = session  # a call in flight keeps its session (and so this connection) open
         self.policy = policy  # a replies.Policy, or JSON_REPLY
         self.compression = compression  # what the call allowed its reply (codec.refusal)
-
-
-JSON_REPLY = "json"  # request(policy=JSON_REPLY): the reply is JSON (STATS), not a pickle
-
-
-def _json_object(address: str, meta: bytes) -> dict:
-    try:
-        value = json.loads(meta)
-    except ValueError as exc:
-        raise SerializationError(f"worker {address} answered with bytes that are not JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise SerializationError(f"worker {address} answered with JSON that is not an object: {value!r:.80}")
-    return value
-
-
-def _ref_id(meta: bytes) -> int:
-    """The remote reference id of an ``rref`` reply."""
-    ref = load_data(meta)
-    if type(ref) is not int:
-        raise ProtocolError(f"a remote reference reply carries {ref!r:.80} instead of an id")
-    return ref
 
 
 def _open(host: str, port: int, address: str, secret: auth.Secret, timeout: float, owner: Owner):
@@ -338,9 +294,10 @@ class Connection:
                     self._receiving = None
                 if receiving[1]:  # cancelled while its body arrived
                     if frame.kind == wire.REPLY and frame.flags & wire.FLAG_RREF:
-                        self.release_later(_ref_id(frame.meta))
+                        self.release_later(ref_id(frame.meta))
                 else:
-                    self._deliver(frame, buffers, pending, (channel.bytes_received - before, arriving))
+                    wire_bytes = (channel.bytes_received - before, arriving)
+                    deliver(self.address, frame, buffers, pending.policy, pending.callback, wire_bytes)
                 del frame, buffers, pending  # an idle connection must not keep the last reply alive
         except BaseException as exc:  # noqa: BLE001 - the thread must fail every waiter
             self._fail(exc)
@@ -370,7 +327,7 @@ class Connection:
         self.channel.skip(frame, meta=False)
         if frame.kind == wire.REPLY and frame.flags & wire.FLAG_RREF:
             # an object kept for a call nobody waits for any more: free it
-            self.release_later(_ref_id(frame.meta))
+            self.release_later(ref_id(frame.meta))
         if frame.kind == wire.BYE:
             raise ProtocolError(f"worker closed the connection: {frame.meta.decode(errors='replace')}")
 
@@ -382,41 +339,6 @@ class Connection:
                 pending.callback(False, exc)
             except Exception:
                 log.exception("a result callback failed")
-
-    def _deliver(self, frame: wire.Frame, buffers, pending: _Pending, wire_bytes=(0, 0.0)) -> None:
-        value: Any
-        policy = pending.policy
-        try:
-            if frame.kind == wire.ERROR:
-                rules = policy if isinstance(policy, ReplyPolicy) else SAFE
-                ok, value = False, rebuild_remote_error(self.address, load_data(frame.meta), policy=rules)
-            elif policy == JSON_REPLY:
-                ok, value = True, _json_object(self.address, frame.meta)
-            elif frame.flags & wire.FLAG_RREF:
-                ok, value = True, _ref_id(frame.meta)
-            else:
-                ok, value = True, policy.loads(frame.meta, buffers)
-        except UnsafeReplyError as exc:  # nothing was called: say which worker sent it
-            ok, value = False, UnsafeReplyError(f"worker {self.address}: {exc}")
-            value.global_name = exc.global_name
-            value.global_names = exc.global_names or [exc.global_name]
-        except SerializationError as exc:
-            ok, value = False, exc
-        except Exception as exc:  # an unpicklable reply fails that request only
-            ok, value = (
-                False,
-                SerializationError(
-                    f"the reply from worker {self.address} could not be unpickled here: {exc!r}. Classes of the "
-                    "result must be importable in the trainer too (or be defined in __main__)"
-                ),
-            )
-            value.__cause__ = exc
-        _delivering.nbytes = frame.size  # [stats hook] read by the callback: reply_bytes()
-        _delivering.wire = wire_bytes  # and reply_wire()
-        try:
-            pending.callback(ok, value)
-        except Exception:
-            log.exception("a result callback failed")
 
     # -- failure ----------------------------------------------------------
     def _lost_error(self) -> WorkerLost:
