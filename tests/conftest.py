@@ -178,6 +178,21 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(_module(item), len(rank)))  # stable: the rest keep their order
 
 
+def pytest_configure(config):
+    """pytest-xdist up to 3.8 names a test's group by rewriting its node id where pytest 9 no
+    longer reads it: under ``--dist loadgroup`` every group would be scattered (module fixtures
+    started again on each xdist worker, tests sharing a cluster overlapping). Refuse that pair."""
+    if config.getoption("dist", "no") != "loadgroup" or pytest.version_tuple[0] < 9:
+        return
+    import xdist
+
+    if tuple(int(part) for part in xdist.__version__.split(".")[:2]) <= (3, 8):
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} with pytest-xdist {xdist.__version__} ignores --dist loadgroup's "
+            "groups: install the versions pyproject.toml's test extra asks for (pip install -e '.[test]')"
+        )
+
+
 # -- what was skipped, in one line at the end of the run --------------------------------------
 # the system programs some tests start (README: the Debian packages that bring them)
 PROGRAMS = ("slurm", "munge", "dnsmasq", "tcpdump", "prometheus", "useradd")
