@@ -15,20 +15,19 @@ import time
 import weakref
 from typing import Any
 
-from .. import events
 from ..errors import RemoteError, TorchfeedError, WorkerLost
 from . import plan as passplan
 from . import split
 from .basepass import POLL_SECONDS, Delivery, Pass
+from .faults import Faults
 from .ledger import Ledger
-from .plan import PassPlan, new_pass_id
+from .plan import BatchRequests, PassPlan, new_pass_id
 from .prefetch import Head, Loaded, Miss
 from .views import keys_of
 
 log = logging.getLogger("torchfeed.loader")
 
 _JOIN_SECONDS = 1.0  # how long close() waits for the dispatch thread to end
-_STALL_DEFAULT = 120.0  # seconds to wait for a worker when none is left and timeout=0
 
 
 # NOTE [threads of a map-style pass]
@@ -76,15 +75,15 @@ class MapPass(Pass):
         config = plan.config
         self._auto = plan.auto_collation
         self._pin = config.pin_memory
-        self._head = head if head is not None and head.matches(plan, self._pin, config.reply_policy) else None
+        self._head = head if head is not None and head.matches(plan) else None
         if head is not None and self._head is None:
             head.discard()
         self._pass_id = self._head.pass_id if self._head is not None else new_pass_id()
         self._work = threading.Condition(self._lock)  # the dispatch thread waits here
         self._dirty = False  # the dispatch thread has something to do
         self._ledger = Ledger(self._auto)  # keys, results, requests and cancels of each batch
-        self._errors: dict[str, str] = {}
-        self._stalled_since: float | None = None  # when the last serving worker was lost
+        self._requests = BatchRequests.of(plan, self._pass_id)
+        self._faults = Faults(self._source, self._stats, config.max_retries, self._timeout, time.monotonic)
         self._predicted = False  # whether the next pass's first batches were predicted
         self._next_head: Head | None = None  # their prefetch, if they could be
         self.prefetched = 0  # batches of this pass loaded by the previous one
@@ -92,9 +91,7 @@ class MapPass(Pass):
         workers = self._source.alive_workers()
         failed = plan.fetchers.ensure(workers)
         for w, exc in failed.items():
-            self._errors[w] = repr(exc)
-            self._source.worker_lost(w, exc)
-            events.worker_unreachable(w, exc)
+            self._faults.unreachable(w, exc)
         workers = [w for w in workers if w not in failed]
         self._sched = passplan.scheduler(plan, workers)
         self._stats.started(workers, self.inflight)
@@ -102,7 +99,7 @@ class MapPass(Pass):
         self._track()
         with self._lock:
             if not workers:
-                self._no_worker_left()
+                self._faults.none_left(announce=True)
         # the first window is pulled here, on the consumer thread (torch pulls its first
         # batches in iter() too); the dispatch thread sends them and pulls the rest
         self._pull(self._sched.window)
@@ -116,9 +113,6 @@ class MapPass(Pass):
             self._wake()
         self._thread.start()
         self._notices.emit()
-
-    def _stall_limit(self) -> float:
-        return self._timeout or _STALL_DEFAULT
 
     def _poke(self) -> None:
         """Wake the dispatch thread from a thread that holds no pass lock."""
@@ -270,19 +264,7 @@ class MapPass(Pass):
                 it.on_result(_address, _seq, ok, value)
 
         try:
-            fetcher = self._plan.fetchers.get(address)
-            if fetcher is None:
-                raise WorkerLost(f"no fetcher on worker {address}")
-            keys = self._source.map_index(idx, self._auto)
-            worker_id, num_workers = self._source.worker_id(address)
-            context = (self._pass_id, worker_id, num_workers, self._plan.base_seed)
-            rid = fetcher.request(
-                (keys, self._plan.sample_seed, context),
-                callback=on_result,
-                pin=self._pin,
-                policy=self._plan.config.reply_policy,
-                compression=self._plan.config.compression,
-            )
+            rid = self._requests.send(address, idx, on_result)
         except (WorkerLost, OSError, KeyError) as exc:
             with self._lock:
                 self._lose_worker(address, exc)
@@ -307,35 +289,21 @@ class MapPass(Pass):
                 fetcher.cancel(rids)
 
     def _lose_worker(self, address: str, exc: BaseException) -> None:
-        """A worker is gone (lock held)."""
+        """A worker is gone (lock held): its batches go back to the others (loader/faults.py decides the rest)."""
         state = self._sched.workers.get(address)
         if state is None or state.status == "lost":
             return  # every pending request of a dead connection reports it: act once
-        quiet = passplan.quiet(exc)
-        requeued, blamed = self._sched.worker_lost(address, blame=not quiet)
-        self._errors[address] = repr(exc)
-        self._source.worker_lost(address, exc)
+        requeued, blamed = self._sched.worker_lost(address, blame=not passplan.quiet(exc))
         for seq in requeued:
             self._ledger.requests.get(seq, {}).pop(address, None)
-        if quiet:
-            events.closed(address)  # queued: a reader thread, the pass lock held
-        else:  # an event (logged), no warning: nothing to change in code
-            events.worker_lost(address, exc, len(requeued))
-        self._stats.requeued(address, len(requeued))
-        if blamed is not None and self._sched.losses.get(blamed, 0) > self._config.max_retries:
-            losses, retries = self._sched.losses[blamed], self._config.max_retries
-            self._fatal = passplan.poison_error(self._ledger.keys(blamed), blamed, losses, address, retries)
-            events.poison(str(self._fatal))
-        if not self._sched.serving_workers() and self._stalled_since is None:
-            self._no_worker_left(quiet=quiet)
+        was_quiet = self._faults.lost(address, exc, len(requeued))
+        if blamed is not None:
+            poison = self._faults.blame(blamed, address, f"batch {blamed}", self._ledger.keys(blamed))
+            self._fatal = self._fatal or poison
+        if not self._sched.serving_workers():
+            self._faults.none_left(announce=not was_quiet and not self._sched.finished())
         self._ready.notify()
         self._wake()
-
-    def _no_worker_left(self, quiet: bool = False) -> None:
-        self._stalled_since = time.monotonic()
-        if quiet or self._sched.finished():
-            return
-        events.no_worker_left(", ".join(self._errors) or ", ".join(self._source.workers), self._stall_limit())
 
     # -- membership changes (from the datasets' threads) -----------------------------------
     def worker_joined(self, address: str) -> None:
@@ -344,18 +312,17 @@ class MapPass(Pass):
         failed = self._plan.fetchers.ensure([address])
         if failed:
             return
-        self._stats.joined(address)  # no longer draining, if it was removed this pass
         with self._lock:
             if self._closed:
                 return
+            self._faults.joined(address)
             self._sched.add_worker(address)
-            self._stalled_since = None
             self._wake()
             self._ready.notify()
 
     def worker_removed(self, address: str) -> None:
-        self._stats.draining(address)
         with self._lock:
+            self._faults.draining(address)
             self._sched.drain_worker(address)
             self._wake()
             self._ready.notify()
@@ -438,11 +405,9 @@ class MapPass(Pass):
         return None
 
     def _check_wait(self, now: float, deadline: float | None) -> None:
-        since = self._stalled_since
-        if since is not None and (
-            now - since > self._stall_limit() or (deadline is not None and now >= deadline)
-        ):
-            self._fail(passplan.stalled_error(now - since, self._errors))
+        stalled = self._faults.stalled(now, deadline)
+        if stalled is not None:
+            self._fail(stalled)
 
     def _late(self) -> BaseException:
         seq = self._sched.delivered

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from .. import events
 from ..client import wait_all
 from ..client.refs import RemoteRef
-from ..errors import ConnectionClosed, PoisonSampleError, RemoteError, Timeout, WorkerLost
+from ..errors import ConnectionClosed, RemoteError, Timeout, WorkerLost
 from .passstats import PassObserver
 from .scheduler import Scheduler
 from .views import Source
@@ -181,6 +181,56 @@ class PassPlan:
     stats: PassObserver = field(default_factory=PassObserver)  # what the pass counts goes here
 
 
+@dataclass(frozen=True)
+class BatchRequests:
+    """How a map-style pass asks a worker for one batch, the same for the pass and for the
+    prefetch of its first batches (:class:`~torchfeed.loader.prefetch.Head`): the batch's keys as
+    the worker's dataset knows them, the seeds and worker context of torch's workers, and how the
+    reply is to be made (pinned, its policy, its compression)."""
+
+    fetchers: FetcherSet
+    source: Source
+    auto: bool  # automatic batching: a request carries a batch of keys
+    pin: bool
+    policy: Any  # protocol.replies.ReplyPolicy
+    compression: int  # a protocol.codec.MODES value
+    pass_id: int
+    base_seed: int
+    sample_seed: int | None
+
+    @classmethod
+    def of(cls, plan: PassPlan, pass_id: int) -> BatchRequests:
+        config = plan.config
+        return cls(
+            plan.fetchers,
+            plan.source,
+            plan.auto_collation,
+            config.pin_memory,
+            config.reply_policy,
+            config.compression,
+            pass_id,
+            plan.base_seed,
+            plan.sample_seed,
+        )
+
+    def send(self, address: str, idx: Any, callback: Callable[[bool, Any], None]) -> int:
+        """Ask ``address`` for the batch of sampler output ``idx``; the request's id. Raises
+        WorkerLost (or the connection's OSError) when the worker cannot be asked, and the
+        dataset's error for keys it cannot map."""
+        fetcher = self.fetchers.get(address)
+        if fetcher is None:
+            raise WorkerLost(f"no fetcher on worker {address}")
+        keys = self.source.map_index(idx, self.auto)
+        worker_id, num_workers = self.source.worker_id(address)
+        return fetcher.request(
+            (keys, self.sample_seed, (self.pass_id, worker_id, num_workers, self.base_seed)),
+            callback=callback,
+            pin=self.pin,
+            policy=self.policy,
+            compression=self.compression,
+        )
+
+
 def loader_length(config: LoaderConfig, source_of_length: str) -> int:
     """``len()`` of a pass: its loader's length, or TypeError naming what has none."""
     if config.length is None:
@@ -265,27 +315,6 @@ def pipeline_depth(prefetch_factor: int, estimates: dict | None, mean_batch_byte
     if mean_batch_bytes <= SMALL_BATCH_BYTES and min(estimates.values()) < FAST_BATCH_SECONDS:
         return 2 * prefetch_factor
     return prefetch_factor
-
-
-def poison_error(
-    indices: list[Any], seq: int, losses: int, address: str, max_retries: int
-) -> PoisonSampleError:
-    """Batch ``seq`` killed ``losses`` workers in a row: the error that names its samples."""
-    return PoisonSampleError(
-        f"loading samples {short(indices)} (batch {seq}) killed {losses} worker processes in a row "
-        f"(the last: {address}); giving up after max_retries={max_retries}. Fix or exclude these samples.",
-        indices,
-        [address],
-    )
-
-
-def stalled_error(waited: float, errors: dict[str, str]) -> WorkerLost:
-    """No worker came back or joined in time."""
-    return WorkerLost(
-        f"no worker is left (waited {waited:.1f} s for one to come back or join): "
-        + "; ".join(f"{w}: {e}" for w, e in errors.items()),
-        errors,
-    )
 
 
 def late_error(seq: int, keys: list[Any], timeout: float, holders: list[str]) -> Timeout:

@@ -32,6 +32,7 @@ from torch.utils.data.distributed import DistributedSampler
 from .. import client
 from ..errors import WorkerLost
 from .ledger import Outcome
+from .plan import BatchRequests
 from .resume import Sampling, shuffle_seed
 
 _LOOKAHEAD_RATIO = 1.5  # a worker this much slower than the fastest gets later batches
@@ -169,27 +170,12 @@ class Head:
     """The prefetched first batches of one predicted pass (see the module doc)."""
 
     def __init__(
-        self,
-        *,
-        fetchers,
-        source,
-        auto: bool,
-        pin: bool,
-        policy: Any,
-        compression: int = 0,
-        epoch: int,
-        base_seed: int,
-        sample_seed: int | None,
-        indices: list[Any],
-        pass_id: int,
-        estimates: dict[str, float],
+        self, requests: BatchRequests, *, epoch: int, indices: list[Any], estimates: dict[str, float]
     ):
-        self.fetchers, self.source, self.auto, self.pin = fetchers, source, auto, pin
-        self.policy = policy  # how its batches are loaded (protocol.replies.ReplyPolicy)
-        self.compression = compression  # how they travel (protocol.codec.MODES)
-        self.epoch, self.base_seed, self.sample_seed = epoch, base_seed, sample_seed
+        self.requests = requests  # how its batches are asked for: as the pass it predicts would
+        self.pass_id = requests.pass_id
+        self.epoch = epoch
         self.indices = indices
-        self.pass_id = pass_id
         self._estimates = dict(estimates)
         self._lock = threading.Lock()
         self._entries = [_Entry() for _ in indices]
@@ -200,19 +186,13 @@ class Head:
             None  # wakes the dispatch thread of the pass that fills this head
         )
 
-    def matches(self, plan, pin: bool, policy: Any) -> bool:
+    def matches(self, plan) -> bool:
         """Whether a pass built from ``plan`` loads what this head predicted (keys aside)."""
-        record = plan.progress.record
         return (
             not self._dead
-            and plan.fetchers is self.fetchers
             and plan.progress.batches == 0
-            and record.epoch == self.epoch
-            and plan.base_seed == self.base_seed
-            and plan.sample_seed == self.sample_seed
-            and pin == self.pin
-            and policy is self.policy
-            and plan.auto_collation == self.auto
+            and plan.progress.record.epoch == self.epoch
+            and BatchRequests.of(plan, self.pass_id) == self.requests
         )
 
     # -- sending (the dispatch thread of the pass that ends; no lock held) ------------------
@@ -239,19 +219,7 @@ class Head:
                 head._on_result(_address, _seq, ok, value)
 
         try:
-            fetcher = self.fetchers.get(address)
-            if fetcher is None:
-                raise WorkerLost(f"no fetcher on worker {address}")
-            keys = self.source.map_index(self.indices[seq], self.auto)
-            worker_id, num_workers = self.source.worker_id(address)
-            context = (self.pass_id, worker_id, num_workers, self.base_seed)
-            rid = fetcher.request(
-                (keys, self.sample_seed, context),
-                callback=on_result,
-                pin=self.pin,
-                policy=self.policy,
-                compression=self.compression,
-            )
+            rid = self.requests.send(address, self.indices[seq], on_result)
         except Exception:  # noqa: BLE001 - a prefetch that cannot go out is simply not used
             with self._lock:
                 self._finish(self._entries[seq], "lost")
@@ -264,7 +232,8 @@ class Head:
                 entry.state = "running"
             elif entry.state == "dropped":
                 cancel = True
-        if cancel:
+        fetcher = self.requests.fetchers.get(address)
+        if cancel and fetcher is not None:
             fetcher.cancel([rid])
 
     def _finish(self, entry: _Entry, state: str) -> None:
@@ -371,7 +340,7 @@ class Head:
     def discard(self) -> None:
         """Drop this head from a thread that holds no pass lock."""
         for address, rids in self.take_cancels().items():
-            fetcher = self.fetchers.get(address)
+            fetcher = self.requests.fetchers.get(address)
             if fetcher is not None:
                 fetcher.cancel(rids)
 

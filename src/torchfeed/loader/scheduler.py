@@ -33,7 +33,7 @@ simulations (``benchmarks/simulate.py``).
   slowest one works through its queue, so its look-ahead batches are not clamped.
 * **Loss.** The batches of a lost worker return to the pending set, where they are the
   lowest and so are dispatched first. The oldest of them (the one the worker was most
-  likely executing) is blamed; a batch blamed for too many deaths is a poison batch.
+  likely executing) is blamed: the pass counts the deaths against it (loader/faults.py).
 * **Draining.** A worker being removed gets no new batches; its in-flight ones finish.
 * **Hedging.** A batch needed soon that has been running much longer than the typical
   batch is duplicated on the worker with a free credit that would finish it soonest;
@@ -121,7 +121,6 @@ class Scheduler:
         self.exhausted = False  # no more batches will be added
         self.delivered = 0  # batches below this were handed to the consumer
         self.done: set[int] = set()  # completed, not yet delivered
-        self.losses: dict[int, int] = {}  # seq -> worker deaths blamed on it
         self.hedged: set[int] = set()  # seqs that were duplicated once
         self._resize_window()  # from the carried estimates, if any: the first pull covers it
 
@@ -176,8 +175,6 @@ class Scheduler:
         state.late = 0.0
         self.index.refresh(state)
         blamed = min(running, key=running.__getitem__) if running and blame else None
-        if blamed is not None:
-            self.losses[blamed] = self.losses.get(blamed, 0) + 1
         requeued = [s for s in running if s not in self._holders]  # not held elsewhere
         for s in requeued:
             bisect.insort(self._pending, s)
