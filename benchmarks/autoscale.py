@@ -18,6 +18,7 @@ import argparse
 import logging
 import sys
 import time
+from typing import Any
 
 import torch
 from distributed import LocalCluster
@@ -67,7 +68,9 @@ def main() -> int:
         tfd.Pool(cluster, parallel=1, poll=0.5) as pool,
     ):
         ds = torchfeed.RemoteDataset(pool.wait(1, 120), SleepDataset, N, 0.02)
-        loader = torchfeed.RemoteDataLoader(ds, batch_size=BATCH, shuffle=True)
+        loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+            ds, batch_size=BATCH, shuffle=True
+        )
         received: list[tuple[float, int, float]] = []  # (time, samples, waited) per batch
         timeline: list[tuple] = []
         epochs_ok = epochs = 0

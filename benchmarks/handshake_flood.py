@@ -56,6 +56,7 @@ def main() -> None:
     )
     flooder = None
     try:
+        assert worker.stdout is not None
         address = worker.stdout.readline().strip()
         host, port = address.rsplit(":", 1)
         if args.flood:
@@ -65,6 +66,7 @@ def main() -> None:
                 stdout=subprocess.PIPE,
                 text=True,
             )
+            assert flooder.stdout is not None
             assert flooder.stdout.readline().strip() == "ready"
             time.sleep(1.0)
         secret = auth.load_secret()

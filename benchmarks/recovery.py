@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import warnings
+from typing import Any
 
 import torch
 
@@ -44,7 +45,9 @@ def run(scenario: str, heartbeat) -> dict:
     with torchfeed.LocalWorkers(3) as w:
         ds = torchfeed.RemoteDataset(w.addresses, SleepPidDataset, n, per_item)
         hedge = None if scenario in ("sigstop", "kill") else 4.0
-        loader = torchfeed.RemoteDataLoader(ds, batch_size=batch, straggler_factor=hedge)
+        loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+            ds, batch_size=batch, straggler_factor=hedge
+        )
         times, rows, injected, detected, rejoined, old_pid = [], [], None, None, None, None
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -76,6 +79,7 @@ def run(scenario: str, heartbeat) -> dict:
         w.kill(0, signal.SIGCONT)
         idx = torch.cat(rows)[:, 0].tolist()
         assert idx == list(range(n)), "samples lost or repeated"
+        assert injected is not None, "the fault was never injected"
         after = [t for t in times if t >= injected]
         gaps = [b - a for a, b in zip(after, after[1:])]
         normal = sorted(b - a for a, b in zip(times[:40], times[1:40]))

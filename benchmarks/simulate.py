@@ -54,6 +54,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 POLL = 0.05  # loader._POLL
 STRAGGLER_FACTOR = 4.0  # RemoteDataLoader defaults
@@ -70,6 +71,7 @@ def load_scheduler(path: str | None):
 
         return Scheduler
     spec = importlib.util.spec_from_file_location("scheduler_under_test", path)
+    assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
@@ -80,7 +82,7 @@ class Meter:
     """Thread CPU time of calls into the scheduler, the timer's own cost subtracted."""
 
     def __init__(self):
-        self.ns: dict[str, int] = {}
+        self.ns: dict[str, float] = {}
         self.count: dict[str, int] = {}
         clock = time.thread_time_ns
         t0 = clock()
@@ -206,6 +208,7 @@ class Sim:
         if version != worker.version or not worker.alive:
             return
         req = worker.running
+        assert req is not None  # a finish is scheduled for the request the worker runs
         self.start_next(worker)
         if req.cancelled or not req.trainer.on_result(worker.address, req):
             self.wasted += req.work / worker.seconds  # nobody used this result
@@ -282,7 +285,7 @@ class Trainer:
         self.sim = sim
         self.index = index
         self.pass_id = -1
-        self.sched = None
+        self.sched: Any = None  # the scheduler class under test, loaded from a file
         self.delivered = 0
         self.passes = 0
         self.pass_started = 0.0
@@ -298,7 +301,7 @@ class Trainer:
         self.pass_started = sim.now
         workers = sim.alive_addresses()
         n = max(len(workers), len(sim.order), 1)
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if "clock" in sim.accepts:
             kwargs["clock"] = lambda: sim.now
         if "seed" in sim.accepts:

@@ -25,6 +25,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -76,11 +77,14 @@ class JpegTarStream(IterableDataset):
             with tarfile.open(url, "r") as tar:
                 image = None
                 for member in tar:
-                    data = tar.extractfile(member).read()
+                    member_file = tar.extractfile(member)
+                    assert member_file is not None, member.name  # the shards hold regular files
+                    data = member_file.read()
                     if member.name.endswith(".jpg"):
                         image = Image.open(io.BytesIO(data)).convert("RGB")
                         continue
                     label = int(data)
+                    assert image is not None, f"{url}: a label before its image"
                     left = (image.width - self.crop) // 2
                     top = (image.height - self.crop) // 2
                     pixels = np.asarray(image.crop((left, top, left + self.crop, top + self.crop)))
@@ -98,11 +102,11 @@ def case_jpeg(repeats: int, shards: int = 16, per_shard: int = 96, batch: int = 
     with tempfile.TemporaryDirectory() as root, torchfeed.LocalWorkers(2) as workers:
         urls = make_jpeg_shards(root, shards, per_shard)
         theirs = DataLoader(JpegTarStream(urls), batch_size=batch, num_workers=2, persistent_workers=True)
-        ours = torchfeed.RemoteDataLoader(
+        ours: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
             torchfeed.RemoteDataset(workers.addresses, JpegTarStream, urls), batch_size=batch
         )
         _epoch_rate(theirs), _epoch_rate(ours)  # warm up (start-up, caches)
-        rates = {"torch": [], "torchfeed": []}
+        rates: dict[str, list[float]] = {"torch": [], "torchfeed": []}
         for _ in range(repeats):
             rates["torch"].append(_epoch_rate(theirs))
             rates["torchfeed"].append(_epoch_rate(ours))
@@ -167,7 +171,7 @@ def case_straggler(
             urls.append(url)
         single = _single_rate(urls[0], seconds)
         slow_pid = workers.processes[0].pid
-        even = torchfeed.RemoteDataLoader(
+        even: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
             torchfeed.RemoteDataset(workers.addresses, Shards, urls, SleepyLines(seconds)),
             batch_size=batch,
             num_workers=4,
@@ -176,7 +180,7 @@ def case_straggler(
         # the ideal: 3 fast workers and 1/4 of one, at the rate 4 fast workers reach here
         all_fast = max(_epoch_rate(even) for _ in range(repeats))
         ideal = all_fast / 4 * (3 + 1 / slowdown)
-        ours = torchfeed.RemoteDataLoader(
+        ours: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
             torchfeed.RemoteDataset(
                 workers.addresses, Shards, urls, SleepyLines(seconds, slow_pid, factor=slowdown)
             ),
@@ -190,7 +194,7 @@ def case_straggler(
             persistent_workers=True,
         )
         _epoch_rate(ours), _epoch_rate(theirs)
-        rates = {"torch": [], "torchfeed": []}
+        rates: dict[str, list[float]] = {"torch": [], "torchfeed": []}
         for _ in range(repeats):
             rates["torchfeed"].append(_epoch_rate(ours))
             rates["torch"].append(_epoch_rate(theirs))

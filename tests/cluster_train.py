@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,9 @@ def main() -> int:
 
     ds = torchfeed.RemoteDataset(my_workers, RangeDataset, args.samples)
     sampler = torchfeed.DistributedSampler(args.samples, num_replicas=world, rank=rank, shuffle=True, seed=7)
-    loader = torchfeed.RemoteDataLoader(ds, batch_size=args.batch_size, sampler=sampler, seed=11)
+    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+        ds, batch_size=args.batch_size, sampler=sampler, seed=11
+    )
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(3, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -68,7 +71,7 @@ def main() -> int:
                     f.write(str(step))
             time.sleep(args.step_sleep)
             if pre is not None and pre.should_stop():
-                states = [None] * world
+                states: list = [None] * world
                 dist.all_gather_object(states, {"loader": loader.state_dict(), "seen": seen})
                 if rank == 0:
                     checkpoint.save(

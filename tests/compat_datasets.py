@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import random
+from typing import Any
 
 import numpy as np
 import torch
@@ -161,6 +162,7 @@ class Info(Dataset):
         if self.delay:
             time.sleep(self.delay)
         info = get_worker_info()
+        assert info is not None  # loaded by a worker
         return torch.tensor(
             [
                 i,
@@ -177,8 +179,9 @@ class Info(Dataset):
 def tag_with_worker(worker_id: int) -> None:
     """A worker_init_fn that configures get_worker_info().dataset (and checks the seed it sees)."""
     info = get_worker_info()
-    assert info.id == worker_id and torch.initial_seed() == info.seed
-    info.dataset.tag = f"init{worker_id}"
+    assert info is not None and info.id == worker_id and torch.initial_seed() == info.seed
+    dataset: Any = info.dataset  # the worker's copy of the user's dataset
+    dataset.tag = f"init{worker_id}"
 
 
 def seed_numpy_like_torch_docs(worker_id: int) -> None:
@@ -233,7 +236,8 @@ class Span(IterableDataset):
 
 def split_span(worker_id: int) -> None:
     info = get_worker_info()
-    dataset = info.dataset  # the copy that loads
+    assert info is not None
+    dataset: Any = info.dataset  # the copy that loads
     overall_start, overall_end = dataset.start, dataset.end
     per_worker = -(-(overall_end - overall_start) // info.num_workers)
     dataset.start = overall_start + info.id * per_worker

@@ -182,7 +182,7 @@ def pytest_configure(config):
     """pytest-xdist up to 3.8 names a test's group by rewriting its node id where pytest 9 no
     longer reads it: under ``--dist loadgroup`` every group would be scattered (module fixtures
     started again on each xdist worker, tests sharing a cluster overlapping). Refuse that pair."""
-    if config.getoption("dist", "no") != "loadgroup" or pytest.version_tuple[0] < 9:
+    if config.getoption("dist", "no") != "loadgroup" or int(pytest.version_tuple[0]) < 9:
         return
     import xdist
 

@@ -45,6 +45,7 @@ def main() -> None:
             break
         for key, _ in events:
             s = key.fileobj
+            assert isinstance(s, socket.socket)  # stdin ends the loop above
             try:
                 data = s.recv(4096)
             except BlockingIOError:

@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import tempfile
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,7 +90,11 @@ def run_torchrun(out: dict) -> None:
         loader = make()
         epochs = []
         for e in range(EPOCHS):
-            loader.set_epoch(e) if name == "remote" else loader.sampler.set_epoch(e)
+            if isinstance(loader, torchfeed.RemoteDataLoader):
+                loader.set_epoch(e)
+            else:
+                assert isinstance(loader.sampler, TorchDistributedSampler)
+                loader.sampler.set_epoch(e)
             epochs.append([indices(b) for b in loader])
         out[name] = epochs
     # no sampler: every rank loads everything, as torch, and a warning says so
@@ -102,19 +107,25 @@ def run_torchrun(out: dict) -> None:
     out["plain_warnings"] = [m for m in records if "every rank loads the whole dataset" in m]
     # a resume in epoch 1 after 3 batches, from the loader's state, in a new loader
     torch.manual_seed(0)  # base seeds come from the global generator (seed=None), as torch's
-    full = torchfeed.RemoteDataLoader(rds, BATCH, sampler=torchfeed.DistributedSampler(rds, seed=3))
+    full: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+        rds, BATCH, sampler=torchfeed.DistributedSampler(rds, seed=3)
+    )
     seen = []
     for e in range(EPOCHS):
         full.set_epoch(e)
         seen.append([noise(b) for b in full])
     torch.manual_seed(0)
-    first = torchfeed.RemoteDataLoader(rds, BATCH, sampler=torchfeed.DistributedSampler(rds, seed=3))
+    first: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+        rds, BATCH, sampler=torchfeed.DistributedSampler(rds, seed=3)
+    )
     list(first)
     first.set_epoch(1)
     it = iter(first)
     head = [noise(next(it)) for _ in range(3)]
     state = first.state_dict()
-    resumed = torchfeed.RemoteDataLoader(rds, BATCH, sampler=torchfeed.DistributedSampler(rds, seed=3))
+    resumed: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+        rds, BATCH, sampler=torchfeed.DistributedSampler(rds, seed=3)
+    )
     torch.manual_seed(1)  # the resumed process's generator is another's
     resumed.load_state_dict(state)
     out["resume"] = {
@@ -133,20 +144,20 @@ def run_torchrun(out: dict) -> None:
         )
 
     mine: list[int] = []
-    state = None
+    checkpoint: dict | None = None
     saved: list[dict] = []  # this rank's states, as a job keeps its checkpoints
     for stop in (2, 2, None):
         loader = elastic()
-        if state is not None:
-            loader.load_state_dict(state)
+        if checkpoint is not None:
+            loader.load_state_dict(checkpoint)
         it = iter(loader)
         for _ in range(stop) if stop is not None else iter(int, 1):
             batch = next(it, None)
             if batch is None:
                 break
             mine += indices(batch)
-        state = loader.state_dict()
-        saved.append(state)
+        checkpoint = loader.state_dict()
+        saved.append(checkpoint)
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     out["two_resumes"] = sorted(i for rank in every for i in rank)
@@ -289,7 +300,9 @@ def run_lightning_interrupt(out: dict, L, Model, trainer, rds, make_val) -> None
                 os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the step runs
             return loss
 
-    make = lambda: torchfeed.RemoteDataLoader(rds, BATCH, shuffle=True, seed=21)  # noqa: E731
+    def make() -> torchfeed.RemoteDataLoader[Any]:
+        return torchfeed.RemoteDataLoader(rds, BATCH, shuffle=True, seed=21)
+
     L.seed_everything(7, workers=True)
     full: dict = {"train": [], "val": []}
     trainer(limit_val_batches=0).fit(Model(make, make_val, full))
@@ -349,7 +362,7 @@ def run_accelerate(out: dict) -> None:
         model, opt, loader = prepare(accelerator, model, opt, make())
         if resume:
             accelerator.load_state(state_dir)
-        seen = []
+        seen: list = []
         for e in range(1 if resume else 0, EPOCHS):
             loader.set_epoch(e)
             for step, batch in enumerate(loader):
@@ -374,13 +387,18 @@ def run_accelerate(out: dict) -> None:
 
     # a loader its sampler already shards is refused, naming the fix (Accelerate shards it again)
     try:
-        sharded = torchfeed.RemoteDataLoader(rds, BATCH, sampler=torchfeed.DistributedSampler(rds))
+        sharded: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+            rds, BATCH, sampler=torchfeed.DistributedSampler(rds)
+        )
         tf_accelerate.prepare(Accelerator(cpu=True), sharded)
         out["sharded_refusal"] = None
     except ValueError as e:
         out["sharded_refusal"] = str(e)
     out["torch"] = train("torch", lambda: DataLoader(Indexed(), BATCH, shuffle=True), torch_prepare)
-    make = lambda: torchfeed.RemoteDataLoader(rds, BATCH, shuffle=True)  # noqa: E731
+
+    def make() -> torchfeed.RemoteDataLoader[Any]:
+        return torchfeed.RemoteDataLoader(rds, BATCH, shuffle=True)
+
     out["remote"] = train("remote", make, tf_accelerate.prepare)
     train("remote", make, tf_accelerate.prepare, stop_at=(1, 2))
     out["resume"] = train("remote", make, tf_accelerate.prepare, resume=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from typing import cast
 
 import numpy as np
 import torch
@@ -64,6 +65,11 @@ class SleepDataset(RangeDataset):
         time.sleep(self.seconds * self.slow.get(os.getpid(), 1))
         x, y = super().__getitem__(i)
         return (x, y, os.getpid()) if self.with_pid else (x, y)
+
+
+def indices(n: int) -> Dataset[int]:
+    """``range(n)`` as the dataset torch's samplers are typed to take (they only read its length)."""
+    return cast("Dataset[int]", range(n))
 
 
 @contextlib.contextmanager

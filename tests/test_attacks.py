@@ -40,7 +40,7 @@ SECRET = os.environ.get("TORCHFEED_SECRET", "")  # conftest.py's; workers import
 class WorkerProcess:
     """``torchfeed worker`` in a process of its own, with optional limits on open files."""
 
-    def __init__(self, *args: str, nofile: int = 0, env=None, log: Path = None):
+    def __init__(self, *args: str, nofile: int = 0, env=None, log: Path | None = None):
         def limit():
             if nofile:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
@@ -55,6 +55,7 @@ class WorkerProcess:
             stderr=open(log, "w") if log else None,
             env=dict(os.environ, **(env or {})),
         )
+        assert self.proc.stdout is not None
         self.address = self.proc.stdout.readline().strip()
         assert self.address, f"worker did not start (exit code {self.proc.poll()})"
 
@@ -254,7 +255,8 @@ def test_reachable_at_entries_and_their_errors():
     )
     assert "dialled 127.0.0.1:7002" in refusal(names, "127.0.0.1", 7002)
     assert "dialled [::1]:5001" in refusal(names, "::1", 5001)
-    assert "dialled an unknown address" in names.refusal(bytes(auth.ENDPOINT_BYTES), ("127.0.0.1", 5000))
+    why = names.refusal(bytes(auth.ENDPOINT_BYTES), ("127.0.0.1", 5000))
+    assert why is not None and "dialled an unknown address" in why
     assert refusal(Names("127.0.0.1", 5000, "x", ["*"]), "10.1.2.3", 1) is None
     for bad in ("node1", "node1:", ":7000", "node1:70000", "node1:x"):
         with pytest.raises(ValueError, match="expected HOST:PORT"):
@@ -514,6 +516,7 @@ def test_a_flood_from_one_source_sheds_its_own_connections(spawn, tmp_path):
     )
     times, failures = [], []
     try:
+        assert flooder.stdout is not None
         assert flooder.stdout.readline().strip() == "ready"
         time.sleep(0.5)
         for _ in range(30):

@@ -5,6 +5,8 @@ sampler's position as the bug this audit was made for did)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -53,7 +55,9 @@ def chain(rds, worlds: list[int], stops: list[int]) -> list[dict]:
 
 
 def test_one_rank_one_epoch_is_verified(rds):
-    loader = torchfeed.RemoteDataLoader(rds, BATCH, shuffle=True, seed=1, audit=True)
+    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+        rds, BATCH, shuffle=True, seed=1, audit=True
+    )
     for _ in loader:
         pass
     report = torchfeed.audit.verify([loader.state_dict()], N)
@@ -167,7 +171,7 @@ def test_a_crafted_entry_is_refused_with_a_value_error(rds, entry):
 def test_drop_last_ranks_agree_on_the_end_of_the_epoch(workers2):
     """7 samples, 2 ranks, batches of 2, drop_last: each rank's last state says the epoch ended."""
     ds = torchfeed.RemoteDataset(workers2, RangeDataset, 7)
-    loaders = [
+    loaders: list[torchfeed.RemoteDataLoader[Any]] = [
         torchfeed.RemoteDataLoader(
             ds, 2, sampler=torchfeed.DistributedSampler(ds, 2, r, seed=0, drop_last=True), seed=1, audit=True
         )

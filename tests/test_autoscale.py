@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any
 
 import pytest
 from distributed import Client, LocalCluster
@@ -13,7 +14,7 @@ from torch.utils.data import Dataset
 import torchfeed
 import torchfeed.dask as tfd
 from helpers import wait_for
-from torchfeed.scaling import Policy, Reading
+from torchfeed.scaling import Decision, Policy, Reading
 from torchfeed.util import free_port
 
 # ---------------------------------------------------------------- the decisions, pure
@@ -24,6 +25,13 @@ def policy(**kw) -> Policy:
         min_workers=1, max_workers=10, target_wait=0.1, up_cooldown=10, down_after=30, down_cooldown=20
     )
     return Policy(**{**base, **kw})
+
+
+def decided(p: Policy, r: Reading) -> Decision:
+    """What ``p`` decides on ``r``, where the test expects a decision."""
+    d = p.decide(r)
+    assert d is not None, r
+    return d
 
 
 def reading(t, workers, wait, *, requested=None, demand=200.0, per_worker=50.0, active=True) -> Reading:
@@ -56,7 +64,7 @@ def test_up_by_at_least_one_when_the_estimate_says_enough():
 
 def test_no_more_while_the_workers_asked_for_start_unless_the_need_grows():
     p = policy()
-    assert p.decide(reading(0, 1, 0.8)).target == 5
+    assert decided(p, reading(0, 1, 0.8)).target == 5
     for t in range(1, 60):  # the 4 new ones take a minute to come: nothing more is asked
         assert p.decide(reading(t, 1, 0.8, requested=5)) is None
     d = p.decide(reading(61, 1, 0.8, requested=5, demand=400))  # twice the demand: need 9
@@ -65,7 +73,7 @@ def test_no_more_while_the_workers_asked_for_start_unless_the_need_grows():
 
 def test_up_cooldown_starts_when_the_workers_serve():
     p = policy(up_cooldown=10)
-    assert p.decide(reading(0, 1, 0.8)).target == 5
+    assert decided(p, reading(0, 1, 0.8)).target == 5
     assert p.decide(reading(20, 1, 0.8, requested=5)) is None  # still starting
     assert p.decide(reading(21, 5, 0.5)) is None  # they serve since 21: their effect is not measured yet
     assert p.decide(reading(30, 5, 0.5)) is None
@@ -82,14 +90,14 @@ def test_down_slowly_after_a_sustained_low_wait_by_at_most_half():
     assert p.decide(reading(45, 3, 0.0, demand=20)) is None  # cool-down
     d = p.decide(reading(50, 3, 0.0, demand=20))
     assert d is not None and d.target == 2
-    assert p.decide(reading(70, 2, 0.0, demand=20)).target == 1
+    assert decided(p, reading(70, 2, 0.0, demand=20)).target == 1
     assert p.decide(reading(200, 1, 0.0, demand=20)) is None  # min_workers
 
 
 def test_down_only_to_the_need():
     p = policy(down_after=5, down_cooldown=0)
     assert p.decide(reading(0, 8, 0.0, demand=150)) is None
-    d = p.decide(reading(5, 8, 0.0, demand=150))  # 150 * 1.1 / 50: 4
+    d = decided(p, reading(5, 8, 0.0, demand=150))  # 150 * 1.1 / 50: 4
     assert d.target == 4
     assert p.decide(reading(100, 4, 0.0, demand=150)) is None
 
@@ -101,39 +109,39 @@ def test_hysteresis_a_wait_between_the_bands_changes_nothing_and_restarts_the_do
     assert p.decide(reading(26, 6, 0.09, demand=20)) is None
     assert p.decide(reading(40, 6, 0.01, demand=20)) is None  # low again since 40
     assert p.decide(reading(69, 6, 0.01, demand=20)) is None
-    assert p.decide(reading(70, 6, 0.01, demand=20)).action == "down"
+    assert decided(p, reading(70, 6, 0.01, demand=20)).action == "down"
 
 
 def test_no_flapping_after_a_step_up():
     p = policy(up_cooldown=5, down_after=30, down_cooldown=20)
-    assert p.decide(reading(0, 1, 0.8)).target == 5
+    assert decided(p, reading(0, 1, 0.8)).target == 5
     decisions = [p.decide(reading(t, 5, 0.0, demand=200)) for t in range(1, 200)]
     assert decisions == [None] * 199  # the need is 5: no step down however long
 
 
 def test_down_cooldown_after_a_step_up():
     p = policy(down_after=0, down_cooldown=20)
-    assert p.decide(reading(0, 1, 0.8, demand=100)).target == 3
+    assert decided(p, reading(0, 1, 0.8, demand=100)).target == 3
     assert p.decide(reading(10, 3, 0.0, demand=20)) is None
-    assert p.decide(reading(20, 3, 0.0, demand=20)).target == 2
+    assert decided(p, reading(20, 3, 0.0, demand=20)).target == 2
 
 
 def test_bounds():
     p = policy(min_workers=2, max_workers=4)
-    assert p.decide(reading(0, 1, 0.0)).target == 2  # below the minimum: up at once
+    assert decided(p, reading(0, 1, 0.0)).target == 2  # below the minimum: up at once
     assert p.decide(reading(1, 2, 0.9, demand=1000)) is None  # the new one serves only now: cool-down
-    assert p.decide(reading(20, 2, 0.9, demand=1000)).target == 4  # need 22: capped
+    assert decided(p, reading(20, 2, 0.9, demand=1000)).target == 4  # need 22: capped
     assert p.decide(reading(100, 4, 0.9, demand=1000)) is None  # at the maximum
     d = p.decide(reading(101, 6, 0.0))  # more than allowed (started by hand): down at once
     assert d is not None and (d.action, d.target) == ("down", 4)
     q = policy(min_workers=2, down_after=0, down_cooldown=0)
-    assert q.decide(reading(0, 3, 0.0, demand=1)).target == 2  # never below the minimum
+    assert decided(q, reading(0, 3, 0.0, demand=1)).target == 2  # never below the minimum
 
 
 def test_an_idle_trainer_shrinks_to_the_minimum_slowly():
     p = policy(min_workers=1, down_after=30, down_cooldown=20)
     assert p.decide(reading(0, 8, 0.0, demand=None, active=False)) is None
-    d = p.decide(reading(30, 8, 0.0, demand=None, active=False))
+    d = decided(p, reading(30, 8, 0.0, demand=None, active=False))
     assert d.target == 4 and "took no batch for 30 s" in d.reason
 
 
@@ -190,7 +198,7 @@ def epoch(loader, per_sample: float, watch=None) -> list[int]:
 
 
 # short epochs wait for their first batch about 5% of the time: a 20% target keeps that out
-FAST = dict(
+FAST: dict[str, Any] = dict(
     target_wait=0.2,
     interval=0.25,
     window=1.5,
@@ -208,7 +216,7 @@ def test_scales_up_then_drains_down_on_dask_and_every_epoch_sees_each_sample_onc
     caplog.set_level(logging.INFO, logger="torchfeed.autoscale")
     with tfd.Pool(cluster, poll=0.25) as pool:
         ds = torchfeed.RemoteDataset(pool.wait(1, 60), SleepDataset, 60, 0.02)
-        loader = torchfeed.RemoteDataLoader(ds, batch_size=4, shuffle=True)
+        loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=4, shuffle=True)
         most = [1]
 
         def watch():
@@ -242,7 +250,9 @@ def test_a_worker_removed_mid_pass_finishes_its_batches_before_it_is_retired(clu
     with tfd.Pool(cluster, 2, poll=0.25) as pool:
         addresses = pool.wait(2, 60)
         ds = torchfeed.RemoteDataset(addresses, SleepDataset, 40, 0.1)
-        loader = torchfeed.RemoteDataLoader(ds, batch_size=2, prefetch_factor=2)
+        loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+            ds, batch_size=2, prefetch_factor=2
+        )
         held: dict[str, int] = {}
         requeued = 0  # batches sent elsewhere because their worker went: none when it drains
         scaler = None
@@ -278,7 +288,7 @@ def test_a_pool_that_cannot_grow_is_logged_and_training_goes_on(cluster, caplog)
         tfd.Pool(client, poll=0.25) as pool,
     ):
         ds = torchfeed.RemoteDataset(pool.wait(1, 60), SleepDataset, 60, 0.02)
-        loader = torchfeed.RemoteDataLoader(ds, batch_size=4)
+        loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=4)
         with torchfeed.autoscale(loader, pool, max_workers=4, start_timeout=1.0, **FAST) as scaler:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and not any(
@@ -295,11 +305,11 @@ def test_a_pool_that_cannot_grow_is_logged_and_training_goes_on(cluster, caplog)
 
 def test_autoscale_arguments_are_checked(workers2):
     ds = torchfeed.RemoteDataset(workers2, SleepDataset, 4, 0.0)
-    loader = torchfeed.RemoteDataLoader(ds)
+    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds)
     with pytest.raises(TypeError, match="addresses"):
-        torchfeed.autoscale(loader, object())
+        torchfeed.autoscale(loader, object())  # type: ignore[arg-type]  # not a pool: refused
     with pytest.raises(ValueError, match="min_workers"):
-        torchfeed.autoscale(loader, object(), min_workers=0)
+        torchfeed.autoscale(loader, object(), min_workers=0)  # type: ignore[arg-type]  # refused first for min_workers
 
 
 @pytest.mark.dask

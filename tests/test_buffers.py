@@ -89,6 +89,7 @@ def test_allocate_aligns_every_buffer_in_one_block():
     assert [v.nbytes for v in views] == lengths
     starts = [_addr(np.frombuffer(v, dtype=np.uint8)) if v.nbytes else None for v in views]
     base = starts[0]
+    assert base is not None and starts[2] is not None and starts[3] is not None and starts[4] is not None
     for s in starts:
         if s is not None:
             assert (s - base) % buffers.ALIGN == 0

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -49,7 +50,9 @@ def test_cached_equals_uncached_and_decodes_each_sample_once_in_the_pool(workers
         assert _same(_batches(cached, **kw), _batches(plain, **kw)), epoch
         assert _same(_batches(one_worker, **kw), _batches(plain_one, **kw)), epoch  # any number of workers
     before = _decodes(workers2, n)
-    loader = RemoteDataLoader(cached, batch_size=6, shuffle=True, seed=1, straggler_factor=None)
+    loader: RemoteDataLoader[Any] = RemoteDataLoader(
+        cached, batch_size=6, shuffle=True, seed=1, straggler_factor=None
+    )
     list(loader)
     # one cache across the pool: once decoded, a sample is found by whichever worker its batch
     # goes to, and a pass after the first ones decodes nothing. A sample whose note to its owner
@@ -154,7 +157,9 @@ def test_three_workers_find_samples_through_their_owners_notes(fresh_workers):
     # a loaded machine), and is decoded once more. Once the notes are in, nothing is.
     assert set(decoded) == set(range(n)) and all(c <= 2 for c in decoded.values())
     assert sum(decoded.values()) <= n + n // 4
-    loader = RemoteDataLoader(cached, batch_size=4, shuffle=True, seed=9, straggler_factor=None)
+    loader: RemoteDataLoader[Any] = RemoteDataLoader(
+        cached, batch_size=4, shuffle=True, seed=9, straggler_factor=None
+    )
     list(loader)
     assert _decodes(w.addresses, n) == decoded
     assert loader.stats().cache_hit_rate == 1.0
@@ -219,9 +224,14 @@ def test_a_full_cache_refuses_without_looking_through_its_entries(monkeypatch):
     store.hold(b"d")
     for k in range(100):
         assert store.put(b"d", k, "x", nbytes=100)
-    scans = []
+    scans: list[tuple] = []
     evict = store._evict_orphans
-    monkeypatch.setattr(store, "_evict_orphans", lambda *a, **kw: scans.append(a) or evict(*a, **kw))
+
+    def counted(*a, **kw):
+        scans.append(a)
+        return evict(*a, **kw)
+
+    monkeypatch.setattr(store, "_evict_orphans", counted)
     assert not store.put(b"d", 100, "x", nbytes=100) and not store.note(b"d", 101, "127.0.0.1:9")
     assert scans == [] and store.figures().refused == 1
     store.release(b"d")  # its entries may go now: a new dataset's sample evicts the oldest one
@@ -234,7 +244,7 @@ def test_worker_killed_during_a_cached_epoch(fresh_workers):
     n = 60
     cached = RemoteDataset(w.addresses, torchfeed.cached(cd.Decoded, then=cd.augment), n)
     plain = RemoteDataset(w.addresses[1:], cd.Uncached, n)
-    kw = dict(batch_size=5, shuffle=True, seed=3)
+    kw: dict[str, Any] = dict(batch_size=5, shuffle=True, seed=3)
     assert _same(_batches(cached, **kw), _batches(plain, **kw))  # epoch 1: everything cached
     got = []
     for i, batch in enumerate(RemoteDataLoader(cached, **kw)):
@@ -251,7 +261,7 @@ def test_worker_killed_during_a_cached_epoch(fresh_workers):
 
 def test_loader_stats_show_the_hit_rate(workers2):
     ds = RemoteDataset(workers2, torchfeed.cached(cd.Decoded, then=cd.augment), 30)
-    loader = RemoteDataLoader(ds, batch_size=5, shuffle=True, seed=0)
+    loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=5, shuffle=True, seed=0)
     list(loader)
     list(loader)
     import time
@@ -280,7 +290,7 @@ def test_hit_rate_is_final_when_a_short_pass_ends(workers2):
     """A pass's figures are read from the workers when it ends: right after a pass (even one
     shorter than the probe's polling period), stats() gives that pass's hit rate and a cache line."""
     ds = RemoteDataset(workers2, torchfeed.cached(cd.Decoded, then=cd.augment), 17)
-    loader = RemoteDataLoader(ds, batch_size=4, straggler_factor=None)
+    loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=4, straggler_factor=None)
     for _ in range(3):  # the first pass decodes (misses), the next ones find samples cached
         hits, misses = _hits(ds)
         list(loader)
@@ -321,7 +331,7 @@ def test_worker_refuses_a_bad_cache_size():
 
 def test_cached_refuses_what_it_cannot_cache():
     with pytest.raises(TypeError, match="then"):
-        torchfeed.cached(cd.Decoded, then=3)
+        torchfeed.cached(cd.Decoded, then=3)  # type: ignore[arg-type]  # not a callable: refused
     with pytest.raises(TypeError, match="already cached"):
         torchfeed.cached(torchfeed.cached(cd.Decoded))
 

@@ -3,6 +3,7 @@ real processes: address lines on stdout, --procs, --address-file, signals, --hel
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import os
 import re
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -60,6 +62,7 @@ class Command:
 
     def read_lines(self, n: int, timeout: float = 120.0):
         """The next ``n`` stdout lines (fails if they do not come within ``timeout``)."""
+        assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()  # read the pipe itself: a buffered reader would hide lines from select
         deadline = time.monotonic() + timeout
         with selectors.DefaultSelector() as sel:
@@ -96,6 +99,7 @@ class Command:
 
     def rest_of_stdout(self) -> str:
         assert self.proc.poll() is not None
+        assert self.proc.stdout is not None
         rest, self._pending = self._pending + self.proc.stdout.read(), ""
         return rest
 
@@ -111,6 +115,7 @@ class Command:
                 os.killpg(self.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        assert self.proc.stdout is not None
         self.proc.stdout.close()
         self._stderr.close()
 
@@ -282,7 +287,8 @@ def test_remote_data_loader_fed_by_procs_2_then_sigint(run):
     kids = cmd.children()
     assert sorted(serving_pid(a) for a in addresses) == kids
     dataset = torchfeed.RemoteDataset(addresses, RangeDataset, 23)
-    for kw in [dict(batch_size=4), dict(batch_size=5, shuffle=True, drop_last=True)]:
+    settings: list[dict[str, Any]] = [dict(batch_size=4), dict(batch_size=5, shuffle=True, drop_last=True)]
+    for kw in settings:
         torch.manual_seed(7)
         remote = list(torchfeed.RemoteDataLoader(dataset, **kw))
         torch.manual_seed(7)
@@ -537,7 +543,7 @@ def test_version_and_help_for_every_option(capsys):
         cli.main(["--version"])
     assert info.value.code == 0 and capsys.readouterr().out.strip() == f"torchfeed {torchfeed.__version__}"
     parser = cli.build_parser()
-    subcommands = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     assert set(subcommands) == {"worker", "demo", "bench", "top", "slurm"}
     for name, sub in subcommands.items():
         for action in sub._actions:
@@ -590,7 +596,7 @@ def test_address_file_in_a_missing_directory_is_one_line_exit_2(tmp_path, procs)
 
 def test_top_level_help_names_every_command_in_plain_text(capsys):
     parser = cli.build_parser()
-    subcommands = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     out = capsys.readouterr().out

@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -53,7 +54,7 @@ def _equal(a, b) -> bool:
 @pytest.mark.parametrize("compression", [None, "lz4", "zstd", "auto"])
 def test_every_choice_gives_torchs_batches(workers2, compression):
     ds = RemoteDataset(workers2, Mixed)
-    loader = RemoteDataLoader(ds, batch_size=16, compression=compression)
+    loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=16, compression=compression)
     got = list(loader)
     expected = list(DataLoader(Mixed(), batch_size=16))
     assert len(got) == len(expected)
@@ -100,9 +101,9 @@ def test_packed_buffers_land_whole_and_raw_chunks_travel_as_they_are(kind, encry
         [np.zeros(3 * CHUNK, np.uint8), rng.integers(0, 256, 2 * CHUNK + 77, np.uint8)]
     )
     buffers = [
-        memoryview(zeros_then_noise),
-        memoryview(rng.integers(0, 256, 100_000, np.uint8)),  # incompressible: stored raw
-        memoryview(np.arange(70_000, dtype=np.int64).view(np.uint8)),
+        zeros_then_noise.data,
+        rng.integers(0, 256, 100_000, np.uint8).data,  # incompressible: stored raw
+        np.arange(70_000, dtype=np.int64).view(np.uint8).data,
         memoryview(b"tiny"),  # below MIN_BYTES: never compressed
     ]
     packed = codec.Chooser(CHUNK).pack(buffers, kind, 0.0)
@@ -124,7 +125,7 @@ def test_packed_buffers_land_whole_and_raw_chunks_travel_as_they_are(kind, encry
 
 def test_a_packed_reply_too_large_is_skipped_and_the_stream_goes_on():
     a, b, tx, rx = _pair()
-    data = memoryview(np.zeros(5 * CHUNK, np.uint8))
+    data = np.zeros(5 * CHUNK, np.uint8).data
     packed = codec.Chooser(CHUNK).pack([data], codec.ZSTD, 0.0)
     _send_in_thread(lambda: (tx.send(wire.REPLY, 1, b"m", (), packed=packed), tx.send(wire.PONG, 2)))
     with pytest.raises(FrameTooLarge) as info:
@@ -180,14 +181,14 @@ class Sabotaged(Mixed):
         from torchfeed.protocol import codec as worker_codec
 
         real = worker_codec.compress
-        worker_codec.compress = lambda kind, data: b"\xff" * max(1, len(real(kind, data)))
+        worker_codec.compress = lambda codec, data: b"\xff" * max(1, len(real(codec, data)))
 
 
 def test_a_worker_sending_corrupt_data_is_dropped_and_nothing_is_lost(fresh_workers, tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="torchfeed.workers")
     w = fresh_workers(2)
     ds = RemoteDataset(w.addresses, Sabotaged, str(tmp_path / "claim"))
-    loader = RemoteDataLoader(ds, batch_size=8, compression="lz4")
+    loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=8, compression="lz4")
     got = list(loader)
     expected = list(DataLoader(Mixed(), batch_size=8))
     assert len(got) == len(expected)
@@ -242,7 +243,7 @@ def test_a_buffer_whose_size_table_takes_several_records_reads_in_step(monkeypat
     a, b, tx, rx = _pair()
     data = np.zeros(40 * 64 + 5, np.uint8)
     data[::7] = 1
-    packed = codec.Chooser(64).pack([memoryview(data)], codec.LZ4, 0.0)
+    packed = codec.Chooser(64).pack([data.data], codec.LZ4, 0.0)
     assert packed is not None and packed.codecs == bytes([codec.LZ4])
     _send_in_thread(lambda: (tx.send(wire.REPLY, 1, b"m", (), packed=packed), tx.send(wire.PONG, 2)))
     frame = rx.read_frame(wire.Limits())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -46,7 +47,9 @@ def test_get_worker_info_is_none_outside_of_loading(workers2):
 
 def test_worker_init_fn_configures_the_instance_that_loads(workers2):
     ds = torchfeed.RemoteDataset(workers2, Info, 12)
-    loader = torchfeed.RemoteDataLoader(ds, batch_size=3, worker_init_fn=tag_with_worker)
+    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+        ds, batch_size=3, worker_init_fn=tag_with_worker
+    )
     for _ in range(2):
         batches = list(loader)
         tags = {tag for _, tags in batches for tag in tags}
@@ -80,7 +83,7 @@ def test_without_per_sample_seeding_one_worker_is_torchs_worker(fresh_workers, i
     order: with one worker the batches are torch's (num_workers=1), bit for bit."""
     w = fresh_workers(1)
     ds = torchfeed.RemoteDataset(w.addresses, Random, 12)
-    ours = torchfeed.RemoteDataLoader(
+    ours: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
         ds, batch_size=4, shuffle=True, per_sample_seeding=False, worker_init_fn=init
     )
     for epoch in range(2):
@@ -131,6 +134,6 @@ def test_iterable_pass_losing_a_worker_moves_its_stream_and_the_next_pass_keeps_
     with pytest.warns(UserWarning, match="drawn again"):  # SlowShards has no state: replayed
         rows += [x for x, _ in it]
     assert sorted(torch.cat(rows)[:, 0].tolist()) == list(range(40))  # nothing lost, nothing repeated
-    rows = torch.cat([x for x, _ in torchfeed.RemoteDataLoader(ds, batch_size=4)])
-    assert sorted(rows[:, 0].tolist()) == list(range(40))  # both streams, on the worker that is left
-    assert set(rows[:, 1].tolist()) == {0, 1}  # all the data, from the worker that is left
+    left = torch.cat([x for x, _ in torchfeed.RemoteDataLoader(ds, batch_size=4)])
+    assert sorted(left[:, 0].tolist()) == list(range(40))  # both streams, on the worker that is left
+    assert set(left[:, 1].tolist()) == {0, 1}  # all the data, from the worker that is left

@@ -8,6 +8,7 @@ import os
 import pickle
 import secrets
 import signal
+from typing import Any
 
 import pytest
 import torch
@@ -109,7 +110,9 @@ def stream_metrics(handler, n):
 def load_shard(addresses):
     """A DDP rank reading its DistributedSampler shard from Dask-hosted torchfeed workers."""
     ds = torchfeed.RemoteDataset(addresses, RangeDataset, 10)
-    sampler = DistributedSampler(ds, num_replicas=dist.get_world_size(), rank=dist.get_rank(), shuffle=False)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        ds, num_replicas=dist.get_world_size(), rank=dist.get_rank(), shuffle=False
+    )
     return [y for _, ys in torchfeed.RemoteDataLoader(ds, batch_size=2, sampler=sampler) for y in ys.tolist()]
 
 
@@ -161,11 +164,14 @@ def test_training_step_matches_single_process(client):
     states = client.gather(tfd.run(client, train_step, x, y, 0.1))
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
-    loss = sum(torch.nn.functional.mse_loss(model(x[r::2]), y[r::2]) for r in range(2)) / 2
+    loss = (
+        sum((torch.nn.functional.mse_loss(model(x[r::2]), y[r::2]) for r in range(2)), torch.tensor(0.0)) / 2
+    )
     loss.backward()
     with torch.no_grad():
         for p in model.parameters():
-            p -= 0.1 * p.grad
+            assert p.grad is not None
+            p.sub_(0.1 * p.grad)
     for state in states:
         for k, v in model.state_dict().items():
             assert torch.allclose(state[k], v, atol=1e-6), k
@@ -210,7 +216,7 @@ def test_results_and_metrics_are_collected(client, tmp_path):
     handler = tfd.ResultsHandler(inline_limit=1024)
     big = os.urandom(4096)
     futures = tfd.run(client, report, handler, big)
-    metrics = []
+    metrics: list = []
     written = handler.process_results(str(tmp_path / "out"), futures, on_metrics=metrics.append)
     out = tmp_path / "out"
     assert sorted(os.path.relpath(p, out) for p in written) == sorted(

@@ -14,6 +14,7 @@ import logging
 import secrets
 import socket
 import threading
+from typing import Any
 
 import pytest
 
@@ -141,7 +142,7 @@ def test_a_stray_listed_with_a_new_worker_does_not_keep_it_out(dnsmasq, port, po
         dnsmasq.set(HOSTS[:2])
         n = 240
         ds = RemoteDataset(_url(port, dnsmasq), SleepDataset, n, 0.01)
-        loader = RemoteDataLoader(ds, batch_size=8, shuffle=True)
+        loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=8, shuffle=True)
         seen = []
         for i, (_, idx) in enumerate(loader):
             seen += idx.tolist()
@@ -166,7 +167,7 @@ def test_an_answer_of_only_strays_keeps_the_workers(dnsmasq, port, pods, caplog)
         dnsmasq.set(HOSTS[:2])
         n = 160
         ds = RemoteDataset(_url(port, dnsmasq), SleepDataset, n, 0.01)
-        loader = RemoteDataLoader(ds, batch_size=8, shuffle=True)
+        loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=8, shuffle=True)
         seen = []
         with caplog.at_level(logging.WARNING, logger="torchfeed.workers"):
             for i, (_, idx) in enumerate(loader):

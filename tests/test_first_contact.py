@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -51,7 +52,9 @@ def test_a_dataset_that_prints_a_lot_completes_and_its_output_arrives_prefixed(c
 def test_lost_worker_is_logged_not_warned(fresh_workers, caplog):
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset(w.addresses, SleepDataset, 40, 0.02)
-    loader = torchfeed.RemoteDataLoader(ds, batch_size=2, straggler_factor=None)
+    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+        ds, batch_size=2, straggler_factor=None
+    )
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO, "torchfeed"):
         warnings.simplefilter("always")
         for i, _ in enumerate(loader):
@@ -127,6 +130,7 @@ def test_workers_stop_with_a_killed_trainer(tmp_path):
     )
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
+        assert proc.stdout is not None
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2
     finally:
@@ -343,9 +347,10 @@ def test_timeout_is_ambiguous_for_a_factory_taking_any_keyword_but_not_once_boun
 
 
 def test_loader_kwargs_are_the_factory_s_timeout_included(workers2):
-    loader = torchfeed.RemoteDataLoader(
+    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
         workers=workers2, dataset=TakesTimeout, args=(4,), kwargs={"timeout": 3}
     )
+    assert isinstance(loader.dataset, torchfeed.RemoteDataset)
     assert loader.dataset.run_on_workers(lambda d: d.timeout, pass_dataset=True) == {w: 3 for w in workers2}
     assert len(list(loader)) == 4
 

@@ -123,8 +123,13 @@ def test_workers_serve_and_share_one_fork_server_without_the_secret(capsys):
         # the workers' output still reaches this process, prefixed with their names
         token = secrets.token_hex(8)
         torchfeed.rpc_async(b.addresses[0], say, (token,), timeout=60).wait()
-        out = []
-        assert wait_for(lambda: out.append(capsys.readouterr().out) or token in "".join(out), timeout=PROMPT)
+        out: list[str] = []
+
+        def printed() -> bool:
+            out.append(capsys.readouterr().out)
+            return token in "".join(out)
+
+        assert wait_for(printed, timeout=PROMPT)
         assert f"[worker 0 {b.addresses[0]}] {token}" in "".join(out)
         procs = a.processes + b.processes
     assert all(p.returncode == 0 for p in procs)  # stopped by SIGTERM, reaped by the server
@@ -137,6 +142,7 @@ def test_an_answer_to_an_earlier_fork_request_is_not_taken_for_the_next():
     worker's pid, not the stale one."""
     with torchfeed.LocalWorkers(1) as first:
         server = first.fork_server
+        assert server is not None
         server._answers.put({"op": "forked", "seq": -1, "pid": 1})  # late, for a request gone
         with torchfeed.LocalWorkers(1) as second:
             assert second.fork_server is server

@@ -76,7 +76,7 @@ def test_auto_forks_by_default_and_spawns_for_interpreter_variables(tmp_path):
         assert not w.fork and w.start == "spawn"
 
         def where():
-            import only_there
+            import only_there  # type: ignore[import-not-found]  # written by this test, for the workers
 
             return only_there.WHERE
 

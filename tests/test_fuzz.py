@@ -6,7 +6,9 @@ import logging
 import pickle
 import random
 import secrets
+import socket
 import struct
+from typing import cast
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -107,7 +109,7 @@ def test_frame_parser_never_crashes_or_overallocates(data, seed):
 
 
 def _parse_all(data: bytes) -> None:
-    reader = wire.FrameReader(FakeSocket(data))
+    reader = wire.FrameReader(cast(socket.socket, FakeSocket(data)))
     limits = wire.Limits(max_meta=4096, max_buffers=8, max_buffer_bytes=1 << 16)
     try:
         while True:
@@ -168,7 +170,7 @@ def test_handshake_rejects_junk_without_unpickling(server, data, seed, monkeypat
 @pytest.fixture(scope="module")
 def monkeypatch_unpickle():
     """Record any unpickling done by the worker's modules while the fuzzer runs."""
-    calls = []
+    calls: list[tuple] = []
     real_loads, real_loads_call = pickle.loads, serverconn.serialize.loads_call
 
     def spy(*a, **k):
@@ -176,7 +178,12 @@ def monkeypatch_unpickle():
         return real_loads(*a, **k)
 
     serverconn.pickle.loads = spy
-    serverconn.serialize.loads_call = lambda *a, **k: calls.append(a) or real_loads_call(*a, **k)
+
+    def spy_call(*a, **k):
+        calls.append(a)
+        return real_loads_call(*a, **k)
+
+    serverconn.serialize.loads_call = spy_call
     yield calls
     serverconn.pickle.loads = real_loads
     serverconn.serialize.loads_call = real_loads_call
@@ -211,7 +218,7 @@ def sealed_stream(messages, encrypt=True) -> bytes:
     out = RecordingSocket()
     from torchfeed.protocol.channel import Channel
 
-    chan = Channel(out, KEY_A, KEY_B, encrypt=encrypt)
+    chan = Channel(cast(socket.socket, out), KEY_A, KEY_B, encrypt=encrypt)
     for kind, meta, buffers in messages:
         chan.send(kind, 1, meta, buffers)
     return bytes(out.sent)
@@ -220,7 +227,7 @@ def sealed_stream(messages, encrypt=True) -> bytes:
 def read_all(data: bytes, encrypt=True):
     from torchfeed.protocol.channel import Channel
 
-    chan = Channel(FakeSocket(data), KEY_B, KEY_A, encrypt=encrypt)
+    chan = Channel(cast(socket.socket, FakeSocket(data)), KEY_B, KEY_A, encrypt=encrypt)
     got = []
     try:
         while True:
@@ -265,6 +272,6 @@ def test_sealed_records_cannot_be_reordered_replayed_or_reflected():
     assert len(read_all(one + one)) == 1  # replayed: the copy fails
     from torchfeed.protocol.channel import Channel
 
-    reflected = Channel(FakeSocket(one), KEY_A, KEY_B)  # our own traffic sent back to us
+    reflected = Channel(cast(socket.socket, FakeSocket(one)), KEY_A, KEY_B)  # our own traffic sent back to us
     with pytest.raises(ProtocolError):
         reflected.read_frame(wire.Limits())

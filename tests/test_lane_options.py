@@ -39,6 +39,7 @@ def worker():
         text=True,
         env=dict(os.environ),
     )
+    assert proc.stdout is not None
     address = proc.stdout.readline().strip()
     assert address, f"worker did not start (exit code {proc.poll()})"
     yield address

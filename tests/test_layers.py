@@ -113,7 +113,7 @@ def violations(path: Path, root: Path = SRC, allowed: dict | None = None) -> lis
     modules = _imported_modules(tree)
     found = []
 
-    def report(node: ast.AST, text: str) -> None:
+    def report(node: ast.stmt | ast.expr, text: str) -> None:
         if (rel, text) not in allowed:
             found.append(f"{rel}:{node.lineno}: {text}")
 

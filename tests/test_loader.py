@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -54,7 +55,12 @@ def test_same_batches_as_torch(rds, kw):
 
 
 def test_len_matches_torch(rds):
-    for kw in [dict(batch_size=8), dict(batch_size=8, drop_last=True), dict(batch_size=None)]:
+    settings: list[dict[str, Any]] = [
+        dict(batch_size=8),
+        dict(batch_size=8, drop_last=True),
+        dict(batch_size=None),
+    ]
+    for kw in settings:
         assert len(torchfeed.RemoteDataLoader(rds, **kw)) == len(DataLoader(RangeDataset(N), **kw))
 
 
@@ -91,7 +97,7 @@ def test_conflicting_arguments_raise_like_torch(rds, kw, message):
 
 
 def test_break_and_iterate_again(rds):
-    loader = torchfeed.RemoteDataLoader(rds, batch_size=4)
+    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, batch_size=4)
     for i, _ in enumerate(loader):
         if i == 2:
             break
@@ -136,7 +142,7 @@ def test_local_class_and_lambda_transform(workers2):
 
 def test_remote_exception_names_worker_type_traceback_and_indices(workers2):
     rds = torchfeed.RemoteDataset(workers2, FailingDataset, 20, bad=[13])
-    loader = torchfeed.RemoteDataLoader(rds, batch_size=4)
+    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, batch_size=4)
     it = iter(loader)
     got = [next(it) for _ in range(3)]  # batches 0..2 are fine and come first, in order
     assert [int(b[1][0]) for b in got] == [0, 4, 8]

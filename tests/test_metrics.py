@@ -17,6 +17,7 @@ import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -69,7 +70,7 @@ def scraped_pool():
     pools = [_worker(p) for p in ports]
     try:
         ds = RemoteDataset([w.addresses[0] for w in pools], RangeDataset, N)
-        loader = RemoteDataLoader(ds, batch_size=10)
+        loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=10)
         assert sum(len(b[1]) for b in loader) == N
         with metrics.serve(loader, port=0) as served:
             yield ports, loader, served
@@ -176,6 +177,7 @@ def test_worker_procs_get_consecutive_metrics_ports(tmp_path):
         text=True,
     )
     try:
+        assert proc.stdout is not None
         lines = [proc.stdout.readline().strip() for _ in range(2)]  # ready: both metrics ports serve
         assert all(re.fullmatch(r"127\.0\.0\.1:\d+", line) for line in lines), lines
         for i in range(2):
@@ -278,7 +280,7 @@ def test_prometheus_scrapes_workers_and_loader(tmp_path):
     prom = None
     try:
         ds = RemoteDataset([w.addresses[0] for w in pools], SleepDataset, N, 0.002)
-        loader = RemoteDataLoader(ds, batch_size=10)
+        loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=10)
         with metrics.serve({"train": loader}, port=0) as served:
             prom = Prometheus(
                 tmp_path,

@@ -24,6 +24,7 @@ import urllib.request
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -104,7 +105,9 @@ def task_count(pid: int) -> int:
 def one_batch(address: str) -> list:
     """A dataset built on ``address`` over a connection of its own, and its first batch."""
     with Session(timeout=30) as session:
-        loader = RemoteDataLoader(RemoteDataset([address], RangeDataset, N, session=session), batch_size=8)
+        loader: RemoteDataLoader[Any] = RemoteDataLoader(
+            RemoteDataset([address], RangeDataset, N, session=session), batch_size=8
+        )
         return next(iter(loader))
 
 
@@ -129,7 +132,9 @@ def test_worker_metrics_port_survives_a_flood_of_idle_connections():
 @pytest.mark.slow
 def test_trainer_metrics_server_survives_a_flood_of_idle_connections():
     with LocalWorkers(1) as workers:
-        loader = RemoteDataLoader(RemoteDataset(workers.addresses, RangeDataset, N), batch_size=8)
+        loader: RemoteDataLoader[Any] = RemoteDataLoader(
+            RemoteDataset(workers.addresses, RangeDataset, N), batch_size=8
+        )
         assert sum(len(b[1]) for b in loader) == N
         with metrics.serve(loader, port=0) as served:
             before = threading.active_count()
@@ -252,6 +257,7 @@ def test_a_flood_does_not_use_up_a_pid_limited_worker(pids_cgroup):
     port = free_port()
     proc = _worker_in(pids_cgroup, port)
     try:
+        assert proc.stdout is not None
         address = proc.stdout.readline().strip()
         assert address, "the worker did not start"
         assert len(one_batch(address)[1]) == 8

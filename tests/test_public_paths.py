@@ -27,7 +27,7 @@ def test_the_names_type_checkers_see_are_the_public_names():
     tree = ast.parse(Path(torchfeed.__file__).read_text())
     block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
     seen = {a.asname or a.name for n in ast.walk(block) if isinstance(n, ast.ImportFrom) for a in n.names}
-    seen |= {t.id for n in ast.walk(block) if isinstance(n, ast.Assign) for t in n.targets}
+    seen |= {ast.unparse(t) for n in ast.walk(block) if isinstance(n, ast.Assign) for t in n.targets}
     assert seen == set(torchfeed.__all__) | set(torchfeed._RENAMED)
 
 

@@ -13,6 +13,7 @@ import os
 import secrets
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,7 +29,7 @@ from torchfeed.ray.nodes import clear_reason  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(300)]
 
-RESOURCE = {RESOURCE_NAME: 1}
+RESOURCE: dict[str, float] = {RESOURCE_NAME: 1}
 N = 160
 
 
@@ -66,7 +67,8 @@ def _placed_on_the_cpu_node(pool: Pool) -> bool:
 
 def test_the_secret_stays_off_clear_networks(monkeypatch):
     assert clear_reason("127.0.0.1", "127.0.0.1") is None
-    assert "not encrypted" in clear_reason("127.0.0.1", "192.0.2.7")
+    reason = clear_reason("127.0.0.1", "192.0.2.7")
+    assert reason is not None and "not encrypted" in reason
     assert clear_reason("192.0.2.1", "127.0.0.1")
     assert clear_reason("127.0.0.1", "127.0.0.1") is None
     monkeypatch.setenv("RAY_USE_TLS", "1")
@@ -80,7 +82,7 @@ def test_scale_up_kill_mid_epoch_and_drain(ray_cluster):
         assert all(a.startswith(NODE_IP + ":") for a in first)
         assert _placed_on_the_cpu_node(pool)
         ds = RemoteDataset(first, SleepDataset, N, 0.005)
-        loader = RemoteDataLoader(ds, batch_size=8, shuffle=True)
+        loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=8, shuffle=True)
         # an actor killed mid-epoch: its batches are requeued, every index exactly once
         seen = []
         for i, (_, idx) in enumerate(loader):
@@ -118,7 +120,7 @@ def test_actors_placed_by_node_labels(ray_cluster):
 def test_autoscale_grows_a_ray_pool(ray_cluster):
     with Pool(1, resources=RESOURCE) as pool:
         ds = RemoteDataset(pool.wait(1, timeout=120), SleepDataset, N, 0.01)
-        loader = RemoteDataLoader(ds, batch_size=4)
+        loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=4)
         with autoscale(loader, pool, max_workers=3, interval=0.5, window=2.0, up_cooldown=1.0) as scaler:
             for _ in range(8):  # input-bound: the controller asks the pool for more
                 assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(N))
@@ -157,7 +159,7 @@ def _train_loop(config):
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     ds = RemoteDataset(config["addresses"], RangeDataset, config["n"])
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=7)
-    loader = RemoteDataLoader(ds, batch_size=8, sampler=sampler)
+    loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=8, sampler=sampler)
     for epoch in range(2):
         sampler.set_epoch(epoch)
         seen = [i for _, idx in loader for i in idx.tolist()]
@@ -207,7 +209,7 @@ def _resume_loop(config):
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     ds = RemoteDataset(config["addresses"], RangeDataset, config["n"])
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=11)
-    loader = RemoteDataLoader(ds, batch_size=4, sampler=sampler)
+    loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=4, sampler=sampler)
     seen: list[int] = []
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:  # the second attempt: exactly where the checkpoint was taken

@@ -36,12 +36,12 @@ def test_getitem_exception_is_its_type_and_remote_error(workers2):
         "FileNotFoundError: [Errno 2] No such file or directory: '/data/2.jpg'"
     )
     # a type of the user's, imported here and built from its arguments: its type, by default
-    with pytest.raises(CorruptSample) as info:
+    with pytest.raises(CorruptSample) as corrupt:
         next(it)
-    assert isinstance(info.value, torchfeed.RemoteError)
-    assert info.value.remote_type == "compat_datasets.CorruptSample"
-    assert (info.value.index, info.value.reason) == (6, "truncated JPEG")
-    assert "sample 6: truncated JPEG" in str(info.value)
+    assert isinstance(corrupt.value, torchfeed.RemoteError)
+    assert corrupt.value.remote_type == "compat_datasets.CorruptSample"
+    assert (corrupt.value.index, corrupt.value.reason) == (6, "truncated JPEG")
+    assert "sample 6: truncated JPEG" in str(corrupt.value)
 
 
 def test_constructor_exception_is_its_type(workers2):
@@ -84,7 +84,7 @@ def test_rpc_exceptions_keep_local_classes(workers2):
         torchfeed.rpc_async(workers2[0], boom, safe_globals=[LocalError]).wait()
     assert isinstance(info.value, torchfeed.RemoteError)
     with pytest.raises(KeyError):
-        torchfeed.rpc_async(workers2[0], lambda: {}["missing"]).wait()
+        torchfeed.rpc_async(workers2[0], lambda: {"present": 0}["missing"]).wait()
     # handed to another process (pickled), it is still both types, with its fields
     rebuilt = pickle.loads(pickle.dumps(_error_of(workers2[0], lambda: 1 / 0)))
     assert isinstance(rebuilt, ZeroDivisionError) and isinstance(rebuilt, torchfeed.RemoteError)
@@ -108,7 +108,7 @@ def test_types_unknown_here_fall_back_to_remote_error(fresh_workers, tmp_path):
     address = w.addresses[0]
 
     def raise_boom():
-        import only_on_worker
+        import only_on_worker  # type: ignore[import-not-found]  # written by this test, for the worker
 
         raise only_on_worker.Boom("not importable in the trainer")
 
@@ -167,7 +167,7 @@ def test_unpicklable_argument_is_named(workers2):
 
 def test_dataset_instance_instead_of_class_says_what_to_do(workers2):
     with pytest.raises(TypeError, match=r"pass the class .* RemoteDataset\(workers, RangeDataset, arg1"):
-        torchfeed.RemoteDataset(workers2, RangeDataset(4))
+        torchfeed.RemoteDataset(workers2, RangeDataset(4))  # type: ignore[arg-type]  # an instance: refused
     with pytest.raises(TypeError, match=r"RemoteDataLoader\(RemoteDataset\(workers, RangeDataset, \*args\)"):
         torchfeed.RemoteDataLoader(RangeDataset(4), batch_size=2)
     with pytest.raises(TypeError, match="got the class RangeDataset"):
@@ -181,7 +181,7 @@ def test_module_not_found_on_a_worker_says_how_to_fix_it(fresh_workers, tmp_path
         "    def __len__(self):\n        return 4\n\n    def __getitem__(self, i):\n        return i\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))  # importable here only
-    from trainer_only import Local
+    from trainer_only import Local  # type: ignore[import-not-found]  # written by this test
 
     # a worker that does not get our sys.path (a forked one would have our modules already)
     blind = fresh_workers(1, env={"TORCHFEED_SYS_PATH": ""}, start="spawn")
@@ -203,7 +203,7 @@ def test_late_worker_is_waited_for(fresh_workers, tmp_path):
     """A worker that starts after the trainer (the Slurm / torchrun case): refused connections
     are retried until it answers."""
     port = free_port()  # nothing listens there now
-    started = []
+    started: list = []
     thread = threading.Thread(target=_start_worker_on, args=(port, started), daemon=True)
     thread.start()
     try:

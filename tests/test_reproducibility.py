@@ -6,13 +6,15 @@ import pickle
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SubsetRandomSampler
 
 import torchfeed
-from helpers import RandomAugmentDataset, RangeDataset, deep_equal
+from helpers import RandomAugmentDataset, RangeDataset, deep_equal, indices
 from torchfeed.loader.sampling import DistributedSampler, mix_seed
 
 N = 48
@@ -20,7 +22,7 @@ N = 48
 
 def run(addresses, n=N, epochs=1, **kw):
     ds = torchfeed.RemoteDataset(addresses, RandomAugmentDataset, n)
-    loader = torchfeed.RemoteDataLoader(ds, batch_size=4, **kw)
+    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=4, **kw)
     return [torch.stack(list(loader)) for _ in range(epochs)]
 
 
@@ -122,7 +124,7 @@ def test_worker_rng_state_is_restored(workers2):
     assert torch.equal(before, after)
 
 
-SAMPLERS = {
+SAMPLERS: dict[str, Callable[[], dict[str, Any]]] = {
     "shuffle+seed": lambda: dict(shuffle=True, seed=4),
     "shuffle+global": lambda: dict(shuffle=True),
     "generator": lambda: dict(shuffle=True, generator=torch.Generator().manual_seed(3)),
@@ -131,7 +133,7 @@ SAMPLERS = {
     ),
     "SubsetRandomSampler": lambda: dict(sampler=SubsetRandomSampler(list(range(0, N, 2)))),
     "torch DistributedSampler": lambda: dict(
-        sampler=torch.utils.data.DistributedSampler(range(N), 2, 1, seed=2)
+        sampler=torch.utils.data.DistributedSampler(indices(N), 2, 1, seed=2)
     ),
     "batch_sampler": lambda: dict(
         batch_sampler=BatchSampler(RandomSampler(range(N)), 5, False), batch_size=1
@@ -168,7 +170,7 @@ def test_resume_after_k_batches_on_other_workers(name, workers2, three):
 
 
 def test_state_is_small_plain_data(workers2):
-    loader = torchfeed.RemoteDataLoader(
+    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
         torchfeed.RemoteDataset(workers2, RangeDataset, 1000), batch_size=8, shuffle=True
     )
     it = iter(loader)
@@ -181,7 +183,9 @@ def test_state_is_small_plain_data(workers2):
 
 def test_epoch_advances_and_set_epoch(workers2):
     ds = torchfeed.RemoteDataset(workers2, RandomAugmentDataset, 16)
-    loader = torchfeed.RemoteDataLoader(ds, batch_size=4, shuffle=True, seed=2)
+    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+        ds, batch_size=4, shuffle=True, seed=2
+    )
     e0, e1 = torch.cat(list(loader)), torch.cat(list(loader))
     assert loader.epoch == 2
     loader.set_epoch(1)
@@ -193,7 +197,9 @@ def test_epoch_advances_and_set_epoch(workers2):
 @pytest.mark.slow
 def test_resume_in_a_new_process_with_other_workers(workers2, three, tmp_path):
     ds = torchfeed.RemoteDataset(workers2, RandomAugmentDataset, N)
-    loader = torchfeed.RemoteDataLoader(ds, batch_size=4, shuffle=True, seed=21)
+    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+        ds, batch_size=4, shuffle=True, seed=21
+    )
     full = torch.cat(list(loader))
     loader.set_epoch(0)
     it = iter(loader)
@@ -230,7 +236,9 @@ def test_elastic_sampler_exactly_once_after_resize(old_world, new_world):
 def test_elastic_sampler_pads_like_torch():
     ours = [list(DistributedSampler(10, 3, r, shuffle=False)) for r in range(3)]
     assert [len(x) for x in ours] == [4, 4, 4]
-    theirs = [list(torch.utils.data.DistributedSampler(range(10), 3, r, shuffle=False)) for r in range(3)]
+    theirs: list[list[int]] = [
+        list(torch.utils.data.DistributedSampler(indices(10), 3, r, shuffle=False)) for r in range(3)
+    ]
     assert ours == theirs
     assert set(sum(ours, [])) == set(range(10))
     dropped = [list(DistributedSampler(10, 3, r, shuffle=False, drop_last=True)) for r in range(3)]

@@ -22,6 +22,7 @@ import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -361,7 +362,7 @@ def test_large_tensor_argument_and_result(addr):
 
 def test_many_buffers_in_one_message(addr):
     """More out-of-band buffers than one sendmsg takes, empty ones among them."""
-    items = [torch.full((i % 5,), i, dtype=torch.int16) for i in range(1300)]
+    items: list[Any] = [torch.full((i % 5,), i, dtype=torch.int16) for i in range(1300)]
     items += [np.full(i % 3, i, dtype=np.int32) for i in range(300)]
     back = call(addr, lambda xs: xs, items)
     assert len(back) == len(items)
@@ -386,6 +387,7 @@ def numpy_arrays(seed: int = 0) -> dict:
 
     structured = np.dtype([("id", "<i4"), ("score", "<f8"), ("tag", "S3"), ("vec", "<f2", (2,))])
     out = {}
+    dt: Any  # dtype names and numpy scalar types
     for dt in [
         "u1",
         "i1",
@@ -528,7 +530,7 @@ class LiveMarker:
 
     def __init__(self, tag: str):
         self.tag = tag
-        self.items = []
+        self.items: list = []
 
 
 def count_live(tag: str) -> int:
@@ -608,6 +610,7 @@ def test_remote_refs_are_freed_when_the_client_disconnects(addr):
         text=True,
     )
     try:
+        assert proc.stdout is not None and proc.stdin is not None
         assert proc.stdout.readline().strip() == "ready"
         assert call(addr, count_live, "orphan") == 1
         proc.stdin.close()

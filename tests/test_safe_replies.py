@@ -16,6 +16,7 @@ import os
 import pickle
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -117,14 +118,14 @@ def test_trusting_a_worker_is_explicit_and_per_call(workers2, marker):
 
 def test_map_style_batch_is_refused_in_its_place(workers2, marker):
     ds = torchfeed.RemoteDataset(workers2, HostileDataset, 12, 5, marker)
-    loader = torchfeed.RemoteDataLoader(ds, batch_size=2, collate_fn=list)
+    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=2, collate_fn=list)
     it = iter(loader)
     assert [[t.tolist() for t in b] for b in (next(it), next(it))] == [[[0, 0], [1, 1]], [[2, 2], [3, 3]]]
     with pytest.raises(torchfeed.UnsafeReplyError, match="posix.system"):
         next(it)  # batch [4, 5]
     assert not os.path.exists(marker)
     # the workers keep serving: a loader without the hostile sample loads everything
-    clean = torchfeed.RemoteDataLoader(
+    clean: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
         torchfeed.RemoteDataset(workers2, HostileDataset, 12, -1, marker), batch_size=4
     )
     assert torch.cat([b[:, 0] for b in clean]).tolist() == list(range(12))
@@ -333,7 +334,7 @@ class _CallsThenSets(_Calls):
 def _forged_dtype() -> np.dtype:
     """A V8 dtype whose field is an object pointer while its flags say it holds none."""
     d = np.dtype("V8", False, True)
-    d.__setstate__((3, "|", None, ("a",), {"a": (np.dtype("O"), 0)}, 8, 1, 0))
+    d.__setstate__((3, "|", None, ("a",), {"a": (np.dtype("O"), 0)}, 8, 1, 0))  # type: ignore[attr-defined]  # numpy's unpickling hook, forged on purpose
     return d
 
 
@@ -471,7 +472,12 @@ def test_a_traceback_description_may_not_amplify_itself():
     from torchfeed.protocol import tracebacks
 
     frame = {"text": "x" * 20_000}
-    info = {"traceback": "short", "template": "\x01\x000\n" * 20_000, "frames": [frame], "marker": "\x01\x00"}
+    info: dict[str, Any] = {
+        "traceback": "short",
+        "template": "\x01\x000\n" * 20_000,
+        "frames": [frame],
+        "marker": "\x01\x00",
+    }
     assert tracebacks.render(info) == "short"  # a short marker: the worker's text
     info["marker"] = "\x00torchfeed-frame-0123456789ab:"
     info["template"] = (info["marker"] + "0\n") * 20_000  # 400 MB if every line were filled
@@ -531,6 +537,6 @@ def test_error_descriptions_are_plain_data_and_rebuilt_from_allowed_types():
 
 def test_safe_globals_arguments_are_checked():
     with pytest.raises(TypeError, match="list of classes"):
-        torchfeed.add_safe_globals(Record)
+        torchfeed.add_safe_globals(Record)  # type: ignore[arg-type]  # a class, not a list: refused
     with pytest.raises(TypeError, match="no module and qualified name"):
         torchfeed.add_safe_globals([3])

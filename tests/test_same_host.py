@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -111,7 +112,7 @@ def test_batches_are_exact_on_both_paths_and_mixed(monkeypatch, same_host):
         relay = Relay(workers.addresses[1])
         try:
             ds = RemoteDataset([workers.addresses[0], relay.address], Filled, 200)
-            loader = RemoteDataLoader(ds, batch_size=16)
+            loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=16)
             for _ in range(2):
                 seen, intact = one_epoch(loader)
                 assert intact
@@ -129,7 +130,7 @@ def test_slots_are_freed_with_the_batches_and_with_the_connection():
     with LocalWorkers(1) as workers:
         worker_pid = workers.processes[0].pid
         ds = RemoteDataset(workers.addresses, Filled, 64 * 6)
-        loader = RemoteDataLoader(ds, batch_size=64)
+        loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=64)
         seen, intact = one_epoch(loader)
         assert intact and sorted(seen) == list(range(64 * 6))
         held = slot_maps(worker=worker_pid)
@@ -153,7 +154,7 @@ def test_a_worker_killed_mid_epoch_loses_nothing_and_its_slots_go_with_its_batch
     with LocalWorkers(2) as workers:
         pids = [p.pid for p in workers.processes]
         ds = RemoteDataset(workers.addresses, Filled, 64 * 8)
-        loader = RemoteDataLoader(ds, batch_size=32)
+        loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=32)
         seen = []
         for step, (x, y) in enumerate(loader):
             assert (x[:, 0, 0, 0] == y.float()).all()
@@ -195,6 +196,7 @@ def test_nothing_is_left_after_either_side_is_killed(tmp_path):
         text=True,
     )
     try:
+        assert worker.stdout is not None
         address = worker.stdout.readline().strip()
         trainer = subprocess.Popen(
             [sys.executable, "-c", _TRAINER.format(tests=os.path.dirname(__file__), address=address)],
@@ -203,6 +205,7 @@ def test_nothing_is_left_after_either_side_is_killed(tmp_path):
             text=True,
         )
         try:
+            assert trainer.stdout is not None
             assert trainer.stdout.readline().strip() == "holding"
             assert slot_maps(trainer.pid) and slot_fds(worker.pid)
         finally:
@@ -286,7 +289,7 @@ def _squat(uid: int, gid: int, name: bytes) -> int:
     return pid
 
 
-def test_a_name_squatted_by_another_user_is_not_trusted(other_user):
+def test_a_name_squatted_by_another_user_is_not_trusted(other_user: tuple[int, int]):
     """Another user binds the same-host name of a port before the worker does: the worker
     offers no same-host path, and the trainer, seeing the squatter's uid, uses TCP."""
     from torchfeed.worker.server import WorkerServer
@@ -364,7 +367,9 @@ def test_a_forked_child_dropping_its_copy_of_a_batch_does_not_free_the_parents()
     """A child forked while the trainer holds a batch (an evaluation loader's workers, a
     subprocess) and that frees its copy must not hand the batch's slot back to the worker."""
     with LocalWorkers(1) as workers:
-        loader = RemoteDataLoader(RemoteDataset(workers.addresses, Filled, 64 * 8), batch_size=64)
+        loader: RemoteDataLoader[Any] = RemoteDataLoader(
+            RemoteDataset(workers.addresses, Filled, 64 * 8), batch_size=64
+        )
         it = iter(loader)
         held_x, held_y = next(it)
         expected = held_y.float().clone()
@@ -404,7 +409,7 @@ def test_with_pin_memory_batches_are_copied_out_of_the_slots(monkeypatch):
     monkeypatch.setattr(buffers, "cuda_pinnable", lambda: True)
     monkeypatch.setattr(buffers, "_pinned", lambda n: np.empty(n, dtype=np.uint8))
     with LocalWorkers(1) as workers:
-        loader = RemoteDataLoader(
+        loader: RemoteDataLoader[Any] = RemoteDataLoader(
             RemoteDataset(workers.addresses, Filled, 64 * 6), batch_size=64, pin_memory=True
         )
         held = list(loader)  # every batch of the epoch, held

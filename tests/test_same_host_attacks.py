@@ -58,6 +58,7 @@ def honest(rid):
     meta, out = serialize.dumps_reply(VALUE)
     arena = shm.Arena()
     placed = arena.place([memoryview(b).cast("B") for b in out])
+    assert placed is not None
     HOLD.append(arena)
     lengths = [memoryview(b).nbytes for b in out]
     head = wire.pack_fixed(wire.REPLY, rid, len(meta), len(lengths), wire.FLAG_SHM)
@@ -262,7 +263,7 @@ def test_an_array_the_worker_keeps_is_sent_as_a_snapshot():
     kept[:] = 1
     with buffers.lending(worker.arena) as fresh:  # this call returns it
         pass
-    worker.send(wire.REPLY, 1, b"m", [kept], placed=worker.arena.place([memoryview(kept)], fresh))
+    worker.send(wire.REPLY, 1, b"m", [kept], placed=worker.arena.place([kept.data], fresh))
     _, (got,) = receive(trainer)
     arr = np.frombuffer(got, dtype=np.uint8)
     kept[:] = 7
@@ -272,7 +273,7 @@ def test_an_array_the_worker_keeps_is_sent_as_a_snapshot():
     with buffers.lending(worker.arena) as fresh:  # a batch collated by the call itself: no copy
         batch = buffers.empty_array(4 << 20)
     batch[:] = 5
-    worker.send(wire.REPLY, 2, b"m", [batch], placed=worker.arena.place([memoryview(batch)], fresh))
+    worker.send(wire.REPLY, 2, b"m", [batch], placed=worker.arena.place([batch.data], fresh))
     _, (got,) = receive(trainer)
     assert (
         np.frombuffer(got, dtype=np.uint8).__array_interface__["data"][0]
@@ -301,7 +302,7 @@ def test_a_slot_the_system_refuses_sends_the_batch_through_the_socket():
         with buffers.lending(worker.arena) as fresh:
             batch = buffers.empty_array(4 << 20)
         batch[:] = 3
-        placed = worker.arena.place([memoryview(batch)], fresh)
+        placed = worker.arena.place([batch.data], fresh)
         assert placed.where == [(0, 0)] and said
         for fd in hogs[:4]:  # room for the reader to receive (no descriptor travels)
             os.close(fd)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,7 @@ from torchfeed.worker.options import WorkerOptions
 
 GOLDEN = Path(__file__).parent / "golden"
 
-CONFIGS = {
+CONFIGS: dict[str, dict[str, Any]] = {
     # the defaults: one trainer node, one worker, USR2 120 s before the limit
     "minimal": dict(command=["python", "train.py"]),
     # torchrun on GPU nodes, partitions, extra options, forwarded signal through torchrun

@@ -20,7 +20,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -728,7 +730,7 @@ def _loading_from(source: str, text: str, monkeypatch, tmp_path):
     if source == "file":
         monkeypatch.setenv(auth.ENV_SECRET_FILE, str(write_secret(tmp_path / "given", text + "\n")))
         return auth.load_secret
-    value = {
+    value: dict[str, str | bytes | auth.Secret] = {
         "argument-str": text,
         "argument-bytes": text.encode(),
         "Secret": auth.Secret(text.encode(), "test"),
@@ -786,7 +788,7 @@ def test_weak_secret_messages_say_what_is_wrong():
     assert "runs like 'abcd'" in why("abcdefghijklmnopqrstuvwxyz012345")
 
 
-RANDOM_KINDS = {
+RANDOM_KINDS: dict[str, Callable[[], str | bytes]] = {
     "token_hex(16)": lambda: secrets.token_hex(16),
     "token_hex(32)": lambda: secrets.token_hex(32),
     "token_hex(64)": lambda: secrets.token_hex(64),
@@ -838,7 +840,7 @@ def test_explicit_secret_types():
     s = auth.Secret(long.encode(), "test")
     assert auth.load_secret(s) == s
     with pytest.raises(TypeError):
-        auth.load_secret(123)
+        auth.load_secret(123)  # type: ignore[arg-type]  # not a secret: refused
 
 
 def test_symlinked_secret_file_is_refused(clean_env, monkeypatch, tmp_path):
@@ -917,7 +919,7 @@ def _handshake_pair(secret: str = SECRET):
     c, w = socket.socketpair()
     hello = auth.hello_meta(False)
     wire.send_frame(w, wire.HELLO, meta=hello)
-    result = {}
+    result: dict[str, Any] = {}
     t = threading.Thread(
         target=lambda: result.update(chan=auth.client_handshake(c, auth.load_secret(secret), "pair"))
     )
@@ -954,14 +956,16 @@ def test_reflected_records_are_rejected():
 
     c, w, client_chan, worker_keys = _handshake_pair()
     try:
-        out = []
+        out: list[bytes] = []
 
         class Tap:  # records what the client sends
             def sendmsg(self, parts):
                 out.extend(bytes(memoryview(p).cast("B")) for p in parts)
                 return sum(len(x) for x in out[-len(parts) :])
 
-        tap = Channel(Tap(), worker_keys.recv, worker_keys.send)  # the client's keys, as derived
+        tap = Channel(
+            cast(socket.socket, Tap()), worker_keys.recv, worker_keys.send
+        )  # the client's keys, as derived
         tap.send(wire.PING, 1)
         reflected = socket.socketpair()
         reflected[0].sendall(b"".join(out))

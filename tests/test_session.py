@@ -300,7 +300,12 @@ def test_a_dropped_session_finishes_its_calls_and_keeps_its_references(workers2)
     gc.collect()  # the session is unreachable but for the reference
     got: list = []
     done = threading.Event()
-    ref.call((5,), callback=lambda ok, value: (got.append((ok, value)), done.set()))
+
+    def callback(ok, value):
+        got.append((ok, value))
+        done.set()
+
+    ref.call((5,), callback=callback)
     assert done.wait(10) and got == [(True, 25)]
     assert ref.alive
 

@@ -10,6 +10,8 @@ cases with torch's ``num_workers=2``, since the split among workers is the point
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -92,7 +94,7 @@ def compare(ours_loader, torch_loader_factory, map_style=True):
 
 
 # Each case makes fresh keyword arguments (samplers and generators hold state).
-SAMPLERS = {
+SAMPLERS: dict[str, Callable[[], dict[str, Any]]] = {
     "default": lambda: {},
     "batch": lambda: dict(batch_size=8),
     "drop_last": lambda: dict(batch_size=8, drop_last=True),
@@ -118,7 +120,7 @@ def test_samplers(remote, case):
     )
 
 
-COLLATES = {
+COLLATES: dict[str, Callable[[], dict[str, Any]]] = {
     "dict": lambda: dict(batch_size=4, collate_fn=dict_collate),
     "identity": lambda: dict(batch_size=3, collate_fn=lambda batch: batch),
     "convert": lambda: dict(batch_size=4, collate_fn=default_convert),
@@ -165,7 +167,7 @@ def test_any_sampler_key(remote, kw):
     assert batches
 
 
-ERRORS = {
+ERRORS: dict[str, tuple[type, dict[int, str], dict[str, Any]]] = {
     "key": (Typed, {7: "key"}, dict(batch_size=4)),
     "index": (Typed, {12: "index"}, dict(batch_size=5)),
     "file": (Typed, {3: "file"}, dict(batch_size=None)),
@@ -189,7 +191,8 @@ def test_error_in_getitems(remote):
         torchfeed.RemoteDataLoader(remote(Batched, 23, 10), batch_size=4),
         lambda: DataLoader(Batched(23, 10), batch_size=4),
     )
-    assert isinstance(error, LookupError) and error.indices == [8, 9, 10, 11]
+    assert isinstance(error, LookupError) and isinstance(error, torchfeed.RemoteError)
+    assert error.indices == [8, 9, 10, 11]
 
 
 def test_error_in_collate(remote):
@@ -224,12 +227,14 @@ def test_iterable_dataset_error(remote):
 @pytest.mark.slow
 def test_worker_init_fn_configures_the_loading_copy_every_epoch(remote):
     """torch's documented example: worker_init_fn splits [start, end) through get_worker_info().dataset."""
-    ours = torchfeed.RemoteDataLoader(remote(Span, 3, 20), batch_size=None, worker_init_fn=split_span)
+    ours: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+        remote(Span, 3, 20), batch_size=None, worker_init_fn=split_span
+    )
     for _ in range(2):  # the split applies to a fresh copy each pass, as in fresh torch workers
         compare(
             ours, lambda: DataLoader(Span(3, 20), batch_size=None, num_workers=2, worker_init_fn=split_span)
         )
-    persistent = torchfeed.RemoteDataLoader(
+    persistent: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
         remote(Span, 3, 20), batch_size=4, worker_init_fn=split_span, num_workers=2, persistent_workers=True
     )
     theirs = DataLoader(

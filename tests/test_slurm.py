@@ -32,7 +32,7 @@ SAMPLES, BATCH, EPOCHS = 64, 4, 2
 
 def _directives(script: str):
     """The #SBATCH options of each heterogeneous group."""
-    groups = [[]]
+    groups: list[list[str]] = [[]]
     for line in script.splitlines():
         if line.startswith("#SBATCH "):
             option = line[len("#SBATCH ") :]

@@ -12,6 +12,7 @@ import os
 import stat
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -92,7 +93,7 @@ def test_scale_up_retire_mid_epoch_and_close(slurm, tmp_path):
     assert pool.secret.value.decode() not in script and "TORCHFEED_SECRET_FILE=" in script
 
     ds = _ds(pool, addresses)
-    loader = torchfeed.RemoteDataLoader(ds, batch_size=BATCH)
+    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=BATCH)
     gone = addresses[0]
     retired = threading.Event()
     retired_at: list[int] = []
@@ -196,7 +197,7 @@ def test_autoscale_grows_and_drains_a_slurm_pool_and_every_epoch_is_exact(slurm,
         pool.scale(1)
         session = torchfeed.Session(secret=pool.secret)
         ds = torchfeed.RemoteDataset(pool.wait(1, 60), SleepDataset, n, 0.02, session=session)
-        loader = torchfeed.RemoteDataLoader(ds, batch_size=4, shuffle=True)
+        loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=4, shuffle=True)
         most = [1]
 
         def epoch(per_sample: float) -> list[int]:
@@ -207,7 +208,9 @@ def test_autoscale_grows_and_drains_a_slurm_pool_and_every_epoch_is_exact(slurm,
                 most[0] = max(most[0], len(ds.workers), pool.requested())
             return seen
 
-        fast = dict(target_wait=0.2, interval=0.25, window=1.5, up_cooldown=1.5, down_after=2.0)
+        fast: dict[str, Any] = dict(
+            target_wait=0.2, interval=0.25, window=1.5, up_cooldown=1.5, down_after=2.0
+        )
         with torchfeed.autoscale(
             loader, pool, max_workers=3, down_cooldown=1.0, drain_timeout=30, **fast
         ) as scaler:

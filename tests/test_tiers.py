@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -58,7 +59,7 @@ class Slow(torch.utils.data.Dataset):
         return i
 
 
-FAST = dict(
+FAST: dict[str, Any] = dict(
     target_wait=0.2,
     interval=0.25,
     window=1.5,
@@ -76,7 +77,7 @@ def test_autoscale_grows_same_host_workers_first_and_drains_remote_ones_first(ca
         near.scale(1)
         assert wait_for(lambda: len(near.addresses()) == 1)
         ds = torchfeed.RemoteDataset(near.addresses(), Slow)
-        loader = torchfeed.RemoteDataLoader(ds, batch_size=4, shuffle=True)
+        loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=4, shuffle=True)
         asked: list[tuple[int, int]] = []  # (near, far) requests, as the controller made them
 
         def epoch(per_sample: float) -> list[int]:

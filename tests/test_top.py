@@ -81,7 +81,9 @@ def test_live_view_refreshes_until_interrupted(workers2):
         text=True,
     )
     seen: list[str] = []
-    reader = threading.Thread(target=lambda: seen.extend(iter(proc.stdout.readline, "")), daemon=True)
+    stdout = proc.stdout
+    assert stdout is not None and proc.stderr is not None
+    reader = threading.Thread(target=lambda: seen.extend(iter(stdout.readline, "")), daemon=True)
     reader.start()
     assert wait_for(lambda: sum("torchfeed top" in line for line in seen) >= 3, timeout=30), seen
     os.kill(proc.pid, signal.SIGINT)

@@ -35,7 +35,7 @@ def _frame(filename: str, lineno: int, name: str, source: str) -> str:
     return f'  File "{filename}", line {lineno}, in {name}\n    {source}\n'
 
 
-def _error_of(address, func):
+def _error_of(address, func) -> torchfeed.RemoteError:
     with pytest.raises(torchfeed.RemoteError) as info:
         torchfeed.rpc_async(address, func).wait()
     return info.value
@@ -93,6 +93,7 @@ def test_dataset_construction_frames_show_source(workers2):
 
     with pytest.raises(AttributeError) as info:
         torchfeed.RemoteDataset(workers2, NeedsFiles, "/not/a/path/object")
+    assert isinstance(info.value, torchfeed.RemoteError)
     text = info.value.remote_traceback
     _assert_no_dynamic_code(text)
     line, source = _where(NeedsFiles.__init__, "self.files =")
@@ -108,6 +109,7 @@ def test_iterable_stream_frames_show_source(workers2):
     ds = torchfeed.RemoteDataset(workers2[:1], Dries)
     with pytest.raises(RuntimeError, match="ran dry") as info:
         list(torchfeed.RemoteDataLoader(ds, batch_size=2))
+    assert isinstance(info.value, torchfeed.RemoteError)
     text = info.value.remote_traceback
     _assert_no_dynamic_code(text)
     line, source = _where(Dries.__iter__, "raise RuntimeError")
@@ -186,7 +188,7 @@ def test_frames_without_source_anywhere_stay_as_they_are(workers2):
 
 def _raise_chained():
     try:
-        {}["key"]
+        {"present": 0}["key"]
     except KeyError as exc:
         raise RuntimeError("while looking up") from exc
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,7 +23,7 @@ from torchfeed.worker.server import WorkerServer
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 # a value other than the default for every field (a new field without one fails the test below)
-CHANGED = {
+CHANGED: dict[str, Any] = {
     "timeout": 30.0,
     "parallel": 3,
     "threads": 2,
@@ -116,11 +117,11 @@ def test_bad_options_are_refused_once_with_what_to_fix():
     with pytest.raises(TypeError, match="unknown worker option 'max_ref'.*max_refs"):
         WorkerServer(port=0, max_ref=3)
     with pytest.raises(ValueError, match="cache size '8 gigs' not understood"):
-        WorkerOptions(cache_size="8 gigs")
+        WorkerOptions(cache_size="8 gigs")  # type: ignore[arg-type]  # text is parsed; the field types what it keeps
 
 
 def test_starters_write_the_options_whole(tmp_path):
-    options = WorkerOptions(max_refs=9, cache_size="1GiB", reachable_at=("*:7000",))
+    options = WorkerOptions(max_refs=9, cache_size="1GiB", reachable_at=("*:7000",))  # type: ignore[arg-type]  # text is parsed
     command = worker_command("127.0.0.1", 0, options)
     assert command[command.index("--max-refs") + 1] == "9"
     assert command[command.index("--reachable-at") + 1] == "*:7000"

@@ -161,7 +161,7 @@ class RemoteDataset(Dataset[T_co]):
     secret: SecretLike = None  # None: the session's
 
     def __init__(
-        self,
+        self: RemoteDataset[Any],  # what the workers' datasets return is not known here
         workers: Sequence[str],
         dataset: Callable,
         *args,
