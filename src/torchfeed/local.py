@@ -7,14 +7,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import weakref
 from collections.abc import Sequence
 
 from .worker import forkserver
 from .worker.forked import ForkedWorker, fork_is_safe
+from .worker.group import WorkerGroup
 from .worker.options import WorkerOptions
-from .worker.process import ENV_SYS_PATH, WorkerProcess, worker_command
+from .worker.process import ENV_SYS_PATH, WorkerProcess
 
 _open: weakref.WeakSet = weakref.WeakSet()  # LocalWorkers not closed yet
 
@@ -43,6 +43,12 @@ class LocalWorkers:
     """``n`` worker processes on this machine, each on a free loopback port.
 
     Use as a context manager; ``addresses`` lists their ``host:port``.
+
+    The processes are a :class:`~torchfeed.worker.group.WorkerGroup` this object owns
+    (:attr:`group`): all of them start or none (one ``start_timeout`` for all; the error
+    names the worker that could not start and why), :meth:`restart` binds a worker's port
+    again, and :meth:`close` stops them under one deadline (SIGTERM, then SIGKILL). The
+    thread that made this object, or one at a time, calls its methods.
 
     The workers can import what this process can (they get its ``sys.path``). Their
     output never blocks them: it is read continuously and written to this process's
@@ -139,66 +145,54 @@ class LocalWorkers:
         self.host = host
         self.options = (options or WorkerOptions()).merged(parallel=parallel, cache_size=cache_size)
         self.stop_timeout = stop_timeout
-        self._env = {**os.environ, ENV_SYS_PATH: _parent_sys_path(), **(env or {})}
-        self._env.setdefault("PYTHONUNBUFFERED", "1")
-        self._extra = list(extra_args)
-        secret = self._env.pop(ENV_SECRET, "").encode()  # not inherited by what dataset code starts
+        env_ = {**os.environ, ENV_SYS_PATH: _parent_sys_path(), **(env or {})}
+        env_.setdefault("PYTHONUNBUFFERED", "1")
+        secret = env_.pop(ENV_SECRET, "").encode()  # handed over on stdin, never in their environment
         if not secret and not {ENV_SECRET, ENV_SECRET_FILE} & set(env or {}):
             # a process that adopted its secret (a worker, a Dask worker after start_workers)
             # has none in its environment: its workers get the one it uses
             adopted = adopted_secret()
             secret = adopted.value if adopted is not None else b""
-        self._secret = secret
-        if secret:
-            self._extra.append("--secret-on-stdin")
-        self.workers: list[WorkerProcess] = []
-        self.addresses: list[str] = []
         self.fork_server: forkserver.ForkServer | None = None
+        self.group = WorkerGroup(
+            n,
+            host=host,
+            options=self.options,
+            extra_args=extra_args,
+            secret=secret,
+            env=env_,
+            new_session=True,
+            fork=self.fork,
+        )
+        self.addresses: list[str] = []  # kept after close()
         _open.add(self)
         try:
             if start == "forkserver":
-                self.fork_server = forkserver.shared(start_timeout)
-            for i in range(n):
-                self.workers.append(self._spawn(i, 0))
-            self.addresses = [self._read_address(i, start_timeout) for i in range(n)]
+                self.fork_server = self.group.fork_parent = forkserver.shared(start_timeout)
+            self.addresses = self.group.start(start_timeout, stop_timeout=stop_timeout)
         except BaseException:
             self.close()
             raise
+
+    @property
+    def workers(self) -> list[WorkerProcess]:
+        """The workers, in order (each a :class:`~torchfeed.worker.process.WorkerProcess`)."""
+        return self.group.processes
 
     @property
     def processes(self) -> list[subprocess.Popen | ForkedWorker]:
         """The workers' processes, in order (:class:`subprocess.Popen`, or ForkedWorker when forked)."""
         return [w.popen for w in self.workers]
 
-    def _spawn(self, i: int, port: int) -> WorkerProcess:
-        return WorkerProcess(
-            worker_command(self.host, port, self.options, *self._extra),
-            name=f"worker {i}",
-            secret=self._secret,
-            env=self._env,
-            new_session=True,
-            fork=self.fork,
-            fork_parent=self.fork_server,
-        )
-
-    def _read_address(self, i: int, timeout: float) -> str:
-        worker = self.workers[i]
-        address = worker.wait_address(timeout)
-        worker.label(f"[worker {i} {address}] ")
-        return address
-
     def restart(self, i: int, timeout: float = 60.0) -> str:
         """Start worker ``i`` again on its old port (after it died or was killed)."""
-        self.workers[i].reap(0)  # SIGKILL if it still runs
         if self.fork_server is not None and not self.fork_server.running:  # it died: a new one
-            self.fork_server = forkserver.shared(timeout)
-        port = int(self.addresses[i].rsplit(":", 1)[1])
-        self.workers[i] = self._spawn(i, port)
-        self.addresses[i] = self._read_address(i, timeout)
+            self.fork_server = self.group.fork_parent = forkserver.shared(timeout)
+        self.addresses[i] = self.group.restart(i, timeout, self.stop_timeout)
         return self.addresses[i]
 
     def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
-        self.workers[i].send_signal(sig)
+        self.group.send_signal(i, sig)
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the workers (this process's connections to them close first, quietly): SIGTERM,
@@ -208,11 +202,7 @@ class LocalWorkers:
             from .client.session import close_connections_everywhere
 
             close_connections_everywhere(self.addresses)  # every session's, not only the default's
-        for worker in self.workers:
-            worker.terminate()
-        deadline = time.monotonic() + (self.stop_timeout if timeout is None else timeout)
-        for worker in self.workers:
-            worker.reap(max(0.0, deadline - time.monotonic()))
+        self.group.stop(self.stop_timeout if timeout is None else timeout)
 
     def __enter__(self) -> LocalWorkers:
         return self
