@@ -1,4 +1,5 @@
-"""torch's DataLoader argument checks, with torch's messages, for RemoteDataLoader.
+"""torch's DataLoader argument checks, with torch's messages, for RemoteDataLoader, then
+its own (:func:`remote_args`).
 
 Conflicting arguments raise what torch's DataLoader raises, in torch's order, so code
 written against torch behaves the same (tests/test_loader_args.py compares them).
@@ -27,6 +28,11 @@ def log_once(key: str, message: str) -> None:
 
 def workers_args(num_workers, timeout, prefetch_factor, persistent_workers) -> None:
     """torch's checks, in torch's order; an omitted num_workers means: the remote workers."""
+    if callable(num_workers):
+        raise TypeError(
+            "the 6th positional argument of RemoteDataLoader is num_workers, as in torch's "
+            "DataLoader: pass collate_fn=... by keyword"
+        )
     if num_workers is not None and num_workers < 0:
         raise ValueError(
             "num_workers option should be non-negative; use num_workers=0 to disable multiprocessing."
@@ -44,7 +50,7 @@ def workers_args(num_workers, timeout, prefetch_factor, persistent_workers) -> N
         raise ValueError("persistent_workers option needs num_workers > 0")
 
 
-def iterable_args(shuffle, sampler, batch_sampler) -> None:
+def iterable_args(shuffle, sampler, batch_sampler, audit: bool = False) -> None:
     if shuffle not in {False, None}:
         raise ValueError(
             f"DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle={shuffle}"
@@ -57,6 +63,25 @@ def iterable_args(shuffle, sampler, batch_sampler) -> None:
         raise ValueError(
             "DataLoader with IterableDataset: expected unspecified batch_sampler option, but got "
             f"batch_sampler={batch_sampler}"
+        )
+    if audit:
+        raise ValueError(
+            "audit=True records the sample keys an epoch delivered: an iterable-style "
+            "dataset has none (audit a map-style dataset)"
+        )
+
+
+def remote_args(seed, generator, prefetch_factor) -> None:
+    """RemoteDataLoader's own rules, checked after torch's."""
+    if seed is not None and generator is not None:
+        raise ValueError(
+            "give seed= or generator=, not both: with seed the shuffle order and every "
+            "sample's random draws come from (seed, epoch)"
+        )
+    if prefetch_factor == 0:
+        raise ValueError(
+            "prefetch_factor must be at least 1 with remote workers (it is the number "
+            "of requests each worker holds)"
         )
 
 

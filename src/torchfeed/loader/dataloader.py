@@ -8,11 +8,8 @@ map-style dataset is :class:`torchfeed.loader.passes.MapPass`; over an iterable-
 
 from __future__ import annotations
 
-import copy
 import logging
-import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -28,23 +25,13 @@ from .passes import MapPass
 from .passstats import PassStats, Probe
 from .pending import PendingPass
 from .plan import LoaderConfig, LoaderFetchers, PassPlan, new_pass_id
+from .position import Position
 from .sampling import mix_seed
 from .views import Source
 
 log = logging.getLogger("torchfeed.loader")
 
 T_co = TypeVar("T_co", covariant=True)
-
-
-@dataclass
-class _LatestIterablePass:
-    """The loader's latest iterable-style pass: read while it runs, its snapshot once it closed
-    (what ``state_dict`` saves)."""
-
-    pass_id: int
-    running: weakref.ref[IterablePass]
-    snapshot: dict | None = None
-    trained: dict | None = None  # the snapshot without a batch the consumer did not come back from
 
 
 # Assigning these after construction raises, as in torch.
@@ -176,31 +163,12 @@ class RemoteDataLoader(DataLoader[T_co]):
         rank_streams: bool | None = None,
         audit: bool = False,
     ):
-        if callable(num_workers):
-            raise TypeError(
-                "the 6th positional argument of RemoteDataLoader is num_workers, as in torch's "
-                "DataLoader: pass collate_fn=... by keyword"
-            )
         checks.workers_args(num_workers, timeout, prefetch_factor, persistent_workers)
         dataset = arguments.remote_dataset(dataset, workers, args, kwargs)
         source = Source(dataset)
         if source.iterable:
-            checks.iterable_args(shuffle, sampler, batch_sampler)
-            if audit:
-                raise ValueError(
-                    "audit=True records the sample keys an epoch delivered: an iterable-style "
-                    "dataset has none (audit a map-style dataset)"
-                )
-        if seed is not None and generator is not None:
-            raise ValueError(
-                "give seed= or generator=, not both: with seed the shuffle order and every "
-                "sample's random draws come from (seed, epoch)"
-            )
-        if prefetch_factor == 0:
-            raise ValueError(
-                "prefetch_factor must be at least 1 with remote workers (it is the number "
-                "of requests each worker holds)"
-            )
+            checks.iterable_args(shuffle, sampler, batch_sampler, audit)
+        checks.remote_args(seed, generator, prefetch_factor)
         self._initialized = False
         self._source = source
         # a cached dataset: its hits, polled from the workers without blocking stats()
@@ -208,7 +176,6 @@ class RemoteDataLoader(DataLoader[T_co]):
         self._cache_probe = Probe(dataset) if cached else None
         self.num_workers = len(source.workers) if num_workers is None else num_workers
         self._num_streams = num_workers  # iterable-style: the number of streams (None: one per worker)
-        self._iterable_pass: _LatestIterablePass | None = None
         self.multiprocessing_context = multiprocessing_context  # checked by the property, as in torch
         checks.log_ignored(
             len(self._source.workers),
@@ -262,13 +229,9 @@ class RemoteDataLoader(DataLoader[T_co]):
             collate_fn = default_collate if self._auto_collation else default_convert
         self.collate_fn = collate_fn
         self._fetchers = LoaderFetchers(source, self._auto_collation, persistent_workers)
-        self._epoch = 0  # epoch of the next pass
-        self._progress: resume.Progress | None = None  # the latest pass
-        self._resume_from: dict | None = None
-        self._pending: weakref.ref[PendingPass] | None = None  # the latest iterator made
+        self._position = Position()  # epoch of the next pass, latest pass and iterator, a loaded state
         # read by code written for torch's DataLoader (Lightning resets it): no torch iterator here
         self._iterator = None
-        self._persistent_seed: int | None = None
         self._estimates: dict = {}  # seconds per batch of each worker, from the latest pass
         self._head: prefetch.Head | None = None  # the next pass's first batches, prefetched
         self._prefetch = True  # load the next pass's first batches ahead when it is predictable
@@ -300,7 +263,7 @@ class RemoteDataLoader(DataLoader[T_co]):
         where they have ``set_epoch`` (as Accelerate's loaders do), so a ``DistributedSampler``
         reshuffles when a training loop calls only ``loader.set_epoch(e)``.
         """
-        self._epoch = int(epoch)
+        self._position.epoch = int(epoch)
         seen: set[int] = set()
         parts: tuple[Any, ...] = (
             self.sampler,
@@ -315,7 +278,7 @@ class RemoteDataLoader(DataLoader[T_co]):
     @property
     def epoch(self) -> int:
         """Epoch of the next pass."""
-        return self._epoch
+        return self._position.epoch
 
     def state_dict(self, *, leave_out: int | None = None) -> dict:
         """Where loading stands: small plain data to store in a checkpoint.
@@ -333,47 +296,17 @@ class RemoteDataLoader(DataLoader[T_co]):
         its own consumer (at most 2 for a map-style pass, 1 for an iterable-style one);
         default as above.
         """
-        if self._resume_from is not None:  # loaded, not resumed yet: it still says where to go on
-            return copy.deepcopy(self._resume_from)
-        pending = self._pending() if self._pending is not None else None
-        if pending is not None and not pending.started:
-            # an iterator was made and not read yet: the next pass starts afresh, as it will
-            return resume.state_of(None, self._epoch, self.seed)
-        progress = self._progress
-        if leave_out is None:
-            leave_out = int(progress is not None and not progress.confirmed and resume.interrupted())
-        elif not 0 <= leave_out <= resume.RECENT:
-            raise ValueError(f"leave_out must be between 0 and {resume.RECENT}, got {leave_out}")
-        latest = self._iterable_pass
-        if latest is not None and leave_out > 1:
-            raise ValueError("an iterable-style pass can leave out only the batch last handed out")
+        return self._position.state(self.seed, leave_out, self._full_batch)
+
+    def _full_batch(self) -> int | None:
         full = self.batch_size if self._auto_collation else 1
         if full is None:  # a batch sampler of the user's
             full = getattr(self.batch_sampler, "batch_size", None)
-        state = resume.state_of(progress, self._epoch, self.seed, leave_out=leave_out, batch_size=full)
-        if state["active"] and latest is not None:
-            running = latest.running()
-            streams: dict | None
-            if running is not None:
-                streams = running.snapshot(trained_only=leave_out > 0)
-            else:
-                streams = latest.trained if leave_out else latest.snapshot
-            if streams is not None:
-                state["streams"] = streams
-        return state
-
-    def _iterable_closed(self, pass_id: int, snapshot: dict, trained: dict) -> None:
-        """Called by an iterable-style pass when it closes (``PassPlan.on_snapshot``): if it is
-        the latest, keep where it stood (and where it stood without an unconfirmed batch)."""
-        latest = self._iterable_pass  # read once: a new pass may replace it meanwhile
-        if latest is not None and latest.pass_id == pass_id:
-            latest.snapshot, latest.trained = snapshot, trained
+        return full
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`: the next pass continues where that one stopped."""
-        resume.check_state(state, self.seed)
-        self._epoch = state["epoch"]
-        self._resume_from = state if state["active"] else None
+        self._position.load(state, self.seed)
 
     @property
     def _auto_collation(self) -> bool:
@@ -394,35 +327,27 @@ class RemoteDataLoader(DataLoader[T_co]):
     def __iter__(self) -> PendingPass:  # type: ignore[override]
         """A pass that starts at its first ``next()`` (:class:`~torchfeed.loader.pending.PendingPass`)."""
         buffers.check_pinnable(self.pin_memory)
-        # torch's persistent workers draw their base seed once, at the first pass
-        kept = self._persistent_seed if self.persistent_workers else None
-        # torch's iterator draws the base seed in iter(); so does this one, to use the global
-        # generator at the same point (the draw is the only thing iter() does). A resumed pass
-        # takes its base seed from the state: the pass it continues drew it before the checkpoint
-        fresh = self.seed is None and kept is None and self._resume_from is None
-        drawn = resume.draw_base_seed(self.generator) if fresh else None
-        pending = PendingPass(lambda: self._start_pass(kept if drawn is None else drawn), self.__len__)
-        self._pending = weakref.ref(pending)
+        # drawn here, where torch's iterator draws it (Position.base_seed)
+        base_seed = self._position.base_seed(self.seed, self.generator, self.persistent_workers)
+        pending = PendingPass(lambda: self._start_pass(base_seed), self.__len__)
+        self._position.made(pending)
         return pending
 
     def _start_pass(self, base_seed: int | resume.Drawn | None) -> MapPass | IterablePass:
         """Begin the pass (at the first ``next()`` of the iterator ``__iter__`` returned)."""
-        resume_from, self._resume_from = self._resume_from, None
+        resume_from = self._position.take_resume()
         checks.warn_unsharded(self._own_sampling, self._source.iterable)
         fetchers = self._fetchers.for_pass(self.collate_fn, self.worker_init_fn)
         sampler_iter, progress = resume.begin_pass(
             self._sampling(),
-            self._epoch,
+            self._position.epoch,
             resume_from,
             base_seed,
             index_sampler=self._index_sampler,
             shuffle_generator=self._shuffle_generator,
         )
-        self._epoch = progress.record.epoch + 1
-        self._progress = progress
+        self._position.began(progress, self.seed)
         base_seed = progress.record.base_seed
-        if self.seed is None:
-            self._persistent_seed = base_seed
         plan = PassPlan(
             config=self._config(),
             source=self._source,
@@ -434,7 +359,7 @@ class RemoteDataLoader(DataLoader[T_co]):
             sample_seed=base_seed if self.per_sample_seeding else None,
             estimates=self._estimates,
             on_estimates=self._keep_estimates,
-            on_snapshot=self._iterable_closed,
+            on_snapshot=self._position.iterable_closed,
             next_head=self._prefetch_next,
             stats=PassStats(self._accounting, self._cache_probe),
         )
@@ -443,7 +368,7 @@ class RemoteDataLoader(DataLoader[T_co]):
             count = self._stream_count()
             ranks = checks.stream_ranks(self.rank_streams, count)
             running = IterablePass(plan, streams, stream_count=count, ranks=ranks)
-            self._iterable_pass = _LatestIterablePass(running.pass_id, weakref.ref(running))
+            self._position.iterable_started(running)
             return running
         head, self._head = self._head, None
         return MapPass(plan, head)
@@ -508,7 +433,7 @@ class RemoteDataLoader(DataLoader[T_co]):
             old.discard()
         if not self._prefetch:
             return None
-        epoch = self._epoch
+        epoch = self._position.epoch
         count = ending.prefetch_count()
         indices = prefetch.predict(self._sampling(), epoch, count, self._shuffle_generator)
         if not indices or self.seed is None:  # predict() gives none without a seed
