@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -87,6 +88,23 @@ class DatasetStateful(IterableDataset):
 
     def load_state_dict(self, state):
         self.resume_at = state["at"]
+
+
+class CrashesAt(IterableDataset):
+    """Numbers split among streams, but the process that reaches item ``fatal`` exits (a decoder
+    that takes the interpreter down), after a pause that lets its earlier replies leave."""
+
+    def __init__(self, n: int, fatal: int):
+        self.n = n
+        self.fatal = fatal
+
+    def __iter__(self):
+        wid, count = _split()
+        for i in range(wid, self.n, count):
+            if i == self.fatal:
+                time.sleep(0.5)
+                os._exit(3)
+            yield torch.tensor([i, wid])
 
 
 def sum_collate(batch):

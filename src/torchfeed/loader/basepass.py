@@ -4,8 +4,9 @@ A pass is the iterator of one epoch: :class:`~torchfeed.loader.passes.MapPass` o
 map-style dataset, :class:`~torchfeed.loader.iterable.IterablePass` over an iterable-style
 one, each started by the loader with a :class:`~torchfeed.loader.plan.PassPlan`.
 :class:`Pass` owns what they do alike; a subclass says how the next batch is found
-(:meth:`Pass._poll`), what waiting too long means (:meth:`Pass._check_wait`,
-:meth:`Pass._late`) and what closing releases (:meth:`Pass._closing`).
+(:meth:`Pass._poll`), what a batch that is late means (:meth:`Pass._late`) and what closing
+releases (:meth:`Pass._closing`); both handle worker faults with the pass's
+:class:`~torchfeed.loader.faults.Faults`.
 
 The consumer (the user's thread) waits on the condition ``_ready`` of the pass's lock;
 the threads that record results (see the NOTE in passes.py and iterable.py's docstring)
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from .. import events, notices
+from .faults import Faults
 from .plan import PassPlan, live, loader_length
 
 POLL_SECONDS = 0.05  # the longest the consumer waits before it looks again (stalls, warnings)
@@ -57,6 +59,8 @@ class Pass:
         self._closed = False
         self._complete = False  # the pass delivered its last batch
         self._fatal: BaseException | None = None  # ends the pass at the consumer's next batch
+        # worker losses, poison, the wait for a worker, joins and drains (with the lock held)
+        self._faults = Faults(plan.source, plan.stats, plan.config.max_retries, self._timeout, time.monotonic)
 
     def _track(self) -> None:
         """From here (the end of a subclass's set-up) the pass is closed at interpreter exit,
@@ -125,7 +129,11 @@ class Pass:
         raise NotImplementedError
 
     def _check_wait(self, now: float, deadline: float | None) -> None:
-        """Raise if waiting until ``now`` already means the pass cannot go on (lock held)."""
+        """Raise if waiting until ``now`` already means the pass cannot go on (lock held): no
+        worker came back or joined in time."""
+        stalled = self._faults.stalled(now, deadline)
+        if stalled is not None:
+            self._fail(stalled)
 
     def _late(self) -> BaseException:
         """The error for a batch that did not arrive within the loader's ``timeout``."""

@@ -24,7 +24,7 @@ from .iterable import IterablePass
 from .passes import MapPass
 from .passstats import PassStats, Probe
 from .pending import PendingPass
-from .plan import LoaderConfig, LoaderFetchers, PassPlan, new_pass_id
+from .plan import BatchRequests, LoaderConfig, LoaderFetchers, PassPlan, new_pass_id
 from .position import Position
 from .sampling import mix_seed
 from .views import Source
@@ -439,20 +439,18 @@ class RemoteDataLoader(DataLoader[T_co]):
         if not indices or self.seed is None:  # predict() gives none without a seed
             return None
         base_seed = mix_seed(self.seed, epoch)
-        head = prefetch.Head(
+        requests = BatchRequests(
             fetchers=self._fetchers.for_pass(self.collate_fn, self.worker_init_fn),
             source=self._source,
             auto=self._auto_collation,
             pin=self.pin_memory,
             policy=self._reply_policy,
             compression=self._compression,
-            epoch=epoch,
+            pass_id=new_pass_id(),
             base_seed=base_seed,
             sample_seed=base_seed if self.per_sample_seeding else None,
-            indices=indices,
-            pass_id=new_pass_id(),
-            estimates=ending.estimates(),
         )
+        head = prefetch.Head(requests, epoch=epoch, indices=indices, estimates=ending.estimates())
         self._head = head
         return head
 

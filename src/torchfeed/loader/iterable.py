@@ -23,97 +23,21 @@ the order depends on timing anyway, and a slow worker then does not hold the oth
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
-from .. import errors, events
+from .. import errors
 from ..client import wait_all
-from ..client.refs import RemoteRef
 from ..errors import RemoteError, Timeout, WorkerLost
 from ..protocol.errordata import rebuild_remote_error
-from ..util import is_count
 from . import reported
 from .basepass import Delivery, Pass
 from .plan import PassPlan, new_pass_id, quiet
 from .sampling import INT63
 from .streams import BATCH, END, ERROR, NEED, open_stream, shard_order, shard_plan
-
-SNAPSHOT_FORMAT = "torchfeed.streams/1"  # a format name, not a module path: kept for saved states
-
-
-@dataclass(frozen=True, slots=True)
-class _Result:
-    """One numbered reply of a stream: a batch, its end or an error (``kind``), and where the
-    stream's iterator stood after it (``state``, ``rng``, the shard grants it had ``taken``)."""
-
-    kind: int
-    payload: Any
-    state: bytes | None
-    rng: bytes | None
-    taken: int
-
-
-class _Slot:
-    """Trainer side of one stream: where it runs and what it delivered."""
-
-    def __init__(self, index: int):
-        self.index = index
-        self.worker: str | None = None
-        self.ref: RemoteRef | None = None
-        self.incarnation = 0  # bumped on every (re)open; older replies are ignored
-        self.opening = False
-        self.delivered = 0  # batches yielded to the user
-        self.results: dict[int, _Result] = {}
-        self.inflight = 0
-        self.ended = False
-        self.state: bytes | None = None  # captured with the last delivered batch
-        self.rng: bytes | None = None
-        self.taken = 0  # grants taken by the iterator at that batch
-        self.latest_taken = 0  # the latest reply's count (for granting)
-        self.grants: list[Any] = []  # every shard granted to this stream, in order
-
-    def snapshot(self) -> dict:
-        return {
-            "delivered": self.delivered,
-            "ended": self.ended,
-            "state": self.state,
-            "rng": self.rng,
-            "taken": self.taken,
-            "grants": list(self.grants),
-        }
-
-
-MAX_STREAMS = 1 << 16  # far more streams than any job runs (one per worker by default)
-
-
-def check_snapshot(snapshot: Any) -> None:
-    """Refuse what no iterable-style pass saved: another format, a stream count beyond
-    :data:`MAX_STREAMS`, slots that do not match it, counts that are not counts."""
-    if not isinstance(snapshot, dict) or snapshot.get("format") != SNAPSHOT_FORMAT:
-        raise ValueError("this state does not describe a pass over an iterable-style dataset")
-    streams, slots = snapshot.get("streams"), snapshot.get("slots")
-    if not is_count(streams, 1, MAX_STREAMS) or not isinstance(slots, list) or len(slots) != streams:
-        raise ValueError(
-            f"this iterable-style state has {streams!r} streams and "
-            f"{len(slots) if isinstance(slots, list) else slots!r} stream records: not a state a loader saves"
-        )
-    if not is_count(snapshot.get("turn"), 0, streams - 1):
-        raise ValueError(
-            f"this iterable-style state's turn {snapshot.get('turn')!r} is not one of its streams"
-        )
-    for saved in slots:
-        ok = (
-            isinstance(saved, dict)
-            and is_count(saved.get("delivered"))
-            and is_count(saved.get("taken"))
-            and isinstance(saved.get("ended"), bool)
-            and isinstance(saved.get("grants"), list)
-            and all(saved.get(k) is None or isinstance(saved.get(k), bytes) for k in ("state", "rng"))
-        )
-        if not ok:
-            raise ValueError("this iterable-style state holds a stream record no loader saves")
+from .streamslots import SNAPSHOT_FORMAT, StreamResult, StreamSlot, check_snapshot
 
 
 class IterablePass(Pass):
@@ -135,7 +59,8 @@ class IterablePass(Pass):
         self._pin = config.pin_memory
         self._policy = config.reply_policy
         self._compression = config.compression
-        self._lost: dict[str, BaseException] = {}
+        self._lost: set[str] = set()  # workers lost and not back (their loss is said once)
+        self._tickets = itertools.count()  # orders every request and stream opening this pass sends
         self._said_replay = False
         self._pass_id = new_pass_id()
         self._base_seed = plan.base_seed
@@ -145,7 +70,7 @@ class IterablePass(Pass):
             count = resume["streams"]
         else:
             count = stream_count
-        self._slots = [_Slot(i) for i in range(count)]
+        self._slots = [StreamSlot(i) for i in range(count)]
         self._turn = 0
         self._queue: deque | None = None  # shards not granted yet (dynamic sharding)
         workers = self._reachable()
@@ -164,6 +89,7 @@ class IterablePass(Pass):
             for slot in self._slots:
                 if not slot.ended:
                     self._open_locked(slot, workers[slot.index % len(workers)])
+        self._source.subscribe(self)  # workers that join or come back take streams waiting for one
         self._track()
 
     # -- workers --------------------------------------------------------------------
@@ -231,10 +157,11 @@ class IterablePass(Pass):
         return min(workers, key=lambda w: load[w])
 
     # -- streams (lock held) ----------------------------------------------------------
-    def _open_locked(self, slot: _Slot, worker: str) -> None:
+    def _open_locked(self, slot: StreamSlot, worker: str) -> None:
         slot.incarnation += 1
         slot.worker, slot.ref, slot.opening, slot.inflight = worker, None, True, 0
-        position = slot.delivered + self._contiguous(slot)
+        slot.tickets = deque([next(self._tickets)])  # the opening runs iter(dataset) there
+        position = slot.delivered + slot.contiguous()
         state, rng, taken = slot.state, slot.rng, slot.taken
         if position != slot.delivered:  # batches held here: start after the last of them
             last = slot.results[position - 1]
@@ -280,19 +207,15 @@ class IterablePass(Pass):
         except (WorkerLost, OSError) as exc:
             self._worker_lost(worker, exc)
 
-    def _contiguous(self, slot: _Slot) -> int:
-        n = 0
-        while (result := slot.results.get(slot.delivered + n)) is not None and result.kind == BATCH:
-            n += 1
-        return n
-
-    def _on_opened(self, slot: _Slot, incarnation: int, worker: str, ok: bool, value: Any) -> None:
+    def _on_opened(self, slot: StreamSlot, incarnation: int, worker: str, ok: bool, value: Any) -> None:
         with self._lock:
             if self._closed or incarnation != slot.incarnation:
                 if ok:
                     value.release()
                 return
             slot.opening = False
+            if slot.tickets:
+                slot.tickets.popleft()
             if ok:
                 slot.ref = value
                 self._top_up(slot)
@@ -303,37 +226,65 @@ class IterablePass(Pass):
             self._ready.notify_all()
 
     def _worker_lost(self, worker: str, exc: BaseException) -> None:
-        """Move the streams of a lost worker elsewhere (lock held)."""
+        """Move the streams of a lost worker elsewhere (lock held); the stream whose request it was
+        running is blamed (loader/faults.py: past ``max_retries`` deaths, it is poison)."""
         if worker not in self._lost:
-            self._lost[worker] = exc
-            self._source.worker_lost(worker, exc)
-            moved = sum(1 for s in self._slots if s.worker == worker and not s.ended)
-            if quiet(exc):  # closed on purpose by this process (close_connections, exit)
-                events.closed(worker)
-            else:
-                events.worker_lost(worker, exc, moved)
-            self._stats.requeued(worker, moved)
+            self._lost.add(worker)
+            mine = [s for s in self._slots if s.worker == worker and not s.ended]
+            was_quiet = self._faults.lost(worker, exc, len(mine))
+            running = [s for s in mine if s.tickets]
+            if running and not was_quiet:
+                slot = min(running, key=lambda s: s.tickets[0])
+                position = slot.delivered + slot.contiguous()
+                what = f"batch {position} of stream {slot.index} (an iterable-style dataset)"
+                self._fatal = self._fatal or self._faults.blame((slot.index, position), worker, what, [])
         for slot in self._slots:
             if slot.worker == worker and not slot.ended:
-                # keep what arrived in order; drop what came after a gap (it is made again)
-                keep = slot.delivered + self._contiguous(slot)
-                slot.results = {n: r for n, r in slot.results.items() if n < keep}
-                if slot.ref is not None:
-                    slot.ref.release()
-                slot.ref, slot.worker = None, None
-                slot.incarnation += 1  # replies of the lost incarnation are void
+                slot.detach()
+        self._place_waiting(announce=not quiet(exc))
+
+    def _place_waiting(self, announce: bool = True) -> None:
+        """Open the streams that have no worker on the reachable workers hosting the fewest (lock
+        held); with none left, wait for one to come back or join (said when ``announce``)."""
         for slot in self._slots:
-            if slot.worker is None and not slot.ended:
+            if slot.worker is None and not slot.ended and self._fatal is None:
                 target = self._pick_worker()
                 if target is None:
-                    self._fatal = self._fatal or WorkerLost(
-                        f"every worker was lost during a pass over an iterable-style dataset ({exc})",
-                        {w: repr(e) for w, e in self._lost.items()},
-                    )
+                    self._faults.none_left(announce)
                     return
                 self._open_locked(slot, target)
 
-    def _top_up(self, slot: _Slot) -> None:
+    # -- membership (the dataset's threads; no pass lock held on entry) -----------------
+    def worker_joined(self, address: str) -> None:
+        """A worker joined the dataset or came back: streams waiting for one open there."""
+        if self._closed or address not in self._source.alive_workers():
+            return
+        if self._plan.fetchers.ensure([address]):
+            return  # it cannot be prepared: it stays out of this pass
+        with self._lock:
+            if self._closed:
+                return
+            self._lost.discard(address)
+            self._faults.joined(address)
+            self._place_waiting()
+            self._ready.notify_all()
+
+    def worker_removed(self, address: str) -> None:
+        """A worker left the dataset: its streams move to the others (as after a loss, with
+        nothing blamed), or stay while no other worker can take them."""
+        with self._lock:
+            if self._closed:
+                return
+            self._faults.draining(address)
+            mine = [s for s in self._slots if s.worker == address and not s.ended]
+            if not mine or self._pick_worker() is None:
+                return
+            for slot in mine:
+                slot.detach()
+            self._place_waiting()
+            self._ready.notify_all()
+
+    def _top_up(self, slot: StreamSlot) -> None:
         if self._closed or slot.ended or slot.ref is None or slot.worker is None:
             return  # (a slot's ref and worker are set and cleared together)
         this, incarnation = weakref.ref(self), slot.incarnation
@@ -360,12 +311,13 @@ class IterablePass(Pass):
                 self._worker_lost(slot.worker, exc)
                 return
             slot.inflight += 1
+            slot.tickets.append(next(self._tickets))
 
-    def _total(self, slot: _Slot) -> int | None:
+    def _total(self, slot: StreamSlot) -> int | None:
         """The number of shards ``slot`` gets in all, once the queue is empty (dynamic sharding)."""
         return len(slot.grants) if self._dynamic and not self._queue else None
 
-    def _grant(self, slot: _Slot) -> list:
+    def _grant(self, slot: StreamSlot) -> list:
         """A shard for ``slot`` when it has started every shard it was given."""
         if not self._dynamic or not self._queue or slot.latest_taken < len(slot.grants):
             return []
@@ -373,7 +325,7 @@ class IterablePass(Pass):
         slot.grants.append(shard)
         return [shard]
 
-    def _on_result(self, slot: _Slot, incarnation: int, ok: bool, value: Any) -> None:
+    def _on_result(self, slot: StreamSlot, incarnation: int, ok: bool, value: Any) -> None:
         with self._lock:
             if self._closed or incarnation != slot.incarnation or slot.ended:
                 return
@@ -383,11 +335,13 @@ class IterablePass(Pass):
                 self._fatal = self._fatal or exc
             self._ready.notify_all()
 
-    def _record(self, slot: _Slot, ok: bool, value: Any) -> None:
+    def _record(self, slot: StreamSlot, ok: bool, value: Any) -> None:
         """A reply of ``slot``'s current incarnation (lock held)."""
         # the current incarnation has its worker (losing it starts the next incarnation)
         assert slot.worker is not None
         slot.inflight -= 1
+        if slot.tickets:
+            slot.tickets.popleft()  # a stream's replies come in the order of its requests
         if ok:
             number, kind, payload, state, rng, taken = reported.stream_reply(slot.worker, value)
             slot.latest_taken = max(slot.latest_taken, taken)
@@ -396,7 +350,7 @@ class IterablePass(Pass):
             else:
                 if kind == ERROR:
                     payload = rebuild_remote_error(slot.worker, payload, policy=self._policy)
-                slot.results[number] = _Result(kind, payload, state, rng, taken)
+                slot.results[number] = StreamResult(kind, payload, state, rng, taken)
                 if kind == BATCH:
                     self._stats.reply(slot.worker, self._samples)
                 self._top_up(slot)
@@ -406,10 +360,10 @@ class IterablePass(Pass):
             self._worker_lost(slot.worker, value)  # a lost connection
 
     # -- consumer (basepass.Pass.__next__ waits; these look, lock held) --------------------
-    def _has_batch(self, slot: _Slot) -> bool:
+    def _has_batch(self, slot: StreamSlot) -> bool:
         return slot.delivered in slot.results
 
-    def _choose(self) -> _Slot | None:
+    def _choose(self) -> StreamSlot | None:
         live = [s for s in self._slots if not s.ended]
         if not live:
             return None

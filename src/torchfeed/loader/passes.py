@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import weakref
 from typing import Any
 
@@ -19,7 +18,6 @@ from ..errors import RemoteError, TorchfeedError, WorkerLost
 from . import plan as passplan
 from . import split
 from .basepass import POLL_SECONDS, Delivery, Pass
-from .faults import Faults
 from .ledger import Ledger
 from .plan import BatchRequests, PassPlan, new_pass_id
 from .prefetch import Head, Loaded, Miss
@@ -83,7 +81,6 @@ class MapPass(Pass):
         self._dirty = False  # the dispatch thread has something to do
         self._ledger = Ledger(self._auto)  # keys, results, requests and cancels of each batch
         self._requests = BatchRequests.of(plan, self._pass_id)
-        self._faults = Faults(self._source, self._stats, config.max_retries, self._timeout, time.monotonic)
         self._predicted = False  # whether the next pass's first batches were predicted
         self._next_head: Head | None = None  # their prefetch, if they could be
         self.prefetched = 0  # batches of this pass loaded by the previous one
@@ -403,11 +400,6 @@ class MapPass(Pass):
         if sched.finished():
             self._end()
         return None
-
-    def _check_wait(self, now: float, deadline: float | None) -> None:
-        stalled = self._faults.stalled(now, deadline)
-        if stalled is not None:
-            self._fail(stalled)
 
     def _late(self) -> BaseException:
         seq = self._sched.delivered
