@@ -5,6 +5,7 @@ loopback (new interpreters, or forked from the fork server); the policy alone wi
 from __future__ import annotations
 
 import os
+import pickle
 import secrets
 import signal
 import socket
@@ -79,6 +80,8 @@ def test_start_is_all_or_none_and_names_the_process_that_could_not_start():
     assert err.index == 1 and err.where == f"127.0.0.1:{port}"
     assert err.reason == f"cannot serve on 127.0.0.1:{port}: Address already in use", err.reason
     assert "worker 1 (127.0.0.1:" in str(err) and "all 2 were stopped" in str(err)
+    again = pickle.loads(pickle.dumps(err))  # as a Dask worker sends it
+    assert (str(again), again.index, again.where, again.reason) == (str(err), 1, err.where, err.reason)
     assert group.addresses == []
     assert all(p.returncode is not None for p in group.processes), "a process was left unreaped"
     assert not any(pid_alive(p.pid) for p in group.processes)

@@ -51,10 +51,11 @@ class StartError(RuntimeError):
 
     ``index`` is the process's index, ``where`` the ``host:port`` it was to serve on,
     ``reason`` why in a few words (its last stderr line, when it printed one), and the
-    message says it in full (with the end of its stderr).
+    message says it in full (with the end of its stderr). Pickles (a Dask worker sends it
+    to the client): the attributes travel as its state.
     """
 
-    def __init__(self, message: str, *, index: int, where: str, reason: str):
+    def __init__(self, message: str, *, index: int = -1, where: str = "", reason: str = ""):
         super().__init__(message)
         self.index = index
         self.where = where
