@@ -15,8 +15,9 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from ..protocol import auth
 from ..util import restore_env
+from ..worker.group import WorkerGroup
 from ..worker.options import WorkerOptions
-from ..worker.process import WorkerProcess, worker_command
+from ..worker.process import WorkerProcess
 from .comms import refuse_clear_transport
 
 log = logging.getLogger(__name__)
@@ -27,14 +28,29 @@ STOP_TIMEOUT = 10.0  # seconds a torchfeed worker has to stop after SIGTERM befo
 
 
 class WorkerProcesses(WorkerPlugin):
-    """Lives in each Dask worker: the torchfeed worker processes it started, stopped at teardown."""
+    """Lives in each Dask worker: the torchfeed worker processes it started (a
+    :class:`~torchfeed.worker.group.WorkerGroup` per :meth:`start`, owned by this plugin),
+    stopped at teardown.
+
+    The secret, or a secret file's path (read here), is handed to the processes on their
+    standard input, never in an environment (theirs nor this process's): subprocesses of
+    dataset code or of Dask tasks would inherit it. With ``--watch-stdin`` a process ends when
+    its standard input closes, i.e. when the Dask worker that started it is gone, even one
+    killed with no chance to clean up. :meth:`start` and :meth:`stop` run on a thread of the
+    Dask worker's (``asyncio.to_thread``), one at a time.
+    """
 
     idempotent = False
 
     def __init__(self):
-        self.processes: list[WorkerProcess] = []
+        self.groups: list[WorkerGroup] = []
         self.addresses: list[str] = []
         self._previous: tuple[auth.Secret | None] | None = None  # set when this plugin adopted one
+
+    @property
+    def processes(self) -> list[WorkerProcess]:
+        """The torchfeed worker processes started, in order."""
+        return [p for group in self.groups for p in group.processes]
 
     def setup(self, worker) -> None:
         pass
@@ -52,28 +68,24 @@ class WorkerProcesses(WorkerPlugin):
         timeout: float,
     ) -> list[str]:
         """``secret``: the secret, or the path of a secret file this machine shares with the driver."""
-        # the secret never goes into an environment (the workers' nor this process's):
-        # subprocesses of dataset code or of Dask tasks would inherit it
         env = {k: v for k, v in os.environ.items() if k != auth.ENV_SECRET}
         env["PYTHONUNBUFFERED"] = "1"
-        # with --watch-stdin a worker ends when its standard input closes, i.e. when the Dask
-        # worker that started it is gone, even one killed with no chance to clean up
-        cmd = worker_command(host, 0, options, *args)
         if isinstance(secret, str):
-            env[auth.ENV_SECRET_FILE] = secret
+            env[auth.ENV_SECRET_FILE] = secret  # for what the workers start, as a worker started by hand
             secret = auth.secret_from_file(secret)
-            handed = b""
-        else:
-            cmd.append("--secret-on-stdin")
-            handed = secret.value
+        group = WorkerGroup(
+            n,
+            host=host,
+            options=options,
+            extra_args=args,
+            secret=secret.value,
+            env=env,
+            name="torchfeed worker",
+            label="[torchfeed worker {address}] ",
+        )
+        self.groups.append(group)
         try:
-            for _ in range(n):
-                self.processes.append(WorkerProcess(cmd, name="torchfeed worker", secret=handed, env=env))
-            deadline = time.monotonic() + timeout
-            for p in self.processes:
-                address = p.wait_address(max(0.0, deadline - time.monotonic()))
-                p.label(f"[torchfeed worker {address}] ")
-                self.addresses.append(address)
+            self.addresses.extend(group.start(timeout, stop_timeout=STOP_TIMEOUT))
         except BaseException:
             self.stop()
             raise
@@ -84,12 +96,11 @@ class WorkerProcesses(WorkerPlugin):
         return list(self.addresses)
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
-        processes, self.processes, self.addresses = self.processes, [], []
-        for p in processes:
-            p.terminate()
+        """Stop every process: SIGTERM, SIGKILL for those still running ``timeout`` seconds later."""
+        groups, self.groups, self.addresses = self.groups, [], []
         deadline = time.monotonic() + timeout
-        for p in processes:
-            p.reap(max(0.0, deadline - time.monotonic()))
+        for group in groups:
+            group.stop(max(0.0, deadline - time.monotonic()))
         if self._previous is not None:
             (previous,), self._previous = self._previous, None
             auth.adopt_secret(previous)
