@@ -1,4 +1,4 @@
-"""A griffe extension for the API reference: Sphinx roles in docstrings become code spans.
+"""Griffe extensions for the API reference: Sphinx roles in docstrings become code spans.
 
 The docstrings use roles such as :class:`RemoteDataset` and :meth:`~Preemption.requeue`,
 which Markdown would show literally. This turns each into `RemoteDataset` (a leading ``~``
@@ -8,6 +8,9 @@ they are. Configured in mkdocs.yml (``extensions`` of the python handler).
 It also splits grouped numpy-style parameters (``secret, secret_file : ...``) into one entry
 per name without the shared type, so each is shown with its own type and default from the
 signature (griffe gives every name of a group the first one's).
+
+``DefaultSessionFunctions`` shows a torchfeed.client function made from a Session method
+(``rpc_async``) with that method's signature and docstring.
 """
 
 from __future__ import annotations
@@ -63,3 +66,39 @@ class SphinxRoles(griffe.Extension):
     def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
         if obj.docstring is not None:
             obj.docstring.value = split_groups(ROLE.sub(_code, obj.docstring.value))
+
+
+class DefaultSessionFunctions(griffe.Extension):
+    """A module function of torchfeed.client made from a Session method
+    (``rpc_async = _on_default_session(Session.rpc_async)``) is shown as the function it is at
+    run time: the method's signature less ``self`` and its docstring. Read from the source, it
+    would be an attribute."""
+
+    def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
+        if pkg.path != "torchfeed":
+            return
+        client = pkg["client"]
+        for name, member in list(client.members.items()):
+            if member.is_alias or not member.is_attribute:
+                continue
+            value = member.value
+            if not (isinstance(value, griffe.ExprCall) and str(value.function) == "_on_default_session"):
+                continue
+            method = client[str(value.arguments[0])]
+            docstring = method.docstring
+            function = griffe.Function(
+                name,
+                parameters=griffe.Parameters(*list(method.parameters)[1:]),
+                returns=method.returns,
+                lineno=member.lineno,
+                endlineno=member.endlineno,
+                docstring=docstring
+                and griffe.Docstring(
+                    docstring.value,
+                    lineno=docstring.lineno,
+                    endlineno=docstring.endlineno,
+                    parser=docstring.parser,
+                    parser_options=docstring.parser_options,
+                ),
+            )
+            client.set_member(name, function)

@@ -10,12 +10,14 @@ worker lost when it stops answering. The module-level functions here (``rpc_asyn
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 import threading
 import time
 import types
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -54,6 +56,9 @@ __all__ = [
 ]
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
 if TYPE_CHECKING:  # for type checkers: the module's class below defines them at run time
     HEARTBEAT_INTERVAL: float
     HEARTBEAT_TIMEOUT: float
@@ -84,6 +89,23 @@ class _Module(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Module
+
+
+def _on_default_session(method: Callable[Concatenate[Session, _P], _R]) -> Callable[_P, _R]:
+    """``method`` called on the default session, as a module function with the method's
+    docstring and its signature less ``self`` (for ``help()`` and type checkers)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def on_default(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        return getattr(sessions.default_session(), name)(*args, **kwargs)
+
+    signature = inspect.signature(method)
+    on_default.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=list(signature.parameters.values())[1:]
+    )
+    on_default.__module__, on_default.__qualname__ = __name__, name
+    return on_default
 
 
 def set_heartbeat(interval: float = 2.0, timeout: float = 15.0) -> None:
@@ -160,75 +182,9 @@ def call(
     )
 
 
-def rpc_async(
-    host: Address,
-    func: Callable,
-    args=None,
-    kwargs=None,
-    pin_memory: bool = False,
-    rref: bool = False,
-    timeout: float | None = None,
-    *,
-    secret: auth.SecretLike = None,
-    wait_for_worker: bool | None = None,
-    safe_globals: Sequence[Any] | None = None,
-    trust_worker: bool = False,
-) -> torch.futures.Future:
-    """Execute ``func(*args, **kwargs)`` on a worker; return a future of its result.
-
-    Uses the default :class:`~torchfeed.Session` (its connections, secret and timeout);
-    ``session.rpc_async(...)`` does the same on a session of your own.
-
-    Parameters
-    ----------
-    host : str
-        Worker address ``host:port``.
-    func : callable
-        Any callable; lambdas and local functions work (sent with cloudpickle).
-    args, kwargs : optional
-        Arguments; :class:`RemoteRef` arguments arrive as the objects they refer to.
-    pin_memory : bool
-        Receive tensors of the result into pinned memory (when CUDA is available).
-    rref : bool
-        Keep the result on the worker and return a :class:`RemoteRef` to it.
-    timeout : float, optional
-        Seconds to connect and to wait for the result (default: the session's, 120). A
-        worker this session has not reached yet may still be starting: its refused
-        connections are tried again within this time, on a thread of the session's (the
-        future is returned at once).
-    secret : optional
-        The shared secret (default: the session's, else discovered).
-    wait_for_worker : bool, optional
-        Wait for a worker that refuses connections: by default only for one this session
-        has not reached yet (once reached, a refusal means it was lost: the call fails at once).
-    safe_globals : list, optional
-        Classes (or functions) the result may contain beyond what torchfeed loads by
-        default (containers, scalars, tensors, arrays) and :func:`torchfeed.add_safe_globals`
-        allows: a worker's reply runs no code in this process.
-    trust_worker : bool
-        Load the result with plain pickle, as trusted data (a reply can then run any code
-        here): only for a worker you trust with this process.
-
-    Returns
-    -------
-    torch.futures.Future
-        Raises :class:`RemoteError` from ``wait()`` if ``func`` raised on the worker, and
-        :class:`~torchfeed.errors.UnsafeReplyError` if its result names a class that is not
-        allowed (nothing of it ran).
-    """
-    return sessions.default_session().rpc_async(
-        host,
-        func,
-        args,
-        kwargs,
-        pin_memory,
-        rref,
-        timeout,
-        secret=secret,
-        wait_for_worker=wait_for_worker,
-        safe_globals=safe_globals,
-        trust_worker=trust_worker,
-    )
+# Session.rpc_async is the one source of the signature and the docs; the API reference shows
+# this name as that function too (docs/griffe_roles.py: DefaultSessionFunctions)
+rpc_async = _on_default_session(Session.rpc_async)
 
 
 def wait_all(futures: dict[str, torch.futures.Future], timeout: float) -> dict[str, Any]:

@@ -353,15 +353,48 @@ class Session:
     ) -> torch.futures.Future:
         """Execute ``func(*args, **kwargs)`` on a worker; return a future of its result.
 
-        As :func:`torchfeed.rpc_async`, with this session's connections, secret and
-        (when ``timeout`` is None) timeout. A worker this session has not reached since its
-        last :meth:`close` may still be starting: refused connections to it are tried again
-        until ``timeout`` (the first refusal is logged), on a thread that reaches that address
-        for every call waiting on it; the future is returned at once. Once reached, a refused
-        connection fails the call at once (the worker was lost). ``wait_for_worker=False``
-        never waits, ``True`` always does. The result is loaded as the session loads replies
-        (restricted; ``safe_globals`` allows more for this call), or by plain pickle with
-        ``trust_worker=True``: only for a worker you trust with this process.
+        Uses the session's connections, secret and timeout: :func:`torchfeed.rpc_async` is this
+        method of the default session (:func:`torchfeed.client.default_session`).
+
+        Parameters
+        ----------
+        host : str
+            Worker address ``host:port``.
+        func : callable
+            Any callable; lambdas and local functions work (sent with cloudpickle).
+        args, kwargs : optional
+            Arguments; :class:`RemoteRef` arguments arrive as the objects they refer to.
+        pin_memory : bool
+            Receive tensors of the result into pinned memory (when CUDA is available).
+        rref : bool
+            Keep the result on the worker and return a :class:`RemoteRef` to it.
+        timeout : float, optional
+            Seconds to connect and to wait for the result (default: the session's, 120). A
+            worker this session has not reached since its last :meth:`close` may still be
+            starting: its refused connections are tried again within this time (the first
+            refusal is logged), on a thread that reaches that address for every call waiting
+            on it; the future is returned at once.
+        secret : optional
+            The shared secret (default: the session's, else discovered).
+        wait_for_worker : bool, optional
+            Wait for a worker that refuses connections: by default only for one this session
+            has not reached yet (once reached, a refusal means it was lost: the call fails at
+            once); ``False`` never waits, ``True`` always does.
+        safe_globals : list, optional
+            Classes (or functions) this call's result may contain beyond what torchfeed loads
+            by default (containers, scalars, tensors, arrays) and what
+            :func:`torchfeed.add_safe_globals` and the session allow: a worker's reply runs no
+            code in this process.
+        trust_worker : bool
+            Load the result with plain pickle, as trusted data (a reply can then run any code
+            here): only for a worker you trust with this process.
+
+        Returns
+        -------
+        torch.futures.Future
+            Raises :class:`RemoteError` from ``wait()`` if ``func`` raised on the worker, and
+            :class:`~torchfeed.errors.UnsafeReplyError` if its result names a class that is not
+            allowed (nothing of it ran).
         """
         timeout = self.timeout if timeout is None else timeout
         fut: torch.futures.Future = torch.futures.Future()
