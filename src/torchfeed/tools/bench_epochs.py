@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
 from torch.utils.data import DataLoader
 from torch.utils.data._utils.collate import default_collate
 
+from ..local import LocalWorkers
 from . import measure as bench
 from .measure import (
     BIG,
@@ -51,6 +49,7 @@ SHARED_TRAINERS = 4
 SHARED_SLEEP = 0.020
 SHARED_BATCH = 4
 SHARED_SECONDS = 10.0
+SHARED_START_TIMEOUT = 120.0  # seconds for the shared case's workers to be ready
 
 
 def _median(values: list[float]) -> float:
@@ -180,87 +179,6 @@ def case_tiny(ctx: Context) -> Result:
 # -- shared ----------------------------------------------------------------------------------
 
 
-class ForkedWorkers:
-    """``n`` torchfeed workers forked from one process that imported torch once (cheap to
-    start: the children share its memory). Stopped with ``close()``."""
-
-    def __init__(self, n: int, timeout: float = 120.0):
-        self._dir = tempfile.mkdtemp(prefix="torchfeed-bench-")
-        path = os.path.join(self._dir, "workers")
-        code = f"from torchfeed.tools.bench_epochs import _fork_workers; _fork_workers({n}, {path!r})"
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", code],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + timeout
-        self.addresses: list[str] = []
-        while time.monotonic() < deadline and self._proc.poll() is None:
-            try:
-                with open(path) as f:
-                    self.addresses = [ln.strip() for ln in f if ln.strip()]
-            except FileNotFoundError:
-                pass
-            if len(self.addresses) >= n:
-                break
-            time.sleep(0.2)
-        if len(self.addresses) < n:
-            self.close()
-            raise RuntimeError(f"only {len(self.addresses)} of {n} forked workers started")
-        self.pids: list[int] = []
-        try:
-            with open(path + ".pids") as f:
-                self.pids = [int(x) for x in f.read().split()]
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        try:
-            os.killpg(self._proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            self._proc.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(self._proc.pid, signal.SIGKILL)
-            self._proc.wait()
-        shutil.rmtree(self._dir, ignore_errors=True)
-
-
-def _fork_workers(n: int, path: str) -> None:
-    """In a fresh process: import once, fork ``n`` workers announcing into ``path``."""
-    import torch  # noqa: F401 - imported before forking: shared by the children
-
-    from ..worker.server import run_worker
-
-    children = []
-    for _ in range(n):
-        pid = os.fork()
-        if pid == 0:
-            try:
-                run_worker("127.0.0.1", 0, address_file=path)
-            finally:
-                os._exit(0)
-        children.append(pid)
-    with open(path + ".pids", "w") as f:
-        f.write(" ".join(map(str, children)))
-
-    def stop(*_):
-        for c in children:
-            try:
-                os.kill(c, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-
-    signal.signal(signal.SIGTERM, stop)
-    for c in children:
-        try:
-            os.waitpid(c, 0)
-        except ChildProcessError:
-            pass
-
-
 def shared_trainer(kind: str, addresses: list[str], start_at: float, seconds: float) -> None:
     """One trainer process of ``shared``: prints one JSON line (batches in the window, CPU)."""
     import warnings
@@ -349,7 +267,8 @@ def case_shared(ctx: Context) -> Result:
     spread: dict[str, float] = {}
     cpu: dict[str, list[float]] = {"torch": [], "torchfeed": []}
     ctx.log(f"    starting {SHARED_WORKERS} forked torchfeed workers")
-    workers = ForkedWorkers(SHARED_WORKERS)
+    # forked from the fork server (one interpreter that imported torch: cheap starts, shared memory)
+    workers = LocalWorkers(SHARED_WORKERS, start_timeout=SHARED_START_TIMEOUT, stop_timeout=15.0)
     try:
         for kind in ("torch", "torchfeed"):
             outs = _run_trainers(
