@@ -15,7 +15,7 @@ import pytest
 from distributed import LocalCluster
 
 import torchfeed.dask as tfd
-import torchfeed.scaling.dask_pool as pool_module
+import torchfeed.dask.pool as pool_module
 from helpers import wait_for
 
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(300)]

@@ -19,12 +19,12 @@ from ..util import lazy_exports
 _EXPORTS = {
     "Environment": "env",
     "SlurmJob": "slurm",
-    "SlurmPool": ".scaling.slurm_pool",
+    "SlurmPool": "pool",
     "choose_port": "env",
     "device_group": "env",
     "environment": "env",
     "init_distributed": "env",
-    "pool_script": ".scaling.slurm_pool",
+    "pool_script": "pool",
     "sbatch_script": "slurm",
     "split_workers": "discovery",
     "workers": "discovery",
@@ -53,7 +53,7 @@ def __dir__():
 
 
 if TYPE_CHECKING:
-    from ..scaling.slurm_pool import SlurmPool, pool_script
     from .discovery import split_workers, workers
     from .env import Environment, choose_port, device_group, environment, init_distributed
+    from .pool import SlurmPool, pool_script
     from .slurm import SlurmJob, sbatch_script

@@ -19,18 +19,10 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
         "torchfeed.dask needs Dask's distributed package: pip install 'torchfeed[dask]'"
     ) from exc
 
-from typing import TYPE_CHECKING
-
-from ..util import lazy_exports
+from .pool import DaskPool, Pool
 from .ranks import RankError, run
 from .results import ResultsHandler
 from .workers import WorkerAddresses, start_workers, stop_workers
-
-# Pool lives in torchfeed.scaling (which imports this package's modules): imported on first use
-__getattr__ = lazy_exports(__name__, {"DaskPool": ".scaling.dask_pool", "Pool": ".scaling.dask_pool"})
-
-if TYPE_CHECKING:
-    from ..scaling.dask_pool import DaskPool, Pool
 
 __all__ = [
     "DaskPool",

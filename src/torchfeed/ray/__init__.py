@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 from ..util import lazy_exports
 
-# Pool lives in torchfeed.scaling (which imports this package's modules): imported on first use
-__getattr__ = lazy_exports(__name__, {"Pool": ".scaling.ray_pool", "RayPool": ".scaling.ray_pool"})
+# imported on first use: importing torchfeed.ray does not import Ray
+__getattr__ = lazy_exports(__name__, {"Pool": "pool", "RayPool": "pool"})
 
 if TYPE_CHECKING:
-    from ..scaling.ray_pool import Pool, RayPool
+    from .pool import Pool, RayPool
 
 __all__ = ["Pool", "RayPool"]

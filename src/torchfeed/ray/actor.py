@@ -21,7 +21,7 @@ from ..worker.options import WorkerOptions
 
 
 class WorkerActor:
-    """The body of a worker actor (made a Ray actor class by :func:`torchfeed.scaling.ray_pool.actor_class`)."""
+    """The body of a worker actor (made a Ray actor class by :func:`torchfeed.ray.pool.actor_class`)."""
 
     def __init__(self) -> None:
         self.workers: LocalWorkers | None = None

@@ -4,12 +4,13 @@
 - :mod:`~torchfeed.scaling.controller`: the controller thread behind :func:`torchfeed.autoscale`;
 - :mod:`~torchfeed.scaling.pool`: what a pool of workers offers the controller;
 - :mod:`~torchfeed.scaling.local_pool`: workers on the trainer's machine, up to a CPU budget;
-- :mod:`~torchfeed.scaling.tiers`: several pools as one, the cheapest grown first, retired last;
-- the pools on each engine: :mod:`~torchfeed.scaling.dask_pool`,
-  :mod:`~torchfeed.scaling.ray_pool` and :mod:`~torchfeed.scaling.slurm_pool` (also importable
-  as ``torchfeed.dask.Pool``, ``torchfeed.ray.Pool`` and ``torchfeed.cluster.SlurmPool``).
+- :mod:`~torchfeed.scaling.tiers`: several pools as one, the cheapest grown first, retired last.
 
-Names are imported on first use: the engines' pools import Dask or Ray, the controller torch.
+The pools on each engine live in the engine's package, which imports this one (never the
+reverse): ``torchfeed.dask.Pool``, ``torchfeed.ray.Pool`` and ``torchfeed.cluster.SlurmPool``.
+Their old modules here (``dask_pool``, ``ray_pool``, ``slurm_pool``) are deprecated.
+
+Names are imported on first use: the controller imports torch.
 """
 
 from __future__ import annotations

@@ -32,9 +32,9 @@ from typing import Any
 import ray
 
 from ..protocol import auth
-from ..ray import nodes
-from ..ray.actor import WorkerActor
 from ..worker.options import WorkerOptions
+from . import nodes
+from .actor import WorkerActor
 
 log = logging.getLogger("torchfeed.ray")
 

@@ -26,12 +26,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cluster import private
-from ..cluster.slurm import render_template
 from ..errors import Timeout, TorchfeedError
 from ..protocol import auth
 from ..protocol.addrfile import UnsafeAddressFile, read_address_file
 from ..worker.options import WorkerOptions
+from . import private
+from .slurm import render_template
 
 log = logging.getLogger("torchfeed.cluster")
 

@@ -32,10 +32,10 @@ from typing import Any
 import distributed
 from distributed.comm.addressing import get_address_host
 
-from ..dask.comms import in_clear
-from ..dask.workers import WorkerProcesses, export, prepare_secret, unexport
 from ..protocol import auth
 from ..worker.options import WorkerOptions
+from .comms import in_clear
+from .workers import WorkerProcesses, export, prepare_secret, unexport
 
 log = logging.getLogger("torchfeed.dask")
 
