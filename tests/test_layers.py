@@ -235,16 +235,20 @@ def _is_package(path: Path) -> bool:
 
 
 def import_edges(path: Path, root: Path = SRC) -> set[str]:
-    """The torchfeed modules ``path`` imports (``from p import m`` with ``m`` a module: ``p.m``)."""
+    """The torchfeed modules ``path`` imports (``from p import m`` with ``m`` a module: ``p.m``),
+    its lazy exports (``lazy_exports(__name__, {...})``: imported on first use) included."""
     name = module_name(path, root)
     package = name if _is_package(path) else name.rpartition(".")[0]
     known = {module_name(p, root) for p in root.rglob("*.py") if "__pycache__" not in p.parts}
     edges: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif (dynamic := _dynamic_import(node, package)) is not None:
             targets = [dynamic]
+        elif (lazy := _lazy_exports(node, tree, package)) is not None:
+            targets = lazy
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -281,6 +285,44 @@ def _dynamic_import(node: ast.AST, package: str) -> str | None:
         base = package.split(".")
         return ".".join(base[: len(base) - (dots - 1)] + [name.lstrip(".")]).rstrip(".")
     return name
+
+
+def _lazy_exports(node: ast.AST, tree: ast.Module, package: str) -> list[str] | None:
+    """The modules of ``lazy_exports(__name__, exports)`` (a dict literal, or the name of one
+    assigned at module level): each relative to ``package``, as util.lazy_exports imports it."""
+    if not (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "lazy_exports"
+        and len(node.args) == 2
+    ):
+        return None
+    exports = node.args[1]
+    if isinstance(exports, ast.Name):
+        exports = next(
+            (
+                n.value
+                for n in tree.body
+                if isinstance(n, (ast.Assign, ast.AnnAssign))
+                and any(isinstance(t, ast.Name) and t.id == exports.id for t in _targets(n))
+                and n.value is not None
+            ),
+            exports,
+        )
+    if not isinstance(exports, ast.Dict):
+        return None
+    found = []
+    for value in exports.values:
+        if isinstance(value, ast.Constant) and isinstance(value.value, str):
+            relative = "." + value.value
+            dots = len(relative) - len(relative.lstrip("."))
+            base = package.split(".")
+            found.append(".".join(base[: len(base) - (dots - 1)] + [relative.lstrip(".")]))
+    return found
+
+
+def _targets(node: ast.Assign | ast.AnnAssign) -> list[ast.expr]:
+    return list(node.targets) if isinstance(node, ast.Assign) else [node.target]
 
 
 def import_graph(root: Path = SRC) -> dict[str, set[str]]:
@@ -395,3 +437,36 @@ def test_the_cycle_check_catches_what_it_should(tmp_path: Path) -> None:
         k.replace(PACKAGE, "pkg", 1): {t.replace(PACKAGE, "pkg", 1) for t in v} for k, v in graph.items()
     }
     assert import_cycles(graph) == [["pkg", "pkg.a"], ["pkg.e", "pkg.f"]]
+
+
+ENGINES = ("dask", "ray", "cluster")  # the engines' packages: each holds its pool (BasePool's subclass)
+
+
+def test_scaling_imports_no_engine_package() -> None:
+    """scaling/ is engine-agnostic: the engines' pools import its base, never the reverse
+    (lazy exports count; the deprecated old module paths only name the new places)."""
+    wrong = sorted(
+        f"{module} imports {target}"
+        for module, targets in import_graph().items()
+        if module.startswith(f"{PACKAGE}.scaling")
+        for target in targets
+        if target.split(".")[1] in ENGINES
+    )
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_lazy_export_is_an_edge(tmp_path: Path) -> None:
+    """``lazy_exports(__name__, {...})``, given a dict or the name of one, counts as an import."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text(
+        "_EXPORTS = {'A': '.a', 'B': 'b'}\n__getattr__ = lazy_exports(__name__, _EXPORTS)\n"
+    )
+    (pkg / "sub" / "b.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from .sub import b\n")
+    graph = import_graph(pkg)
+    assert graph[f"{PACKAGE}.sub"] == {f"{PACKAGE}.a", f"{PACKAGE}.sub.b"}
+    assert import_cycles(graph) == []  # a -> sub.b, sub -> a: no circle
+    (pkg / "a.py").write_text("from .sub import B\n")
+    assert import_cycles(import_graph(pkg)) == [[f"{PACKAGE}.a", f"{PACKAGE}.sub"]]

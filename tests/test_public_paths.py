@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -37,9 +38,11 @@ def test_an_unknown_name_is_an_attribute_error():
 
 
 def test_old_names_are_the_new_objects_and_warn_once_naming_them(monkeypatch):
-    import importlib
+    import importlib.util
     import warnings
 
+    import torchfeed.cluster
+    import torchfeed.dask
     from torchfeed import deprecation
 
     monkeypatch.setattr(deprecation, "_warned", set())
@@ -49,7 +52,21 @@ def test_old_names_are_the_new_objects_and_warn_once_naming_them(monkeypatch):
         ("torchfeed.pools", "Pool"): torchfeed.scaling.WorkerPool,
         ("torchfeed.pools", "WorkerPool"): torchfeed.scaling.WorkerPool,
         ("torchfeed.scaling", "Pool"): torchfeed.scaling.WorkerPool,
+        # the engines' pools moved from scaling/ into their engine's package
+        ("torchfeed.scaling.dask_pool", "DaskPool"): torchfeed.dask.DaskPool,
+        ("torchfeed.scaling.dask_pool", "PoolProcesses"): importlib.import_module(
+            "torchfeed.dask.pool"
+        ).PoolProcesses,
+        ("torchfeed.scaling.slurm_pool", "SlurmPool"): torchfeed.cluster.SlurmPool,
+        ("torchfeed.scaling.slurm_pool", "pool_script"): torchfeed.cluster.pool_script,
     }
+    if importlib.util.find_spec("ray") is not None:  # the Ray pool imports Ray
+        old_names[("torchfeed.scaling.ray_pool", "RayPool")] = importlib.import_module(
+            "torchfeed.ray"
+        ).RayPool
+        old_names[("torchfeed.scaling.ray_pool", "actor_class")] = importlib.import_module(
+            "torchfeed.ray.pool"
+        ).actor_class
     for (module, name), new in old_names.items():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -60,6 +77,21 @@ def test_old_names_are_the_new_objects_and_warn_once_naming_them(monkeypatch):
         assert f"{module}.{name} is deprecated" in text and deprecation.REMOVED_IN in text
         assert new.__name__ in text and caught[0].filename == __file__  # the user's line
     assert not {"RPCDataset", "RPCDataloader"} & set(torchfeed.__all__)  # `import *` stays silent
+
+
+def test_the_engines_pools_keep_their_documented_names():
+    import torchfeed.cluster
+    import torchfeed.dask
+    import torchfeed.ray
+    from torchfeed.cluster import pool as slurm_pool
+    from torchfeed.dask import pool as dask_pool
+
+    assert torchfeed.dask.Pool is torchfeed.dask.DaskPool is dask_pool.DaskPool
+    assert torchfeed.cluster.SlurmPool is slurm_pool.SlurmPool
+    assert torchfeed.cluster.pool_script is slurm_pool.pool_script
+    assert {"Pool", "RayPool"} <= set(torchfeed.ray.__all__)
+    if importlib.util.find_spec("ray") is not None:
+        assert torchfeed.ray.Pool is torchfeed.ray.RayPool
 
 
 def test_client_api_paths():
@@ -86,7 +118,7 @@ def test_worker_and_loader_paths():
 
 
 @pytest.mark.parametrize(
-    "module", ["cluster", "dask", "datasets", "checkpoint", "plots", "seeding", "launch"]
+    "module", ["cluster", "dask", "ray", "datasets", "checkpoint", "plots", "seeding", "launch"]
 )
 def test_subpackages_and_modules_import(module):
     importlib.import_module(f"torchfeed.{module}")
