@@ -83,16 +83,23 @@ def test_a_killed_worker_loses_nothing(fresh_workers, cls, warns, recwarn):
     assert len(replayed) == (1 if warns else 0)
 
 
+def _losing_a_worker_keeps_dataset_state(w, seconds: float, num_workers: int, after: int, victim: int):
+    """A pass of a dataset-level Stateful iterable in batches of 3 over ``num_workers`` streams,
+    worker ``victim`` killed once ``after`` batches arrived: torch's batches all the same."""
+    ds = torchfeed.RemoteDataset(w.addresses, DatasetStateful, 40, seconds)
+    ours = []
+    for batch in torchfeed.RemoteDataLoader(
+        ds, batch_size=3, num_workers=num_workers, prefetch_factor=1, timeout=60
+    ):
+        ours.append(batch)
+        if len(ours) == after:
+            w.kill(victim)
+    assert deep_equal(ours, torch_batches(DatasetStateful(40), batch_size=3, num_workers=num_workers))
+
+
 @pytest.mark.slow
 def test_dataset_level_state_moves_too(fresh_workers):
-    w = fresh_workers(2)
-    ds = torchfeed.RemoteDataset(w.addresses, DatasetStateful, 40, 0.01)
-    ours = []
-    for batch in torchfeed.RemoteDataLoader(ds, batch_size=3, num_workers=2, prefetch_factor=1, timeout=60):
-        ours.append(batch)
-        if len(ours) == 3:
-            w.kill(0)
-    assert deep_equal(ours, torch_batches(DatasetStateful(40), batch_size=3, num_workers=2))
+    _losing_a_worker_keeps_dataset_state(fresh_workers(2), 0.01, num_workers=2, after=3, victim=0)
 
 
 @pytest.mark.slow
@@ -168,14 +175,7 @@ with torchfeed.LocalWorkers(1) as w:
 @pytest.mark.slow
 def test_streams_on_one_worker_keep_dataset_state_apart(fresh_workers):
     """Two streams of a dataset-level Stateful iterable on one worker, then moved: nothing mixed up."""
-    w = fresh_workers(2)
-    ds = torchfeed.RemoteDataset(w.addresses, DatasetStateful, 40, 0.005)
-    ours = []
-    for batch in torchfeed.RemoteDataLoader(ds, batch_size=3, num_workers=4, prefetch_factor=1, timeout=60):
-        ours.append(batch)
-        if len(ours) == 5:
-            w.kill(1)
-    assert deep_equal(ours, torch_batches(DatasetStateful(40), batch_size=3, num_workers=4))
+    _losing_a_worker_keeps_dataset_state(fresh_workers(2), 0.005, num_workers=4, after=5, victim=1)
 
 
 def test_a_pass_left_open_is_closed_at_exit_like_a_map_pass(workers2, monkeypatch):

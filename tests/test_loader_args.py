@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import typing
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,6 +28,17 @@ def shards(workers2):
     return torchfeed.RemoteDataset(workers2, Shards, 23)
 
 
+def _raises_like_torch(
+    error: type[Exception], theirs: Callable[[], object], ours: Callable[[], object]
+) -> None:
+    """``theirs()`` (torch) and ``ours()`` (torchfeed) both raise ``error``, with the same message."""
+    with pytest.raises(error) as torchs:
+        theirs()
+    with pytest.raises(error) as torchfeeds:
+        ours()
+    assert str(torchfeeds.value) == str(torchs.value)
+
+
 @pytest.mark.parametrize(
     "kw",
     [
@@ -43,28 +55,24 @@ def shards(workers2):
     ],
 )
 def test_argument_errors_are_torchs(plain, kw):
-    with pytest.raises(ValueError) as theirs:
-        DataLoader(Plain(), **kw)
-    with pytest.raises(ValueError) as ours:
-        torchfeed.RemoteDataLoader(plain, **kw)
-    assert str(ours.value) == str(theirs.value)
+    _raises_like_torch(
+        ValueError, lambda: DataLoader(Plain(), **kw), lambda: torchfeed.RemoteDataLoader(plain, **kw)
+    )
 
 
 def test_context_of_the_wrong_type_is_a_type_error_like_torchs(plain):
-    with pytest.raises(TypeError) as theirs:
-        DataLoader(Plain(), num_workers=2, multiprocessing_context=5)
-    with pytest.raises(TypeError) as ours:
-        torchfeed.RemoteDataLoader(plain, num_workers=2, multiprocessing_context=5)
-    assert str(ours.value) == str(theirs.value)
+    _raises_like_torch(
+        TypeError,
+        lambda: DataLoader(Plain(), num_workers=2, multiprocessing_context=5),
+        lambda: torchfeed.RemoteDataLoader(plain, num_workers=2, multiprocessing_context=5),
+    )
 
 
 @pytest.mark.parametrize("kw", [dict(shuffle=True), dict(sampler=[0, 1]), dict(batch_sampler=[[0, 1]])])
 def test_iterable_dataset_argument_errors_are_torchs(shards, kw):
-    with pytest.raises(ValueError) as theirs:
-        DataLoader(Shards(), **kw)
-    with pytest.raises(ValueError) as ours:
-        torchfeed.RemoteDataLoader(shards, **kw)
-    assert str(ours.value) == str(theirs.value)
+    _raises_like_torch(
+        ValueError, lambda: DataLoader(Shards(), **kw), lambda: torchfeed.RemoteDataLoader(shards, **kw)
+    )
 
 
 @pytest.mark.parametrize(
@@ -92,8 +100,7 @@ def test_assigning_after_construction_raises_like_torch(plain, name, value):
 
 
 def test_has_every_attribute_of_torchs_dataloader(plain):
-    theirs = DataLoader(
-        Plain(),
+    settings: dict[str, Any] = dict(
         batch_size=4,
         num_workers=2,
         prefetch_factor=3,
@@ -102,16 +109,8 @@ def test_has_every_attribute_of_torchs_dataloader(plain):
         worker_init_fn=print,
         pin_memory=False,
     )
-    ours: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        plain,
-        batch_size=4,
-        num_workers=2,
-        prefetch_factor=3,
-        persistent_workers=True,
-        multiprocessing_context="spawn",
-        worker_init_fn=print,
-        pin_memory=False,
-    )
+    theirs = DataLoader(Plain(), **settings)
+    ours: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(plain, **settings)
     public = [a for a in dir(theirs) if not a.startswith("_")]
     missing = [a for a in public if not hasattr(ours, a)]
     assert not missing
