@@ -12,8 +12,8 @@ _lock = threading.Lock()
 _decoded: dict[tuple, int] = {}  # (dataset size, sample) -> times decoded in this worker process
 
 
-class Decoded(Dataset):
-    """Sample i: a deterministic 3x16x16 tensor (the "read + decode + resize")."""
+class _Images(Dataset):
+    """``n`` samples of 3 x ``side`` x ``side``."""
 
     def __init__(self, n: int = 64, side: int = 16):
         self.n = n
@@ -21,6 +21,10 @@ class Decoded(Dataset):
 
     def __len__(self) -> int:
         return self.n
+
+
+class Decoded(_Images):
+    """Sample i: a deterministic 3x16x16 tensor (the "read + decode + resize")."""
 
     def __getitem__(self, i: int) -> torch.Tensor:
         with _lock:
@@ -38,15 +42,8 @@ def augment(x: torch.Tensor) -> torch.Tensor:
     return out + 0.0  # a new tensor
 
 
-class Uncached(Dataset):
+class Uncached(_Images):
     """What a cached Decoded with then=augment must give: augment(decode(i))."""
-
-    def __init__(self, n: int = 64, side: int = 16):
-        self.n = n
-        self.side = side
-
-    def __len__(self) -> int:
-        return self.n
 
     def __getitem__(self, i: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(1000 + i)  # Decoded's sample, not counted as a decode
