@@ -89,9 +89,12 @@ def test_the_engines_pools_keep_their_documented_names():
     assert torchfeed.dask.Pool is torchfeed.dask.DaskPool is dask_pool.DaskPool
     assert torchfeed.cluster.SlurmPool is slurm_pool.SlurmPool
     assert torchfeed.cluster.pool_script is slurm_pool.pool_script
+    assert issubclass(dask_pool.DaskPool, torchfeed.scaling.BasePool)
+    assert issubclass(torchfeed.scaling.LocalPool, torchfeed.scaling.BasePool)
     assert {"Pool", "RayPool"} <= set(torchfeed.ray.__all__)
     if importlib.util.find_spec("ray") is not None:
         assert torchfeed.ray.Pool is torchfeed.ray.RayPool
+        assert issubclass(torchfeed.ray.RayPool, torchfeed.scaling.BasePool)
 
 
 def test_client_api_paths():

@@ -23,9 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import queue
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +31,7 @@ import distributed
 from distributed.comm.addressing import get_address_host
 
 from ..protocol import auth
+from ..scaling.pool import BasePool
 from ..worker.options import WorkerOptions
 from .comms import in_clear
 from .workers import WorkerProcesses, export, prepare_secret, unexport
@@ -131,7 +130,7 @@ async def _stop_here(dask_worker=None) -> None:
         await asyncio.to_thread(plugin.stop_all)
 
 
-class DaskPool:
+class DaskPool(BasePool):
     """torchfeed workers on a Dask cluster that scales: a :class:`torchfeed.scaling.pool.WorkerPool`.
 
     One ``torchfeed worker`` process runs next to each Dask worker (give it more
@@ -151,7 +150,17 @@ class DaskPool:
         Seconds a torchfeed worker has to report ready on its Dask worker.
     poll : float
         Seconds between two looks at the Dask workers (a quarter of it while some start).
+
+    Its thread (``torchfeed-dask-pool``, see :class:`~torchfeed.scaling.pool.BasePool`) scales the
+    cluster, retires Dask workers, polls the plugin and sends the secret to the Dask workers
+    it checked; :meth:`close` waits up to 60 s for it, then unregisters the plugin (the
+    torchfeed workers stop, the Dask workers stay) and closes the pool's own client.
     """
+
+    label = "torchfeed.dask.Pool"
+    thread_name = "torchfeed-dask-pool"
+    close_timeout = 60.0
+    unknown_holder = "no Dask worker hosts"
 
     def __init__(
         self,
@@ -184,14 +193,11 @@ class DaskPool:
         except BaseException:
             self._close_client()
             raise
-        self.poll = poll
-        self._lock = threading.Lock()
+        super().__init__(poll, log)
         self._ready: dict[str, list[str]] = {}  # Dask worker -> its torchfeed worker's addresses
         self._names: dict[str, Any] = {}  # Dask worker -> its name (the cluster's key for it)
         self._failed: set[str] = set()  # Dask workers whose torchfeed worker did not start (logged)
         self._retiring: set[str] = set()  # Dask workers being retired
-        self._ops: queue.Queue = queue.Queue()  # ("scale", n) | ("retire", [dask workers]) | None
-        self._closed = False
         self._refusal: str | None = None  # the last reason the cluster did not grow (logged once)
         self._secret = sent if isinstance(sent, auth.Secret) else None  # sent per worker, once checked
         self._allow_insecure = allow_insecure
@@ -209,51 +215,28 @@ class DaskPool:
         if n is not None and n > self._target:
             self.scale(n)
         self._refresh()
-        self._thread = threading.Thread(target=self._run, name="torchfeed-dask-pool", daemon=True)
-        self._thread.start()
+        self._start_thread()
 
-    # -- the Pool protocol ---------------------------------------------------------------
-    def addresses(self) -> list[str]:
-        """The ``host:port`` of every torchfeed worker ready now (as of the last poll)."""
-        with self._lock:
-            return [a for w in sorted(self._ready) if w not in self._retiring for a in self._ready[w]]
+    # -- the engine's steps (BasePool's hooks) ------------------------------------------------
+    def _ready_addresses(self) -> list[str]:
+        return [a for w in sorted(self._ready) if w not in self._retiring for a in self._ready[w]]
 
-    def requested(self) -> int:
-        """Workers asked for: ready plus starting (Dask workers being retired not counted)."""
-        with self._lock:
-            return self._target
-
-    def scale(self, n: int) -> None:
-        """Ask the cluster for ``n`` Dask workers in all (grow only); returns at once."""
-        with self._lock:
-            if n <= self._target or self._closed:
-                return
-            self._target = n
-        self._ops.put(("scale", n))
-
-    def retire(self, addresses: Sequence[str]) -> None:
-        """Stop these (drained) torchfeed workers, then retire their Dask workers; returns at once."""
+    def _claim(self, addresses: Sequence[str]) -> tuple[list[str], int, list[str]]:
+        # the torchfeed worker is stopped first, then its Dask worker is retired
         gone = set(addresses)
-        with self._lock:
-            workers = [w for w, own in self._ready.items() if gone & set(own) and w not in self._retiring]
-            self._retiring.update(workers)
-            self._target = max(self._target - len(workers), 0)
-            unknown = gone - {a for w in workers for a in self._ready[w]}
-        if unknown:
-            log.warning(
-                "torchfeed.dask.Pool: no Dask worker hosts %s; nothing to retire there", ", ".join(unknown)
-            )
-        if workers:
-            self._ops.put(("retire", workers))
+        workers = [w for w, own in self._ready.items() if gone & set(own) and w not in self._retiring]
+        self._retiring.update(workers)
+        return workers, len(workers), [a for w in workers for a in self._ready[w]]
 
-    def close(self) -> None:
-        """Stop every torchfeed worker of this pool (the Dask workers stay) and its thread."""
-        if self._closed:
-            return
-        self._closed = True
-        self._ops.put(None)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(60.0)
+    def _poll_wait(self) -> float:
+        with self._lock:
+            starting = self._target > sum(1 for w in self._ready if w not in self._retiring)
+        return self.poll / 4 if starting else self.poll
+
+    def _step(self) -> None:
+        self._refresh()
+
+    def _release(self) -> None:
         try:
             self.client.unregister_worker_plugin(POOL_PLUGIN)
         except Exception as exc:  # noqa: BLE001 - Dask workers leaving meanwhile stop theirs on their own
@@ -262,48 +245,15 @@ class DaskPool:
             unexport()
         self._close_client()
 
-    def __enter__(self) -> DaskPool:
-        return self
+    def _wait_failed(self, ready: int, n: int, timeout: float) -> str:
+        return (
+            f"torchfeed.dask.Pool: {ready} of {n} torchfeed workers ready after {timeout:g} s "
+            f"(asked the cluster for {self.requested()}); see the Dask workers' logs"
+        )
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def wait(self, n: int = 1, timeout: float = 120.0) -> list[str]:
-        """Wait until ``n`` torchfeed workers are ready; return their addresses (TimeoutError after ``timeout``)."""
-        deadline = time.monotonic() + timeout
-        while len(ready := self.addresses()) < n:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"torchfeed.dask.Pool: {len(ready)} of {n} torchfeed workers ready after {timeout:g} s "
-                    f"(asked the cluster for {self.requested()}); see the Dask workers' logs"
-                )
-            time.sleep(0.05)
-        return ready
-
-    # -- the thread -------------------------------------------------------------------------
     def _close_client(self) -> None:
         if self._own_client:
             self.client.close()
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                starting = self._target > sum(1 for w in self._ready if w not in self._retiring)
-            try:
-                op = self._ops.get(timeout=self.poll / 4 if starting else self.poll)
-            except queue.Empty:
-                op = ()
-            if op is None:
-                return
-            try:
-                if op and op[0] == "scale":
-                    self._scale(op[1])
-                elif op:
-                    self._retire(op[1])
-                self._refresh()
-            except Exception as exc:  # noqa: BLE001 - keep serving; the next poll tries again
-                if not self._closed:
-                    log.warning("torchfeed.dask.Pool: %s: %s", type(exc).__name__, exc)
 
     def _refresh(self) -> None:
         """Read which Dask workers there are and the state of their torchfeed worker."""
@@ -355,7 +305,7 @@ class DaskPool:
         if checked and self._secret is not None:
             self.client.run(_receive_secret, self._secret, workers=checked, on_error="return")
 
-    def _scale(self, n: int) -> None:
+    def _grow(self, n: int) -> None:
         if self.cluster is None:
             why = (
                 "this Dask client has no cluster object to scale (it was connected to a scheduler "
@@ -373,7 +323,7 @@ class DaskPool:
             self._refusal = why
             log.warning("torchfeed.dask.Pool: cannot grow to %d workers: %s", n, why)
 
-    def _retire(self, workers: list[str]) -> None:
+    def _shrink(self, workers: list[str]) -> None:
         # the torchfeed worker first (the caller drained it), then its Dask worker
         self.client.run(_stop_here, workers=workers, on_error="return")
         with self._lock:

@@ -14,16 +14,15 @@ nodes the trainers use. Ray schedules; the pool only asks:
 * an actor or worker that dies (a node lost, ``ray.kill``) leaves :meth:`RayPool.addresses`;
   the loader requeues its batches, and the pool starts a replacement (the target holds).
 
-One thread (``torchfeed-ray-pool``) owns every change; public methods only read or queue.
+One thread (``torchfeed-ray-pool``, :class:`~torchfeed.scaling.pool.BasePool`) owns every change;
+public methods only read or queue.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import secrets
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from typing import Any
 import ray
 
 from ..protocol import auth
+from ..scaling.pool import BasePool
 from ..worker.options import WorkerOptions
 from . import nodes
 from .actor import WorkerActor
@@ -80,7 +80,7 @@ class _Member:
     node: str = ""
 
 
-class RayPool:
+class RayPool(BasePool):
     """torchfeed workers as Ray actors: a :class:`torchfeed.scaling.pool.WorkerPool` (see the module docstring).
 
     Parameters
@@ -113,7 +113,16 @@ class RayPool:
         Seconds after which actors Ray has not placed are reported (once per request).
     poll : float
         Seconds between two looks at the actors.
+
+    Its thread (``torchfeed-ray-pool``, see :class:`~torchfeed.scaling.pool.BasePool`) creates,
+    starts, watches and kills the actors; :meth:`close` waits up to 30 s for it, then stops
+    every worker and kills every actor of the pool.
     """
+
+    label = "torchfeed.ray.Pool"
+    thread_name = "torchfeed-ray-pool"
+    close_timeout = 30.0
+    unknown_holder = "no actor serves"
 
     def __init__(
         self,
@@ -165,112 +174,51 @@ class RayPool:
         self.worker_args = list(worker_args)
         self.start_timeout = start_timeout
         self.place_timeout = place_timeout
-        self.poll = poll
         self.driver_ip = node_address(ray.get_runtime_context().get_node_id())
-        self._lock = threading.Lock()
+        super().__init__(poll, log)
         self._members: dict[str, _Member] = {}  # actor id -> member (placing, starting, ready)
-        self._target = 0
-        self._ops: queue.Queue = queue.Queue()  # ("scale", n) | ("retire", [addresses]) | None
         self._said: set[str] = set()  # what was logged once (unplaced actors, refusals)
-        self._closed = False
         self._backoff = 0.0  # seconds the last failed start made the next one wait
         self._grow_after = 0.0  # monotonic time before which no actor is created
         self._next_look = 0.0  # monotonic time of the next look at Ray's free resources
-        self._thread = threading.Thread(target=self._run, name="torchfeed-ray-pool", daemon=True)
-        self._thread.start()
+        self._start_thread()
         if n:
             self.scale(n)
-
-    # -- the Pool protocol -----------------------------------------------------------------
-    def addresses(self) -> list[str]:
-        """The ``host:port`` of every torchfeed worker ready now."""
-        with self._lock:
-            return sorted(m.address for m in self._members.values() if m.state == "ready")
-
-    def requested(self) -> int:
-        """Workers asked for: ready plus starting."""
-        with self._lock:
-            return self._target
-
-    def scale(self, n: int) -> None:
-        """Ask for ``n`` workers in all (grow only); returns at once."""
-        with self._lock:
-            if n <= self._target or self._closed:
-                return
-            self._target = n
-            self._said.discard("unplaced")  # a new request: said again if it is not met either
-        self._ops.put(("scale", n))
-
-    def retire(self, addresses: Sequence[str]) -> None:
-        """Stop these (drained) workers and their actors; returns at once."""
-        with self._lock:
-            known = {m.address for m in self._members.values() if m.state == "ready"}
-            gone = [a for a in addresses if a in known]
-            self._target = max(self._target - len(gone), 0)
-        unknown = sorted(set(addresses) - set(gone))
-        if unknown:
-            log.warning("torchfeed.ray.Pool: no actor serves %s; nothing to retire there", ", ".join(unknown))
-        if gone:
-            self._ops.put(("retire", gone))
-
-    def wait(self, n: int = 1, timeout: float = 120.0) -> list[str]:
-        """Wait until ``n`` workers are ready; their addresses (TimeoutError after ``timeout``)."""
-        deadline = time.monotonic() + timeout
-        while len(ready := self.addresses()) < n:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"torchfeed.ray.Pool: {len(ready)} of {n} workers ready after {timeout:g} s (asked Ray "
-                    f"for {self.requested()}); see the log of torchfeed.ray and `ray status`"
-                )
-            time.sleep(0.05)
-        return ready
 
     def actors(self) -> dict[str, Any]:
         """``address -> actor handle`` of the ready workers (e.g. to ``ray.kill`` one in a test)."""
         with self._lock:
             return {m.address: m.handle for m in self._members.values() if m.state == "ready"}
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Stop every worker and actor of this pool, and its thread."""
-        if self._closed:
-            return
-        self._closed = True
-        self._ops.put(None)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+    # -- the engine's steps (BasePool's hooks) ---------------------------------------------
+    def _ready_addresses(self) -> list[str]:
+        return sorted(m.address for m in self._members.values() if m.state == "ready")
+
+    def _claim(self, addresses: Sequence[str]) -> tuple[list[str], int, list[str]]:
+        known = {m.address for m in self._members.values() if m.state == "ready"}
+        gone = [a for a in addresses if a in known]
+        return gone, len(gone), gone
+
+    def _scaled(self, n: int) -> None:
+        self._said.discard("unplaced")  # a new request: said again if it is not met either
+
+    def _release(self) -> None:
         with self._lock:
             members, self._members = list(self._members.values()), {}
         self._stop(members)
 
-    def __enter__(self) -> RayPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # -- the thread --------------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            try:
-                op = self._ops.get(timeout=self.poll)
-            except queue.Empty:
-                op = ()
-            if op is None:
-                return
-            try:
-                if op and op[0] == "retire":
-                    self._retire(op[1])
-                self._step()
-            except Exception as exc:  # noqa: BLE001 - keep serving; the next round tries again
-                if not self._closed:
-                    log.warning("torchfeed.ray.Pool: %s: %s", type(exc).__name__, exc)
+    def _wait_failed(self, ready: int, n: int, timeout: float) -> str:
+        return (
+            f"torchfeed.ray.Pool: {ready} of {n} workers ready after {timeout:g} s (asked Ray "
+            f"for {self.requested()}); see the log of torchfeed.ray and `ray status`"
+        )
 
     def _step(self) -> None:
         """Grow to the target, move each actor along, notice dead ones, report stuck ones."""
         with self._lock:
             missing = self._target - len(self._members)
         if missing > 0 and time.monotonic() >= self._grow_after:
-            self._grow(missing)
+            self._create(missing)
         with self._lock:
             members = list(self._members.items())
         waiting = {m.pending.hex(): (key, m) for key, m in members if m.pending is not None}
@@ -290,7 +238,7 @@ class RayPool:
             opts["label_selector"] = self.label_selector
         return opts
 
-    def _grow(self, count: int) -> None:
+    def _create(self, count: int) -> None:
         with self._lock:
             total = self._target
         bundle = {"CPU": self.num_cpus, **self.resources}
@@ -373,7 +321,7 @@ class RayPool:
         except Exception:  # noqa: BLE001,S110 - already dead
             pass
 
-    def _retire(self, addresses: list[str]) -> None:
+    def _shrink(self, addresses: list[str]) -> None:
         with self._lock:
             going = [m for m in self._members.values() if m.state == "ready" and m.address in addresses]
             for key in [k for k, m in self._members.items() if m in going]:

@@ -2,7 +2,8 @@
 
 - :mod:`~torchfeed.scaling.policy`: when to grow or shrink (pure decisions from readings);
 - :mod:`~torchfeed.scaling.controller`: the controller thread behind :func:`torchfeed.autoscale`;
-- :mod:`~torchfeed.scaling.pool`: what a pool of workers offers the controller;
+- :mod:`~torchfeed.scaling.pool`: what a pool of workers offers the controller (WorkerPool),
+  and BasePool, what the pools with a background thread share;
 - :mod:`~torchfeed.scaling.local_pool`: workers on the trainer's machine, up to a CPU budget;
 - :mod:`~torchfeed.scaling.tiers`: several pools as one, the cheapest grown first, retired last.
 
@@ -22,6 +23,7 @@ from ..util import lazy_exports
 
 _EXPORTS = {
     "Autoscaler": "controller",
+    "BasePool": "pool",
     "Decision": "policy",
     "LocalPool": "local_pool",
     "Policy": "policy",
@@ -33,6 +35,7 @@ _EXPORTS = {
 
 __all__ = [
     "Autoscaler",
+    "BasePool",
     "Decision",
     "LocalPool",
     "Policy",
@@ -56,5 +59,5 @@ if TYPE_CHECKING:
     from .controller import Autoscaler, autoscale
     from .local_pool import LocalPool
     from .policy import Decision, Policy, Reading
-    from .pool import WorkerPool
+    from .pool import BasePool, WorkerPool
     from .tiers import Tiers

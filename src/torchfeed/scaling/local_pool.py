@@ -16,11 +16,12 @@ from collections.abc import Sequence
 from ..local import LocalWorkers
 from ..util import cpu_count
 from ..worker.options import WorkerOptions
+from .pool import BasePool
 
 log = logging.getLogger("torchfeed.autoscale")
 
 
-class LocalPool:
+class LocalPool(BasePool):
     """A :class:`~torchfeed.scaling.pool.WorkerPool` of worker processes on this machine.
 
     Parameters
@@ -32,8 +33,22 @@ class LocalPool:
     options : WorkerOptions, optional
         How each worker serves (as for :class:`torchfeed.LocalWorkers`).
     start_timeout : float
-        Seconds a worker may take to start before it is given up (logged).
+        Seconds a worker may take to start before it is given up (logged; the request
+        count drops by one).
+    poll : float
+        Seconds between two looks at the workers: one that ended (killed, crashed) leaves
+        :meth:`addresses`, is logged, and another starts in its place (the request holds).
+
+    Its thread (``torchfeed-localpool``, see :class:`~torchfeed.scaling.pool.BasePool`) starts
+    each missing worker on a short-lived thread of its own (so that several start at once),
+    which hands it to the pool, or closes it when the pool closed meanwhile; :meth:`close`
+    stops the pool's thread, then every worker.
     """
+
+    label = "LocalPool"
+    thread_name = "torchfeed-localpool"
+    close_timeout = 10.0
+    unknown_holder = "no local worker serves"
 
     def __init__(
         self,
@@ -42,6 +57,7 @@ class LocalPool:
         keep_for_trainer: int = 1,
         options: WorkerOptions | None = None,
         start_timeout: float = 60.0,
+        poll: float = 0.5,
     ):
         if keep_for_trainer < 0:
             raise ValueError(f"keep_for_trainer must be >= 0, got {keep_for_trainer}")
@@ -49,39 +65,51 @@ class LocalPool:
             cpu_budget = max(cpu_count() - keep_for_trainer, 1)
         if cpu_budget < 1:
             raise ValueError(f"cpu_budget must be >= 1 worker, got {cpu_budget}")
+        super().__init__(poll, log)
         self.limit = cpu_budget
         self.options = options
         self.start_timeout = start_timeout
         self._ready: dict[str, LocalWorkers] = {}
         self._starting = 0
-        self._lock = threading.Lock()
-        self._closed = False
+        self._start_thread()
 
-    def addresses(self) -> list[str]:
-        with self._lock:
-            return list(self._ready)
+    # -- the engine's steps (BasePool's hooks) ----------------------------------------------
+    def _ready_addresses(self) -> list[str]:
+        return list(self._ready)
 
-    def requested(self) -> int:
-        with self._lock:
-            return len(self._ready) + self._starting
+    def _bounded(self, n: int) -> int:
+        return min(n, self.limit)
 
-    def scale(self, n: int) -> None:
-        """Start workers until ``n`` are asked for (never more than :attr:`limit`); returns at once."""
+    def _claim(self, addresses: Sequence[str]) -> tuple[list[LocalWorkers], int, list[str]]:
+        covered = [a for a in dict.fromkeys(addresses) if a in self._ready]
+        return [self._ready.pop(a) for a in covered], len(covered), covered
+
+    def _shrink(self, going: list[LocalWorkers]) -> None:
+        for workers in going:
+            workers.close()
+
+    def _step(self) -> None:
         with self._lock:
-            more = min(n, self.limit) - len(self._ready) - self._starting
-            if self._closed or more <= 0:
-                return
+            ended = {a: w for a, w in self._ready.items() if w.workers[0].poll() is not None}
+            for address in ended:
+                del self._ready[address]
+            more = 0 if self._closed else max(self._target - len(self._ready) - self._starting, 0)
             self._starting += more
+        for address, workers in ended.items():
+            log.warning("LocalPool: worker %s ended; starting another", address)
+            workers.close()
         for _ in range(more):
-            threading.Thread(target=self._start_one, name="torchfeed-localpool", daemon=True).start()
+            threading.Thread(target=self._start_one, name="torchfeed-localpool-start", daemon=True).start()
 
     def _start_one(self) -> None:
         try:
             workers = LocalWorkers(1, options=self.options, start_timeout=self.start_timeout)
         except Exception as exc:  # noqa: BLE001 - the controller sees the pool not growing
-            log.warning("LocalPool: a worker did not start (%s: %s)", type(exc).__name__, exc)
+            if not self._closed:
+                log.warning("LocalPool: a worker did not start (%s: %s)", type(exc).__name__, exc)
             with self._lock:
                 self._starting -= 1
+                self._target = max(self._target - 1, 0)
             return
         with self._lock:
             self._starting -= 1
@@ -90,21 +118,7 @@ class LocalPool:
                 return
         workers.close()
 
-    def retire(self, addresses: Sequence[str]) -> None:
+    def _release(self) -> None:
         with self._lock:
-            going = [self._ready.pop(a) for a in addresses if a in self._ready]
-        for workers in going:
-            workers.close()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
             going, self._ready = list(self._ready.values()), {}
-        for workers in going:
-            workers.close()
-
-    def __enter__(self) -> LocalPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._shrink(going)
