@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -100,6 +101,60 @@ def named_workers(specs: dict):
 # below a hang (pytest's 120 s). A test asserts a duration only where the behaviour itself is a
 # timeout, and then bounds it by this slack, never by how fast the machine happens to be.
 PROMPT = 20.0
+
+
+# `torchfeed worker` on loopback, in a new process (its port and options follow)
+WORKER_COMMAND = [sys.executable, "-m", "torchfeed", "worker", "--host", "127.0.0.1"]
+
+# torchfeed.autoscale's settings for the tests' short epochs: they wait for their first batch
+# about 5% of the time, so a 20% target keeps that out
+FAST_AUTOSCALE: dict[str, Any] = dict(
+    target_wait=0.2,
+    interval=0.25,
+    window=1.5,
+    up_cooldown=1.5,
+    down_after=2.0,
+    down_cooldown=1.0,
+    drain_timeout=30,
+)
+
+
+def dask_cluster(n_workers: int = 1, **kw):
+    """A quiet ``distributed.LocalCluster`` of worker processes on loopback (one thread each, no
+    dashboard); ``kw`` adds to or overrides its arguments."""
+    import logging
+
+    from distributed import LocalCluster
+
+    args: dict[str, Any] = dict(
+        threads_per_worker=1,
+        processes=True,
+        host="127.0.0.1",
+        dashboard_address=None,
+        silence_logs=logging.ERROR,
+    )
+    return LocalCluster(n_workers=n_workers, **{**args, **kw})
+
+
+def accept_handshake(sock, same_host: bool = False) -> tuple[Any, bytes]:
+    """A worker's side of the handshake on ``sock`` (HELLO, the doorman's verdict, AUTH_OK),
+    with the process's secret: the session's keys and every byte received."""
+    from torchfeed.protocol import auth, wire
+    from torchfeed.worker.doorman import judge
+
+    hello = auth.hello_meta(False)
+    wire.send_frame(sock, wire.HELLO, meta=hello)
+    received = b""
+    while True:
+        verdict, reply, keys = judge(received, hello, auth.load_secret(), same_host=same_host)
+        if verdict != "more":
+            break
+        data = sock.recv(4096)
+        assert data, "the trainer closed during the handshake"
+        received += data
+    assert verdict == "ok" and keys is not None, (verdict, reply)
+    wire.send_frame(sock, wire.AUTH_OK, meta=reply)
+    return keys, received
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:

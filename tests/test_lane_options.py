@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 
 import pytest
 
 import torchfeed
+from helpers import WORKER_COMMAND
 from torchfeed.errors import FrameTooLarge
 from torchfeed.worker import lanes
 
@@ -20,12 +20,7 @@ pytestmark = pytest.mark.timeout(120)
 def worker():
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "torchfeed",
-            "worker",
-            "--host",
-            "127.0.0.1",
+            *WORKER_COMMAND,
             "--port",
             "0",
             "--max-call-bytes",

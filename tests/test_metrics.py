@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from helpers import RangeDataset, SleepDataset
+from helpers import WORKER_COMMAND, RangeDataset, SleepDataset
 from torchfeed import LocalWorkers, RemoteDataLoader, RemoteDataset
 from torchfeed.scaling import Policy
 from torchfeed.stats import LoaderStats, WorkerStats
@@ -160,18 +160,7 @@ def test_worker_procs_get_consecutive_metrics_ports(tmp_path):
         except OSError:
             port = free_port()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torchfeed",
-            "worker",
-            "--host",
-            "127.0.0.1",
-            "--procs",
-            "2",
-            "--metrics-port",
-            str(port),
-        ],
+        [*WORKER_COMMAND, "--procs", "2", "--metrics-port", str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -17,12 +17,11 @@ import threading
 import pytest
 
 import torchfeed
-from helpers import PROMPT
+from helpers import PROMPT, accept_handshake
 from relay import C2W_SEALED
 from torchfeed.errors import ProtocolError
-from torchfeed.protocol import auth, codec, wire
+from torchfeed.protocol import codec, wire
 from torchfeed.protocol.channel import CHUNK, Channel
-from torchfeed.worker.doorman import judge
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -91,18 +90,7 @@ class HostileWorker:
 
     @staticmethod
     def _handshake(sock: socket.socket) -> Channel:
-        hello = auth.hello_meta(False)
-        wire.send_frame(sock, wire.HELLO, meta=hello)
-        received = b""
-        while True:
-            verdict, reply, keys = judge(received, hello, auth.load_secret())
-            if verdict != "more":
-                break
-            data = sock.recv(4096)
-            assert data, "the trainer closed during the handshake"
-            received += data
-        assert verdict == "ok" and keys is not None, (verdict, reply)
-        wire.send_frame(sock, wire.AUTH_OK, meta=reply)
+        keys, received = accept_handshake(sock)
         return keys.channel(sock, wire.FrameReader(sock, received[C2W_SEALED:]))
 
     def close(self) -> None:

@@ -22,11 +22,10 @@ import numpy as np
 import pytest
 
 import torchfeed
-from helpers import PROMPT
+from helpers import PROMPT, accept_handshake
 from torchfeed import LocalWorkers
 from torchfeed.errors import AuthenticationError, TorchfeedError
 from torchfeed.protocol import auth, localpath, serialize, shm, wire
-from torchfeed.worker.doorman import judge
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -133,18 +132,8 @@ class HostileNeighbour:
 
     @staticmethod
     def _handshake(sock: socket.socket) -> bytes:
-        hello = auth.hello_meta(False)
-        wire.send_frame(sock, wire.HELLO, meta=hello)
-        received = b""
-        while True:
-            verdict, reply_meta, keys = judge(received, hello, auth.load_secret(), same_host=True)
-            if verdict != "more":
-                break
-            data = sock.recv(4096)
-            assert data, "the trainer closed during the handshake"
-            received += data
-        assert verdict == "ok" and keys is not None and keys.local, (verdict, reply_meta)
-        wire.send_frame(sock, wire.AUTH_OK, meta=reply_meta)
+        keys, received = accept_handshake(sock, same_host=True)
+        assert keys.local
         return received[wire.HEADER.size + auth.AUTH_BYTES :]
 
     def close(self) -> None:
