@@ -6,14 +6,20 @@ A refused connection then means "not yet", so :func:`retry_refused` tries again 
 backoff until the deadline. Waiting is not silent: the first refusal is logged (under
 ``torchfeed.workers``, WARNING) with the address and how long the wait may last, and
 again every :data:`REFUSED_LOG_EVERY` seconds while the worker keeps refusing.
+
+:class:`Reaching` is a session's table of the calls waiting for such a worker: one thread per
+address and secret (``torchfeed-reach-ADDRESS``) connects, and hands the outcome to every
+call that waited. Its lock guards only that table; the calls' continuations run on that
+thread with no lock held.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..errors import WorkerLost
 from ..util import double_delay
@@ -76,3 +82,34 @@ def retry_refused(connect: Callable[[float], T], address: str, timeout: float) -
                 next_line = now + REFUSED_LOG_EVERY
             time.sleep(min(delay, left))
             delay = double_delay(delay, RETRY_FIRST, RETRY_MAX)
+
+
+class Reaching:
+    """The calls waiting while a thread reaches a starting worker, by (address, secret)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: dict[tuple[str, bytes], list[Callable]] = {}
+
+    def reach(self, key: tuple[str, bytes], connect: Callable[[], Any], then: Callable) -> None:
+        """``then(connection, error)`` with the outcome of ``connect()``, run on the thread of
+        the first call waiting for ``key`` (later ones wait for the same outcome)."""
+        with self._lock:
+            waiting = self._waiting.get(key)
+            if waiting is not None:
+                waiting.append(then)
+                return
+            self._waiting[key] = [then]
+
+        def run() -> None:
+            conn, error = None, None
+            try:
+                conn = connect()
+            except BaseException as exc:  # noqa: BLE001 - handed to every waiting call
+                error = exc
+            with self._lock:
+                waiting = self._waiting.pop(key, [])
+            for each in waiting:
+                each(conn, error)
+
+        threading.Thread(target=run, name=f"torchfeed-reach-{key[0]}", daemon=True).start()

@@ -33,13 +33,14 @@ from typing import Any
 
 import torch
 
-from ..errors import ConnectionClosed, SerializationError
-from ..protocol import auth, codec, replies, serialize, wire
-from ..protocol.buffers import check_pinnable
+from ..errors import ConnectionClosed
+from ..protocol import auth, codec, replies
 from ..util import env_seconds
+from . import calls
 from . import connection as client
+from .reach import Reaching
 from .reach import retry_refused as retry_refused_until
-from .refs import Call, RemoteRef
+from .refs import Call
 
 log = logging.getLogger("torchfeed.client")
 
@@ -129,8 +130,7 @@ class Session:
         self._keeper: threading.Thread | None = None
         # addresses connected to since the last close(): a refusal there is a loss, not "not yet"
         self._reached: set[str] = set()
-        # (address, secret) -> the calls waiting while a thread reaches a starting worker
-        self._reaching: dict[tuple[str, bytes], list[Callable]] = {}
+        self._reaching = Reaching()  # the calls waiting while a thread reaches a starting worker
 
     def __repr__(self) -> str:
         return (
@@ -293,7 +293,7 @@ class Session:
         :meth:`rpc_async` for a call that waits for a worker that is still starting).
         """
         timeout = self.timeout if timeout is None else timeout
-        meta, buffers = self._pack(address, func, args, kwargs, pin_memory)
+        meta, buffers = calls.pack(address, func, args, kwargs, pin_memory)
         policy = self._policy(safe_globals, trust_worker)
         conn = self.connect(address, secret, timeout)
         return self._send(conn, meta, buffers, args, kwargs, rref, pin_memory, timeout, callback, policy)
@@ -301,40 +301,10 @@ class Session:
     def _policy(self, safe_globals: Sequence[Any] | None, trust_worker: bool) -> replies.ReplyPolicy:
         return replies.TRUSTED if trust_worker else self.reply_policy.with_globals(safe_globals)
 
-    def _pack(self, address, func, args, kwargs, pin_memory: bool) -> tuple[bytes, list]:
-        check_pinnable(pin_memory)
-        try:
-            return serialize.dumps((func, tuple(args or ()), dict(kwargs or {})), by_value=True)
-        except Exception as exc:
-            raise SerializationError(
-                f"the call of {getattr(func, '__qualname__', func)!r} cannot be sent to worker "
-                f"{client.format_address(address)}: its function or arguments cannot be pickled "
-                f"({exc})"
-            ) from exc
-
     def _send(self, conn, meta, buffers, args, kwargs, rref, pin_memory, timeout, callback, policy) -> Call:
-        # The arguments stay referenced until the reply: a RemoteRef argument dropped by the
-        # caller right away must not be released before the worker used it.
-        keep = [args, kwargs]
-
-        def done(ok, value):
-            keep.clear()
-            if ok and rref:
-                value = RemoteRef(conn, value)
-            callback(ok, value)
-
-        rid = conn.request(
-            wire.CALL,
-            meta,
-            buffers,
-            callback=done,
-            flags=wire.FLAG_RREF if rref else 0,
-            pin=pin_memory,
-            timeout=timeout,
-            policy=policy,
-            compression=self.compression,
+        return calls.send(
+            conn, meta, buffers, args, kwargs, rref, pin_memory, timeout, callback, policy, self.compression
         )
-        return Call(conn, rid)
 
     def rpc_async(
         self,
@@ -413,7 +383,7 @@ class Session:
 
         try:
             policy = self._policy(safe_globals, trust_worker)
-            meta, buffers = self._pack(host, func, args, kwargs, pin_memory)
+            meta, buffers = calls.pack(host, func, args, kwargs, pin_memory)
             address = client.format_address(host)
             with self._lock:
                 wait = wait_for_worker if wait_for_worker is not None else address not in self._reached
@@ -443,25 +413,7 @@ class Session:
         """Connect to ``address`` retrying refusals, on one thread per address and secret, and
         hand the outcome to ``then(connection, error)`` of every call that waited for it."""
         key = (address, auth.load_secret(self.secret if secret is None else secret).value)
-        with self._lock:
-            waiting = self._reaching.get(key)
-            if waiting is not None:
-                waiting.append(then)
-                return
-            self._reaching[key] = [then]
-
-        def run() -> None:
-            conn, error = None, None
-            try:
-                conn = self.connect(address, secret, timeout, retry_refused=True)
-            except BaseException as exc:  # noqa: BLE001 - handed to every waiting call
-                error = exc
-            with self._lock:
-                waiting = self._reaching.pop(key, [])
-            for each in waiting:
-                each(conn, error)
-
-        threading.Thread(target=run, name=f"torchfeed-reach-{address}", daemon=True).start()
+        self._reaching.reach(key, lambda: self.connect(address, secret, timeout, retry_refused=True), then)
 
 
 def _keeper_loop(ref: weakref.ref[Session]) -> None:
