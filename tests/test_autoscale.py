@@ -8,13 +8,15 @@ import time
 from typing import Any
 
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client
 from torch.utils.data import Dataset
 
 import torchfeed
 import torchfeed.dask as tfd
-from helpers import wait_for
-from torchfeed.scaling import Decision, Policy, Reading
+from helpers import FAST_AUTOSCALE, dask_cluster, wait_for
+from pool_conformance import check_pool, kill_the_process
+from torchfeed.protocol import auth
+from torchfeed.scaling import Decision, LocalPool, Policy, Reading
 from torchfeed.util import free_port
 
 # ---------------------------------------------------------------- the decisions, pure
@@ -175,14 +177,7 @@ class SleepDataset(Dataset):
 
 @pytest.fixture
 def cluster():
-    with LocalCluster(
-        n_workers=1,
-        threads_per_worker=1,
-        processes=True,
-        host="127.0.0.1",
-        dashboard_address=None,
-        silence_logs=logging.ERROR,
-    ) as c:
+    with dask_cluster() as c:
         yield c
 
 
@@ -195,18 +190,6 @@ def epoch(loader, per_sample: float, watch=None) -> list[int]:
         if watch is not None:
             watch()
     return seen
-
-
-# short epochs wait for their first batch about 5% of the time: a 20% target keeps that out
-FAST: dict[str, Any] = dict(
-    target_wait=0.2,
-    interval=0.25,
-    window=1.5,
-    up_cooldown=1.5,
-    down_after=2.0,
-    down_cooldown=1.0,
-    drain_timeout=30,
-)
 
 
 @pytest.mark.slow
@@ -222,7 +205,7 @@ def test_scales_up_then_drains_down_on_dask_and_every_epoch_sees_each_sample_onc
         def watch():
             most[0] = max(most[0], len(ds.workers), pool.requested())
 
-        with torchfeed.autoscale(loader, pool, max_workers=3, **FAST) as scaler:
+        with torchfeed.autoscale(loader, pool, max_workers=3, **FAST_AUTOSCALE) as scaler:
             deadline = time.monotonic() + 200  # Dask workers start slowly on 2 busy cores
             while len(ds.workers) < 3 and time.monotonic() < deadline:  # 5 ms a sample: needs 5
                 assert sorted(epoch(loader, 0.005, watch)) == list(range(60))
@@ -289,7 +272,7 @@ def test_a_pool_that_cannot_grow_is_logged_and_training_goes_on(cluster, caplog)
     ):
         ds = torchfeed.RemoteDataset(pool.wait(1, 60), SleepDataset, 60, 0.02)
         loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=4)
-        with torchfeed.autoscale(loader, pool, max_workers=4, start_timeout=1.0, **FAST) as scaler:
+        with torchfeed.autoscale(loader, pool, max_workers=4, start_timeout=1.0, **FAST_AUTOSCALE) as scaler:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and not any(
                 "did not grow" in r.getMessage() for r in caplog.records
@@ -316,19 +299,25 @@ def test_autoscale_arguments_are_checked(workers2):
 def test_dask_pool_refuses_to_send_the_secret_in_clear():
     # a Dask worker advertised on 0.0.0.0 (listening on loopback): not provably local to the check
     port = free_port()
-    with LocalCluster(
-        n_workers=1,
-        threads_per_worker=1,
-        processes=True,
-        host="127.0.0.1",
-        dashboard_address=None,
-        silence_logs=logging.ERROR,
-        worker_port=port,
-        contact_address=f"tcp://0.0.0.0:{port}",
-    ) as c:
+    with dask_cluster(worker_port=port, contact_address=f"tcp://0.0.0.0:{port}") as c:
         before = os.environ.get("TORCHFEED_SECRET")
         with pytest.raises(
             ValueError, match="(?s)torchfeed.dask.Pool would send .*not encrypted.*secret_file="
         ):
             tfd.Pool(c)
         assert os.environ.get("TORCHFEED_SECRET") == before  # nothing exported
+
+
+@pytest.mark.slow
+def test_a_local_pool_passes_the_pool_conformance_checks(caplog):
+    """LocalPool (LocalWorkers on this machine) does what every pool does (tests/pool_conformance.py):
+    a worker killed is logged and replaced, its request holding; the secret goes over stdin only."""
+    with LocalPool(cpu_budget=3, poll=0.25) as pool:
+        check_pool(
+            pool,
+            kill_the_process,
+            replaced=True,
+            secret=auth.load_secret().value,
+            caplog=caplog,
+            said="ended; starting another",
+        )

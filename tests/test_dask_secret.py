@@ -12,11 +12,10 @@ from __future__ import annotations
 import logging
 
 import pytest
-from distributed import LocalCluster
 
 import torchfeed.dask as tfd
 import torchfeed.dask.pool as pool_module
-from helpers import wait_for
+from helpers import dask_cluster, wait_for
 
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(300)]
 
@@ -29,14 +28,7 @@ def _held(dask_worker=None):
 
 def test_late_joiners_get_the_secret_only_when_their_connection_is_checked(monkeypatch, caplog):
     caplog.set_level(logging.WARNING, logger="torchfeed.dask")
-    with LocalCluster(
-        n_workers=1,
-        threads_per_worker=1,
-        processes=True,
-        host="127.0.0.1",
-        dashboard_address=None,
-        silence_logs=logging.ERROR,
-    ) as cluster:
+    with dask_cluster() as cluster:
         with tfd.Pool(cluster, poll=0.25) as pool:
             assert len(pool.wait(1, 120)) == 1
             first = set(cluster.scheduler_info["workers"])

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import torchfeed
+from helpers import FAST_AUTOSCALE
 from torchfeed.scaling import LocalPool, Tiers
 from torchfeed.util import cpu_count
 
@@ -59,17 +60,6 @@ class Slow(torch.utils.data.Dataset):
         return i
 
 
-FAST: dict[str, Any] = dict(
-    target_wait=0.2,
-    interval=0.25,
-    window=1.5,
-    up_cooldown=1.5,
-    down_after=2.0,
-    down_cooldown=1.0,
-    drain_timeout=30,
-)
-
-
 @pytest.mark.slow
 def test_autoscale_grows_same_host_workers_first_and_drains_remote_ones_first(caplog):
     caplog.set_level(logging.INFO, logger="torchfeed.autoscale")
@@ -88,7 +78,7 @@ def test_autoscale_grows_same_host_workers_first_and_drains_remote_ones_first(ca
                 time.sleep(per_sample * len(batch))
             return seen
 
-        with torchfeed.autoscale(loader, [near, far], max_workers=3, **FAST) as scaler:
+        with torchfeed.autoscale(loader, [near, far], max_workers=3, **FAST_AUTOSCALE) as scaler:
             deadline = time.monotonic() + 200
             while len(ds.workers) < 3 and time.monotonic() < deadline:  # a hungry trainer: grow
                 assert sorted(epoch(0.0)) == list(range(60))
