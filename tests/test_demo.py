@@ -27,7 +27,7 @@ def _rate(pattern: str, text: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(360)  # bounds a hang, not the speed: a busy machine stretches the demo
 def test_demo_trains_and_compares_loaders(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     png = tmp_path / "demo.png"
@@ -36,7 +36,7 @@ def test_demo_trains_and_compares_loaders(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=55,
+        timeout=300,
     )
     out = proc.stdout
     assert proc.returncode == 0, f"demo exited with {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr}"
