@@ -23,9 +23,9 @@ def torch_batches(dataset, **kw) -> list:
     return list(DataLoader(dataset, **kw))
 
 
-def test_a_pass_whose_only_worker_died_goes_on_when_it_comes_back(fresh_workers):
-    w = fresh_workers(1)
-    ds = torchfeed.RemoteDataset(w.addresses, StatefulCounting, 40, 0.01)
+def same_as_torch_despite(ds, event) -> None:
+    """One pass of ``ds`` (StatefulCounting(40): 2 streams, batches of 2) with ``event()`` run once 4
+    batches arrived: the batches are torch's all the same."""
     loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
         ds, batch_size=2, num_workers=2, prefetch_factor=1, timeout=120
     )
@@ -34,9 +34,18 @@ def test_a_pass_whose_only_worker_died_goes_on_when_it_comes_back(fresh_workers)
     for batch in loader:
         ours.append(batch)
         if len(ours) == 4:
-            w.kill(0)
-            w.restart(0)  # the same address: the dataset's retries find it again
+            event()
     assert deep_equal(ours, torch_batches(StatefulCounting(40), batch_size=2, num_workers=2))
+
+
+def test_a_pass_whose_only_worker_died_goes_on_when_it_comes_back(fresh_workers):
+    w = fresh_workers(1)
+
+    def kill_and_restart():
+        w.kill(0)
+        w.restart(0)  # the same address: the dataset's retries find it again
+
+    same_as_torch_despite(torchfeed.RemoteDataset(w.addresses, StatefulCounting, 40, 0.01), kill_and_restart)
 
 
 def test_a_worker_joining_through_the_address_file_takes_the_streams_left_without_one(
@@ -45,18 +54,13 @@ def test_a_worker_joining_through_the_address_file_takes_the_streams_left_withou
     first, second = fresh_workers(1), fresh_workers(1)
     path = tmp_path / "workers"
     path.write_text(first.addresses[0] + "\n")
+
+    def replace_the_worker():  # as a scheduler would: the lost one is gone, a new one listed
+        first.kill(0)
+        path.write_text(second.addresses[0] + "\n")
+
     ds = torchfeed.RemoteDataset.from_file(str(path), StatefulCounting, 40, 0.01)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        ds, batch_size=2, num_workers=2, prefetch_factor=1, timeout=120
-    )
-    torch.manual_seed(7)
-    ours = []
-    for batch in loader:
-        ours.append(batch)
-        if len(ours) == 4:
-            first.kill(0)
-            path.write_text(second.addresses[0] + "\n")  # the scheduler replaced the worker
-    assert deep_equal(ours, torch_batches(StatefulCounting(40), batch_size=2, num_workers=2))
+    same_as_torch_despite(ds, replace_the_worker)
     assert ds.workers == second.addresses
 
 
