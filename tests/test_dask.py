@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import torchfeed
 import torchfeed.dask as tfd
-from helpers import RangeDataset, print_lots, secret_seen_by_worker_code, wait_for
+from helpers import RangeDataset, dask_cluster, print_lots, secret_seen_by_worker_code, wait_for
 from s3server import S3Server
 from test_datasets import make_tree, to_tensor
 from torchfeed.dask.comms import in_clear
@@ -38,14 +38,7 @@ RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR
 @pytest.fixture(scope="module")
 def client():
     with (
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            host="127.0.0.1",
-            dashboard_address=None,
-            silence_logs=logging.ERROR,
-        ) as cluster,
+        dask_cluster(2) as cluster,
         Client(cluster) as c,
     ):
         c.wait_for_workers(2, timeout=60)
@@ -426,16 +419,7 @@ def advertised_cluster():
     byte leaves it."""
     port = free_port()
     with (
-        LocalCluster(
-            n_workers=1,
-            threads_per_worker=1,
-            processes=True,
-            host="127.0.0.1",
-            dashboard_address=None,
-            silence_logs=logging.ERROR,
-            worker_port=port,
-            contact_address=f"tcp://0.0.0.0:{port}",
-        ) as cluster,
+        dask_cluster(worker_port=port, contact_address=f"tcp://0.0.0.0:{port}") as cluster,
         Client(cluster) as c,
     ):
         c.wait_for_workers(1, timeout=60)
