@@ -151,6 +151,33 @@ class Pass:
         self._close_locked()
         raise exc
 
+    # -- membership (the dataset's threads, held as a MembershipListener; no pass lock on entry) --
+    def worker_joined(self, address: str) -> None:
+        """A worker joined the dataset or came back: once prepared for this pass, it serves it."""
+        if self._closed or address not in self._source.alive_workers():
+            return
+        if self._plan.fetchers.ensure([address]):
+            return  # it cannot be prepared: it stays out of this pass
+        with self._lock:
+            if self._closed:
+                return
+            self._faults.joined(address)
+            self._joined(address)
+
+    def worker_removed(self, address: str) -> None:
+        """A worker left the dataset: it finishes what it holds and gets no more."""
+        with self._lock:
+            if self._closed:
+                return
+            self._faults.draining(address)
+            self._removed(address)
+
+    def _joined(self, address: str) -> None:
+        """Put ``address`` to work (lock held)."""
+
+    def _removed(self, address: str) -> None:
+        """Stop giving ``address`` work (lock held)."""
+
     # -- shutdown --------------------------------------------------------------------------
     def _close_locked(self) -> None:
         if self._closed:

@@ -255,34 +255,22 @@ class IterablePass(Pass):
                 self._open_locked(slot, target)
 
     # -- membership (the dataset's threads; no pass lock held on entry) -----------------
-    def worker_joined(self, address: str) -> None:
-        """A worker joined the dataset or came back: streams waiting for one open there."""
-        if self._closed or address not in self._source.alive_workers():
-            return
-        if self._plan.fetchers.ensure([address]):
-            return  # it cannot be prepared: it stays out of this pass
-        with self._lock:
-            if self._closed:
-                return
-            self._lost.discard(address)
-            self._faults.joined(address)
-            self._place_waiting()
-            self._ready.notify_all()
+    def _joined(self, address: str) -> None:
+        """Streams waiting for a worker open there."""
+        self._lost.discard(address)
+        self._place_waiting()
+        self._ready.notify_all()
 
-    def worker_removed(self, address: str) -> None:
-        """A worker left the dataset: its streams move to the others (as after a loss, with
-        nothing blamed), or stay while no other worker can take them."""
-        with self._lock:
-            if self._closed:
-                return
-            self._faults.draining(address)
-            mine = [s for s in self._slots if s.worker == address and not s.ended]
-            if not mine or self._pick_worker() is None:
-                return
-            for slot in mine:
-                slot.detach()
-            self._place_waiting()
-            self._ready.notify_all()
+    def _removed(self, address: str) -> None:
+        """Its streams move to the others (as after a loss, with nothing blamed), or stay while
+        no other worker can take them."""
+        mine = [s for s in self._slots if s.worker == address and not s.ended]
+        if not mine or self._pick_worker() is None:
+            return
+        for slot in mine:
+            slot.detach()
+        self._place_waiting()
+        self._ready.notify_all()
 
     def _top_up(self, slot: StreamSlot) -> None:
         if self._closed or slot.ended or slot.ref is None or slot.worker is None:

@@ -303,26 +303,15 @@ class MapPass(Pass):
         self._wake()
 
     # -- membership changes (from the datasets' threads) -----------------------------------
-    def worker_joined(self, address: str) -> None:
-        if self._closed or address not in self._source.alive_workers():
-            return
-        failed = self._plan.fetchers.ensure([address])
-        if failed:
-            return
-        with self._lock:
-            if self._closed:
-                return
-            self._faults.joined(address)
-            self._sched.add_worker(address)
-            self._wake()
-            self._ready.notify()
+    def _joined(self, address: str) -> None:
+        self._sched.add_worker(address)
+        self._wake()
+        self._ready.notify()
 
-    def worker_removed(self, address: str) -> None:
-        with self._lock:
-            self._faults.draining(address)
-            self._sched.drain_worker(address)
-            self._wake()
-            self._ready.notify()
+    def _removed(self, address: str) -> None:
+        self._sched.drain_worker(address)
+        self._wake()
+        self._ready.notify()
 
     # -- reader threads: record and wake, nothing else --------------------------------------
     def on_result(self, address: str, seq: int, ok: bool, value: Any) -> None:
