@@ -159,45 +159,31 @@ class LoaderCollector:
     def _per_worker(self, s: LoaderStats) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        labels = ["loader", "worker"]
-        families: dict[str, Any] = {
-            "batches": CounterMetricFamily(
-                PREFIX + "worker_batches", "Batches this worker delivered", labels=labels
-            ),
-            "samples": CounterMetricFamily(
-                PREFIX + "worker_samples", "Samples this worker delivered", labels=labels
-            ),
-            "rate": GaugeMetricFamily(
-                PREFIX + "worker_samples_per_second",
-                "Samples per second it delivered, last 30 s",
-                labels=labels,
-            ),
-            "inflight": GaugeMetricFamily(
-                PREFIX + "worker_inflight_batches", "Batches it holds now", labels=labels
-            ),
-            "requeued": CounterMetricFamily(
-                PREFIX + "worker_requeued_batches", "Batches it held when lost, sent elsewhere", labels=labels
-            ),
-            "hedged": CounterMetricFamily(
-                PREFIX + "worker_hedged_batches", "Overdue batches of it duplicated elsewhere", labels=labels
-            ),
-            "spb": GaugeMetricFamily(
-                PREFIX + "worker_batch_seconds",
-                "The scheduler's estimate of its seconds per batch",
-                labels=labels,
-            ),
-        }
-        for address, w in s.workers.items():
-            key = [self.name, address]
-            families["batches"].add_metric(key, w.batches)
-            families["samples"].add_metric(key, w.samples)
-            families["rate"].add_metric(key, w.samples_per_s)
-            families["inflight"].add_metric(key, w.inflight)
-            families["requeued"].add_metric(key, w.requeued)
-            families["hedged"].add_metric(key, w.hedged)
-            if w.mean_batch_seconds is not None:
-                families["spb"].add_metric(key, w.mean_batch_seconds)
-        yield from families.values()
+        for attribute, counts, name, text in _PER_WORKER:
+            kind = CounterMetricFamily if counts else GaugeMetricFamily
+            family = kind(PREFIX + name, text, labels=["loader", "worker"])
+            for address, w in s.workers.items():
+                value = getattr(w, attribute)
+                if value is not None:  # a worker's batch time is unknown before its first batch
+                    family.add_metric([self.name, address], value)
+            yield family
+
+
+# per-worker figures: (WorkerStats attribute, a counter (else a gauge), metric name, its help)
+_PER_WORKER = [
+    ("batches", True, "worker_batches", "Batches this worker delivered"),
+    ("samples", True, "worker_samples", "Samples this worker delivered"),
+    ("samples_per_s", False, "worker_samples_per_second", "Samples per second it delivered, last 30 s"),
+    ("inflight", False, "worker_inflight_batches", "Batches it holds now"),
+    ("requeued", True, "worker_requeued_batches", "Batches it held when lost, sent elsewhere"),
+    ("hedged", True, "worker_hedged_batches", "Overdue batches of it duplicated elsewhere"),
+    (
+        "mean_batch_seconds",
+        False,
+        "worker_batch_seconds",
+        "The scheduler's estimate of its seconds per batch",
+    ),
+]
 
 
 def registry(loaders: Any, policy: Policy | None = None) -> Any:
