@@ -52,7 +52,8 @@ def collect(loader, on_batch=None):
 
 @pytest.fixture
 def fast_heartbeat():
-    old = client.HEARTBEAT_INTERVAL, client.HEARTBEAT_TIMEOUT
+    session = client.default_session()
+    old = session.heartbeat_interval, session.heartbeat_timeout
     torchfeed.set_heartbeat(0.2, 1.5)
     yield
     torchfeed.set_heartbeat(*old)

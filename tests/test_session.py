@@ -236,10 +236,18 @@ def test_stopping_local_workers_closes_every_sessions_connections_quietly():
     session.close()
 
 
-def test_the_old_heartbeat_globals_read_and_set_the_default_session():
-    old = client.HEARTBEAT_INTERVAL, client.HEARTBEAT_TIMEOUT
+def test_the_old_heartbeat_globals_warn_then_read_and_set_the_default_session(monkeypatch):
+    from torchfeed import deprecation
+
+    monkeypatch.setattr(deprecation, "_warned", set())
+    session = client.default_session()
+    old = session.heartbeat_interval, session.heartbeat_timeout
+    with pytest.warns(FutureWarning, match=r"HEARTBEAT_INTERVAL is deprecated .* torchfeed.set_heartbeat"):
+        assert client.HEARTBEAT_INTERVAL == old[0]
+    with pytest.warns(FutureWarning, match="HEARTBEAT_TIMEOUT is deprecated"):
+        assert client.HEARTBEAT_TIMEOUT == old[1]
     try:
-        client.HEARTBEAT_TIMEOUT = 9.0  # what code written for the old globals does
+        client.HEARTBEAT_TIMEOUT = 9.0  # what code written for the old globals does (warned once)
         assert client.default_session().heartbeat_timeout == 9.0
         client.HEARTBEAT_INTERVAL = 0.5
         assert client.default_session().heartbeat_interval == 0.5

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
+from .. import deprecation
 from ..errors import Timeout
 from ..protocol import auth, wire
 from . import session as sessions
@@ -31,8 +32,6 @@ from .refs import Call, RemoteRef
 from .session import Session
 
 __all__ = [
-    "HEARTBEAT_INTERVAL",
-    "HEARTBEAT_TIMEOUT",
     "Address",
     "Call",
     "Callback",
@@ -64,28 +63,32 @@ if TYPE_CHECKING:  # for type checkers: the module's class below defines them at
     HEARTBEAT_TIMEOUT: float
 
 
+def _heartbeat_setting(which: str) -> property:
+    """A deprecated module attribute that reads and sets the default session's heartbeat
+    ``which`` ("interval" or "timeout"), checked as :func:`set_heartbeat` checks it."""
+    old, attribute = f"torchfeed.client.HEARTBEAT_{which.upper()}", f"heartbeat_{which}"
+    new = (
+        f"torchfeed.set_heartbeat(interval, timeout), read as torchfeed.client.default_session().{attribute}"
+    )
+
+    def read(_module: types.ModuleType) -> float:
+        deprecation.warn(old, new)
+        return getattr(sessions.default_session(), attribute)
+
+    def write(_module: types.ModuleType, value: float) -> None:
+        deprecation.warn(old, new)
+        s = sessions.default_session()
+        both = {"interval": s.heartbeat_interval, "timeout": s.heartbeat_timeout, which: value}
+        s.set_heartbeat(both["interval"], both["timeout"])
+
+    return property(read, write)
+
+
 class _Module(types.ModuleType):
-    """This module's type: ``HEARTBEAT_INTERVAL`` and ``HEARTBEAT_TIMEOUT`` were module
-    globals read by the keeper; the settings moved into the default session, and these
-    names still read and set them there (checked as ``set_heartbeat`` checks them)."""
+    """This module's type, for its two deprecated settings (the default session holds them)."""
 
-    @property
-    def HEARTBEAT_INTERVAL(self) -> float:  # noqa: N802 - the old global's name
-        return sessions.default_session().heartbeat_interval
-
-    @HEARTBEAT_INTERVAL.setter
-    def HEARTBEAT_INTERVAL(self, value: float) -> None:  # noqa: N802
-        s = sessions.default_session()
-        s.set_heartbeat(value, s.heartbeat_timeout)
-
-    @property
-    def HEARTBEAT_TIMEOUT(self) -> float:  # noqa: N802 - the old global's name
-        return sessions.default_session().heartbeat_timeout
-
-    @HEARTBEAT_TIMEOUT.setter
-    def HEARTBEAT_TIMEOUT(self, value: float) -> None:  # noqa: N802
-        s = sessions.default_session()
-        s.set_heartbeat(s.heartbeat_interval, value)
+    HEARTBEAT_INTERVAL = _heartbeat_setting("interval")
+    HEARTBEAT_TIMEOUT = _heartbeat_setting("timeout")
 
 
 sys.modules[__name__].__class__ = _Module
@@ -151,39 +154,9 @@ def close_connections(addresses: Sequence[Address]) -> None:
     sessions.default_session().close_connections(addresses)
 
 
-def call(
-    address: Address,
-    func: Callable,
-    args=None,
-    kwargs=None,
-    *,
-    rref: bool = False,
-    pin_memory: bool = False,
-    timeout: float | None = None,
-    secret: auth.SecretLike = None,
-    callback: Callback,
-    safe_globals: Sequence[Any] | None = None,
-    trust_worker: bool = False,
-) -> Call:
-    """Low-level asynchronous call on the default session: ``callback(ok, value)`` receives
-    the outcome (see :meth:`Session.call`)."""
-    return sessions.default_session().call(
-        address,
-        func,
-        args,
-        kwargs,
-        rref=rref,
-        pin_memory=pin_memory,
-        timeout=timeout,
-        secret=secret,
-        callback=callback,
-        safe_globals=safe_globals,
-        trust_worker=trust_worker,
-    )
-
-
-# Session.rpc_async is the one source of the signature and the docs; the API reference shows
-# this name as that function too (docs/griffe_roles.py: DefaultSessionFunctions)
+# Session's methods are the one source of these signatures and docs; the API reference shows
+# these names as those functions too (docs/griffe_roles.py: DefaultSessionFunctions)
+call = _on_default_session(Session.call)
 rpc_async = _on_default_session(Session.rpc_async)
 
 
