@@ -63,7 +63,7 @@ class _Pending:
         self.pin = pin
         self.deadline = deadline
         self.session = session  # a call in flight keeps its session (and so this connection) open
-        self.policy = policy  # a replies.Policy, or JSON_REPLY
+        self.policy = policy  # a replies.ReplyPolicy, or JSON_REPLY
         self.compression = compression  # what the call allowed its reply (codec.refusal)
 
 
@@ -174,7 +174,7 @@ class Connection:
     ) -> int:
         """Send a call; ``callback(ok, value)`` runs on the reader thread with the result.
 
-        ``policy`` says how its reply is loaded (a :class:`~torchfeed.protocol.replies.Policy`;
+        ``policy`` says how its reply is loaded (a :class:`~torchfeed.protocol.replies.ReplyPolicy`;
         default: the session's ``reply_policy``), or ``JSON_REPLY``. ``compression`` (a
         :data:`torchfeed.protocol.codec.MODES` value) says how its buffers may travel.
         """
