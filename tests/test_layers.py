@@ -25,7 +25,7 @@ ALLOWED = {
     ("notices.py", "sys._getframe"): "documented CPython API: find the user's line for a warning",
     # torch internals with no public equivalent
     (
-        "loader/context.py",
+        "worker/context.py",
         "getattr(torch_worker, '_worker_info')",
     ): "torch keeps get_worker_info()'s state there",
     # torch's worker seeding reproduced (seeding.py); the benchmarks reach into torch's DataLoader
@@ -56,10 +56,10 @@ ALLOWED = {
     # a protocol between the Shards dataset (datasets/shards.py) and the worker's streams:
     # hooks on the user's dataset object, named so they cannot clash with the user's own
     (
-        "loader/streams.py",
+        "worker/streams.py",
         "getattr(fetcher.setup.dataset, '_torchfeed_plan')",
     ): "Shards hook on a user dataset",
-    ("loader/streams.py", "getattr(dataset, '_torchfeed_dynamic_iter')"): "Shards hook on a user dataset",
+    ("worker/streams.py", "getattr(dataset, '_torchfeed_dynamic_iter')"): "Shards hook on a user dataset",
 }
 # private modules of other packages that may be imported from
 ALLOWED_PRIVATE_IMPORTS = {

@@ -980,7 +980,7 @@ def test_reflected_records_are_rejected():
 
 
 def test_a_worker_of_an_older_wire_version_is_refused_at_the_handshake_with_a_clear_message():
-    """Pickles name module paths (torchfeed.loader.fetch, ...), which moved between versions:
+    """Pickles name module paths (torchfeed.worker.fetch, ...), which moved between versions:
     a trainer meeting a worker of the previous version must fail at its first frame, naming both."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))

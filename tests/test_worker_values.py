@@ -230,7 +230,7 @@ class _Garbage(torch.utils.data.IterableDataset):
 
 def _answer_streams_with_garbage() -> None:
     """On a worker: every stream request is answered with something that is not a stream's reply."""
-    import torchfeed.loader.streams as streams
+    import torchfeed.worker.streams as streams
 
     streams.Stream.__call__ = lambda self, grants=(), total=None: ("not", "a", "reply")  # type: ignore[method-assign]  # sabotaged on purpose
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..loader.streams import Inbox, NeedShard, shard_order
+from ..worker.streams import Inbox, NeedShard, shard_order
 
 
 def _expand(urls: str | Sequence[str], storage_options: dict | None) -> list[str]:
@@ -90,7 +90,7 @@ class Shards(IterableDataset):
         order = shard_order(len(self.urls), self.shuffle, 0 if self.seed is None else self.seed, self.epoch)
         return ShardReader(self, Inbox(order[wid::count], final=True))
 
-    # -- torchfeed's hooks (see torchfeed.loader.streams and torchfeed.loader.iterable) -------------
+    # -- torchfeed's hooks (see torchfeed.worker.streams and torchfeed.loader.iterable) -------------
     def _torchfeed_plan(self) -> tuple:
         return len(self.urls), self.shuffle, self.seed
 

@@ -1,8 +1,9 @@
-"""The trainer's loader and the worker-side code it sends: RemoteDataLoader (dataloader),
-RemoteDataset and its membership (dataset, membership), one map-style pass (passes, plan,
-ledger, scheduler, workerindex, prefetch), one iterable-style pass (iterable), what a
-loader loads from (views), resume state (resume), samplers (sampling), torch's argument
-checks (checks); run on the workers: fetch, streams, context.
+"""The trainer's loader: RemoteDataLoader (dataloader), RemoteDataset and its membership
+(dataset, membership), one map-style pass (passes, plan, ledger, scheduler, workerindex,
+prefetch), one iterable-style pass (iterable, streamslots), the fault policy of both (faults),
+what a loader loads from (views), resume state (resume), samplers (sampling), torch's argument
+checks (checks). What it sends the workers to run is in :mod:`torchfeed.worker` (fetch,
+streams, context).
 
 ``torchfeed.loader.RemoteDataLoader`` and ``torchfeed.loader.RemoteDataset`` keep working
 (read on first use).

@@ -6,7 +6,7 @@ batches from its own items and collates them (on the worker), and the trainer yi
 batch of each stream in turn (0, 1, ..., K-1, 0, ...), skipping streams that ended. K
 is the loader's ``num_workers`` (by default the number of workers of the dataset),
 whatever the number of physical workers: streams are spread over the reachable workers
-(:mod:`torchfeed.loader.streams` holds the worker side).
+(:mod:`torchfeed.worker.streams` holds the worker side).
 
 The trainer counts the batches delivered per stream. When a worker is lost, its streams
 are opened again on the others at the position delivered so far: from the state sent
@@ -32,11 +32,11 @@ from .. import errors
 from ..client import wait_all
 from ..errors import RemoteError, Timeout, WorkerLost
 from ..protocol.errordata import rebuild_remote_error
+from ..worker.streams import BATCH, END, ERROR, NEED, open_stream, shard_order, shard_plan
 from . import reported
 from .basepass import Delivery, Pass
 from .plan import PassPlan, new_pass_id, quiet
 from .sampling import INT63
-from .streams import BATCH, END, ERROR, NEED, open_stream, shard_order, shard_plan
 from .streamslots import SNAPSHOT_FORMAT, StreamResult, StreamSlot, check_snapshot
 
 

@@ -102,7 +102,7 @@ class FetcherSet:
 
 
 class LoaderFetchers:
-    """A loader's worker-side fetchers (:class:`~torchfeed.loader.fetch.Fetcher`), one set made
+    """A loader's worker-side fetchers (:class:`~torchfeed.worker.fetch.Fetcher`), one set made
     with the loader's ``collate_fn`` and ``worker_init_fn``: a pass that starts after either was
     assigned gets a new set (torch reads them at every ``iter()``), unless the workers are
     persistent (torch's keep what they started with). A prefetched head made with an older set
@@ -123,7 +123,7 @@ class LoaderFetchers:
 
             def make(address: str):
                 from ..protocol import limits
-                from .fetch import Fetcher  # the worker side's module, sent by reference
+                from ..worker.fetch import Fetcher  # the worker side's module, sent by reference
 
                 args = (source.target(address), collate_fn, self._auto, worker_init_fn, self._persistent)
                 return source.session.rpc_async(

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ProtocolError, TorchfeedError
-from .streams import BATCH, END, ERROR, NEED
+from ..worker.streams import BATCH, END, ERROR, NEED
 
 MAX_LENGTH = 1 << 48
 """The largest dataset length a worker may report."""

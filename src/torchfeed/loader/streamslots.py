@@ -10,7 +10,7 @@ from typing import Any
 
 from ..client.refs import RemoteRef
 from ..util import is_count
-from .streams import BATCH
+from ..worker.streams import BATCH
 
 SNAPSHOT_FORMAT = "torchfeed.streams/1"  # a format name, not a module path: kept for saved states
 

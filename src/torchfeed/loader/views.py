@@ -17,8 +17,8 @@ from typing import Any
 
 from torch.utils.data import ConcatDataset, Subset
 
+from ..worker.fetch import Parts
 from .dataset import MembershipListener, RemoteDataset
-from .fetch import Parts
 
 Mapper = Callable[[Any], tuple[int, Any]]
 

@@ -1,6 +1,7 @@
-"""The worker daemon (``torchfeed worker``): the server (server), one authenticated
-client's reader and writer (connection), the accept loop and handshakes (doorman) and the
-worker's own counters (stats).
+"""The worker daemon (``torchfeed worker``) and what runs in it: the server (server), one
+authenticated client's reader and writer (serverconn), the accept loop and handshakes
+(doorman), the worker's own counters (counters), its options (options), its processes (process,
+group, forked, forkserver), and the code loaders send it to run (fetch, streams, context).
 
 ``from torchfeed.worker import run_worker, WorkerServer`` keeps working: names are read
 from :mod:`torchfeed.worker.server` on first use (``torchfeed --help`` stays light).

@@ -18,7 +18,7 @@ from torch.utils.data._utils.collate import (
 from .. import seeding
 from ..protocol import buffers
 from ..seeding import extend_seed, mix_seed, seed_all
-from ..worker import counters as workerstats
+from . import counters as workerstats
 from .context import WorkerSetup, worker_context
 
 # seed tags that keep the collate's and a __getitems__ call's streams apart from samples'
@@ -62,7 +62,7 @@ class Fetcher:
     """Worker-side: turn a batch of indices into a collated batch (like torch's fetcher).
 
     Indices are whatever the sampler yields (ints, strings, tuples...). ``worker_init_fn``
-    and ``persistent`` are the loader's; see :class:`torchfeed.loader.context.WorkerSetup`.
+    and ``persistent`` are the loader's; see :class:`torchfeed.worker.context.WorkerSetup`.
     ``reply_limits`` (set by the loader) bounds the size of the replies the trainer accepts.
     """
 

@@ -32,7 +32,7 @@ _install_lock = threading.Lock()
 _installed = False
 
 # The body torch's get_worker_info gets: no globals of torch's module are needed.
-_REPLACEMENT = "def get_worker_info():\n    return __import__('torchfeed.loader.context', fromlist=['current']).current()\n"
+_REPLACEMENT = "def get_worker_info():\n    return __import__('torchfeed.worker.context', fromlist=['current']).current()\n"
 
 
 def current() -> Any | None:
@@ -52,7 +52,7 @@ def install() -> None:
         if _installed:
             return
         namespace: dict = {}
-        exec(compile(_REPLACEMENT, "<torchfeed.loader.context>", "exec"), namespace)  # noqa: S102 - fixed text
+        exec(compile(_REPLACEMENT, "<torchfeed.worker.context>", "exec"), namespace)  # noqa: S102 - fixed text
         replacement = namespace["get_worker_info"].__code__
         for target in {torch_worker.get_worker_info, torch.utils.data.get_worker_info}:
             if target.__code__.co_freevars:
