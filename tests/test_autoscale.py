@@ -14,7 +14,9 @@ from torch.utils.data import Dataset
 import torchfeed
 import torchfeed.dask as tfd
 from helpers import FAST_AUTOSCALE, dask_cluster, wait_for
-from torchfeed.scaling import Decision, Policy, Reading
+from pool_conformance import check_pool, kill_the_process
+from torchfeed.protocol import auth
+from torchfeed.scaling import Decision, LocalPool, Policy, Reading
 from torchfeed.util import free_port
 
 # ---------------------------------------------------------------- the decisions, pure
@@ -304,3 +306,18 @@ def test_dask_pool_refuses_to_send_the_secret_in_clear():
         ):
             tfd.Pool(c)
         assert os.environ.get("TORCHFEED_SECRET") == before  # nothing exported
+
+
+@pytest.mark.slow
+def test_a_local_pool_passes_the_pool_conformance_checks(caplog):
+    """LocalPool (LocalWorkers on this machine) does what every pool does (tests/pool_conformance.py):
+    a worker killed is logged and replaced, its request holding; the secret goes over stdin only."""
+    with LocalPool(cpu_budget=3, poll=0.25) as pool:
+        check_pool(
+            pool,
+            kill_the_process,
+            replaced=True,
+            secret=auth.load_secret().value,
+            caplog=caplog,
+            said="ended; starting another",
+        )

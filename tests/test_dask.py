@@ -20,9 +20,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 import torchfeed
 import torchfeed.dask as tfd
 from helpers import RangeDataset, dask_cluster, print_lots, secret_seen_by_worker_code, wait_for
+from pool_conformance import check_pool
 from s3server import S3Server
 from test_datasets import make_tree, to_tensor
 from torchfeed.dask.comms import in_clear
+from torchfeed.dask.pool import POOL_PLUGIN
 from torchfeed.dask.ranks import _order_workers
 from torchfeed.datasets import ImageFolder
 from torchfeed.util import free_port, pid_alive
@@ -479,6 +481,35 @@ def test_start_workers_sends_the_secret_only_to_the_workers_it_checked(client, m
         assert list(addresses.by_dask_worker) == [first] and len(addresses) == 1
     finally:
         tfd.stop_workers(client)
+
+
+def _pool_addresses(dask_worker=None) -> list[str]:
+    plugin = dask_worker.plugins.get(POOL_PLUGIN)
+    return plugin.report()["addresses"] if plugin is not None else []
+
+
+@pytest.mark.slow
+def test_the_dask_pool_passes_the_pool_conformance_checks(client):
+    """torchfeed.dask.Pool does what every pool does (tests/pool_conformance.py) on this module's
+    cluster: a Dask worker killed takes its torchfeed worker along, the nanny starts it again and
+    the pool gives it a new one (the request holds); the secret goes to each checked Dask worker
+    by call, never into an environment. The cluster is back at two Dask workers afterwards."""
+    pool = tfd.Pool(client, secret=secrets.token_hex(32), export_secret=False, poll=0.25)
+    session = torchfeed.Session(secret=pool.secret)
+
+    def kill_its_dask_worker(address: str) -> None:
+        (host,) = [w for w, own in client.run(_pool_addresses).items() if address in own]
+        os.kill(client.run(os.getpid, workers=[host])[host], signal.SIGKILL)
+
+    try:
+        assert os.environ["TORCHFEED_SECRET"] == SECRET  # not exported
+        check_pool(pool, kill_its_dask_worker, replaced=True, secret=pool.secret.value, session=session)
+    finally:
+        pool.close()
+        session.close()
+        assert client.cluster is not None
+        client.cluster.scale(2)
+        client.wait_for_workers(2, timeout=120)
 
 
 def test_torchfeed_workers_end_with_their_dask_worker(client):

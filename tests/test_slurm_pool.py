@@ -19,6 +19,7 @@ import torch
 
 import torchfeed
 from helpers import SleepDataset
+from pool_conformance import check_retired, check_secret_off_the_workers, grow_and_wait, kill_and_check
 from slurm_cluster import started_for_tests
 from torchfeed.cluster import SlurmPool, pool_script
 from torchfeed.scaling.pool import WorkerPool as Pool
@@ -76,9 +77,7 @@ def test_scale_up_retire_mid_epoch_and_close(slurm, tmp_path):
     it) while one is drained and retired in the middle; close cancels the rest."""
     pool = _pool(tmp_path, parallel=2)
     assert isinstance(pool, Pool)
-    pool.scale(3)
-    assert pool.requested() == 3
-    addresses = pool.wait(3, timeout=120)
+    addresses = grow_and_wait(pool, 3)  # tests/pool_conformance.py: what every pool does
     job_of = _jobs_by_address(pool)
     jobs = sorted(job_of.values())
     assert len(jobs) == 3 and sorted(job_of) == sorted(addresses)
@@ -91,6 +90,7 @@ def test_scale_up_retire_mid_epoch_and_close(slurm, tmp_path):
         assert stat.S_IMODE(path.stat().st_mode) in (0o600, 0o700), path
     script = pool.script_path.read_text()
     assert pool.secret.value.decode() not in script and "TORCHFEED_SECRET_FILE=" in script
+    check_secret_off_the_workers(addresses, pool.secret.value, torchfeed.Session(secret=pool.secret))
 
     ds = _ds(pool, addresses)
     loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=BATCH)
@@ -117,12 +117,11 @@ def test_scale_up_retire_mid_epoch_and_close(slurm, tmp_path):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert retired_at and retired_at[0] < len(expected) - 1, "retired after the epoch, not during it"
 
-    assert pool.requested() == 2 and sorted(pool.addresses()) == sorted(addresses[1:])
+    check_retired(pool, [gone], 2, addresses[1:])  # again, or never ours: nothing happens
     _wait_until(
         "the retired job to be cancelled", lambda: slurm.job(job_of[gone]).get("JobState") == "CANCELLED"
     )
     assert not (pool.directory / "workers" / job_of[gone]).exists()
-    pool.retire([gone, "127.0.0.1:9"])  # ended already, or never ours: nothing happens
     ds.close()
 
     pool.close()
@@ -166,10 +165,16 @@ def test_queued_jobs_are_said_once_and_training_goes_on(slurm, tmp_path, caplog)
         pool.scale(2)
         assert pool.requested() == 2 and sorted(pool.addresses()) == sorted(later)
 
-        # a worker job ends on its own (its node fails, a user cancels it)
-        slurm.cancel(_jobs_by_address(pool)[later[0]])
-        _wait_until("the pool to notice the ended job", lambda: pool.requested() == 1)
-        assert pool.addresses() == [later[1]] and "ended before it was retired" in caplog.text
+        # a worker job ends on its own (its node fails, a user cancels it): reported, not counted
+        jobs = _jobs_by_address(pool)
+        left = kill_and_check(
+            pool,
+            lambda address: slurm.cancel(jobs[address]),
+            replaced=False,
+            caplog=caplog,
+            said="ended before it was retired",
+        )
+        assert len(left) == 1 and set(left) < set(later) and pool.requested() == 1
     finally:
         pool.close()
 

@@ -136,6 +136,11 @@ class DaskPool(BasePool):
     One ``torchfeed worker`` process runs next to each Dask worker (give it more
     executor threads with ``parallel``); Dask workers that join later get theirs too.
 
+    Its thread (``torchfeed-dask-pool``, see :class:`~torchfeed.scaling.pool.BasePool`) scales the
+    cluster, retires Dask workers, polls the plugin and sends the secret to the Dask workers
+    it checked; :meth:`close` waits up to 60 s for it, then unregisters the plugin (the
+    torchfeed workers stop, the Dask workers stay) and closes the pool's own client.
+
     Parameters
     ----------
     cluster_or_client : distributed.deploy.Cluster or distributed.Client
@@ -150,11 +155,6 @@ class DaskPool(BasePool):
         Seconds a torchfeed worker has to report ready on its Dask worker.
     poll : float
         Seconds between two looks at the Dask workers (a quarter of it while some start).
-
-    Its thread (``torchfeed-dask-pool``, see :class:`~torchfeed.scaling.pool.BasePool`) scales the
-    cluster, retires Dask workers, polls the plugin and sends the secret to the Dask workers
-    it checked; :meth:`close` waits up to 60 s for it, then unregisters the plugin (the
-    torchfeed workers stop, the Dask workers stay) and closes the pool's own client.
     """
 
     label = "torchfeed.dask.Pool"
@@ -241,6 +241,8 @@ class DaskPool(BasePool):
             self.client.unregister_worker_plugin(POOL_PLUGIN)
         except Exception as exc:  # noqa: BLE001 - Dask workers leaving meanwhile stop theirs on their own
             log.debug("torchfeed.dask.Pool: unregistering the plugin: %s: %s", type(exc).__name__, exc)
+        with self._lock:
+            self._ready.clear()
         if self._exported:
             unexport()
         self._close_client()

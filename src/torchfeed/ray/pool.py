@@ -83,6 +83,10 @@ class _Member:
 class RayPool(BasePool):
     """torchfeed workers as Ray actors: a :class:`torchfeed.scaling.pool.WorkerPool` (see the module docstring).
 
+    Its thread (``torchfeed-ray-pool``, see :class:`~torchfeed.scaling.pool.BasePool`) creates,
+    starts, watches and kills the actors; :meth:`close` waits up to 30 s for it, then stops
+    every worker and kills every actor of the pool.
+
     Parameters
     ----------
     n : int, optional
@@ -113,10 +117,6 @@ class RayPool(BasePool):
         Seconds after which actors Ray has not placed are reported (once per request).
     poll : float
         Seconds between two looks at the actors.
-
-    Its thread (``torchfeed-ray-pool``, see :class:`~torchfeed.scaling.pool.BasePool`) creates,
-    starts, watches and kills the actors; :meth:`close` waits up to 30 s for it, then stops
-    every worker and kills every actor of the pool.
     """
 
     label = "torchfeed.ray.Pool"

@@ -24,6 +24,11 @@ log = logging.getLogger("torchfeed.autoscale")
 class LocalPool(BasePool):
     """A :class:`~torchfeed.scaling.pool.WorkerPool` of worker processes on this machine.
 
+    Its thread (``torchfeed-localpool``, see :class:`~torchfeed.scaling.pool.BasePool`) starts
+    each missing worker on a short-lived thread of its own (so that several start at once),
+    which hands it to the pool, or closes it when the pool closed meanwhile; :meth:`close`
+    stops the pool's thread, then every worker.
+
     Parameters
     ----------
     cpu_budget : int, optional
@@ -38,11 +43,6 @@ class LocalPool(BasePool):
     poll : float
         Seconds between two looks at the workers: one that ended (killed, crashed) leaves
         :meth:`addresses`, is logged, and another starts in its place (the request holds).
-
-    Its thread (``torchfeed-localpool``, see :class:`~torchfeed.scaling.pool.BasePool`) starts
-    each missing worker on a short-lived thread of its own (so that several start at once),
-    which hands it to the pool, or closes it when the pool closed meanwhile; :meth:`close`
-    stops the pool's thread, then every worker.
     """
 
     label = "LocalPool"

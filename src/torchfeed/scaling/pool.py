@@ -66,8 +66,9 @@ class BasePool:
 
     What it holds: the requested count (:meth:`requested`), the queue of operations, the
     lock over both, and the thread. Its subclass (one per engine) holds the engine's state
-    and implements the steps marked *hook* below; every hook but :meth:`_claim`,
-    :meth:`_bounded`, :meth:`_scaled` and :meth:`_ready_addresses` runs on the pool's thread.
+    and implements the steps marked *hook* below: :meth:`_claim`, :meth:`_bounded`,
+    :meth:`_scaled` and :meth:`_ready_addresses` run under the lock on the caller's thread,
+    :meth:`_release` on the thread that calls :meth:`close`, every other hook on the pool's.
 
     Threads and who owns what:
 
