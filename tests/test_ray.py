@@ -18,13 +18,6 @@ from typing import Any
 import pytest
 
 from helpers import RangeDataset, SleepDataset
-from pool_conformance import (
-    check_killed,
-    check_secret_off_the_workers,
-    close_and_check,
-    grow_and_wait,
-    retire_and_check,
-)
 from raycluster import LABELS, NODE_IP
 from raycluster import RESOURCE as RESOURCE_NAME
 from torchfeed import DistributedSampler, RemoteDataLoader, RemoteDataset, autoscale
@@ -83,11 +76,10 @@ def test_the_secret_stays_off_clear_networks(monkeypatch):
 
 
 def test_scale_up_kill_mid_epoch_and_drain(ray_cluster):
-    """What every pool does (tests/pool_conformance.py), with the loss and the retirement mid-epoch."""
     with Pool(resources=RESOURCE, start_timeout=60) as pool:
-        first = grow_and_wait(pool, 2)
+        pool.scale(2)
+        first = pool.wait(2, timeout=120)
         assert all(a.startswith(NODE_IP + ":") for a in first)
-        check_secret_off_the_workers(first, pool.secret.value)  # sent by the actor's call, to stdin
         assert _placed_on_the_cpu_node(pool)
         ds = RemoteDataset(first, SleepDataset, N, 0.005)
         loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=8, shuffle=True)
@@ -99,7 +91,8 @@ def test_scale_up_kill_mid_epoch_and_drain(ray_cluster):
                 ray.kill(pool.actors()[first[0]])
         assert sorted(seen) == list(range(N))
         # the pool replaces it (its target holds): a new worker joins the dataset
-        fresh = [a for a in check_killed(pool, first[0], 2, replaced=True) if a not in ds.workers]
+        _until(lambda: len(pool.addresses()) == 2 and first[0] not in pool.addresses(), "a replacement")
+        fresh = [a for a in pool.addresses() if a not in ds.workers]
         ds.remove_workers([first[0]])
         ds.add_workers(fresh)
         assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(N))
@@ -110,9 +103,10 @@ def test_scale_up_kill_mid_epoch_and_drain(ray_cluster):
         assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(N))
         going = three[0]
         ds.remove_workers([going])
-        retire_and_check(pool, [going])
+        pool.retire([going])
+        _until(lambda: going not in pool.addresses() and len(pool.addresses()) == 2, "retired")
+        assert pool.requested() == 2
         assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(N))
-        close_and_check(pool)
         # a fourth would need a fourth torchfeed_worker: Ray has 3, and the pool says so once
     _until(lambda: ray.available_resources().get("torchfeed_worker", 0) == 3, "the actors' resources freed")
 
@@ -173,15 +167,21 @@ def _train_loop(config):
     ray.train.report({"rank": rank, "world": world})
 
 
-def test_ray_train_ranks_fed_from_the_pool(ray_cluster, tmp_path):
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
+def _private_secret_file(tmp_path: Path) -> Path:
+    """A new secret in a file only its owner can read, in a folder only its owner can enter."""
     private = tmp_path / "secret"
     private.mkdir(mode=0o700)
     secret_file = private / "secret"
     secret_file.write_text(secrets.token_hex(32))
     secret_file.chmod(0o600)
+    return secret_file
+
+
+def test_ray_train_ranks_fed_from_the_pool(ray_cluster, tmp_path):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    secret_file = _private_secret_file(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
     with Pool(2, resources=RESOURCE, secret_file=secret_file) as pool:
@@ -239,11 +239,7 @@ def test_ray_train_resumes_exactly_from_its_checkpoint(ray_cluster, tmp_path):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    private = tmp_path / "secret"
-    private.mkdir(mode=0o700)
-    secret_file = private / "secret"
-    secret_file.write_text(secrets.token_hex(32))
-    secret_file.chmod(0o600)
+    secret_file = _private_secret_file(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
     with Pool(2, resources=RESOURCE, secret_file=secret_file) as pool:
