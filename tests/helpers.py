@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from typing import Any, cast
 
@@ -155,6 +156,41 @@ def accept_handshake(sock, same_host: bool = False) -> tuple[Any, bytes]:
     assert verdict == "ok" and keys is not None, (verdict, reply)
     wire.send_frame(sock, wire.AUTH_OK, meta=reply)
     return keys, received
+
+
+class FakeWorker:
+    """A fake worker on a thread: takes the first connection to ``listener``, completes the real
+    handshake (:func:`accept_handshake`) and hands the rest to ``serve``. What ``serve`` raises
+    is kept in ``failure`` for the test; ``answered`` is set when it ends. A subclass sets its
+    own fields before calling ``__init__`` (the thread starts there)."""
+
+    def __init__(self, listener, same_host: bool = False):
+        self.listener = listener
+        self.same_host = same_host
+        self.answered = threading.Event()
+        self.failure: BaseException | None = None
+        self._socks: list = []
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def serve(self, sock, keys, received: bytes) -> None:
+        """After the handshake: ``keys`` are the session's, ``received`` every byte read so far."""
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        try:
+            sock, _ = self.listener.accept()
+            self._socks.append(sock)
+            keys, received = accept_handshake(sock, same_host=self.same_host)
+            self.serve(sock, keys, received)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.failure = exc
+        finally:
+            self.answered.set()
+
+    def close(self) -> None:
+        self.listener.close()
+        for sock in self._socks:
+            sock.close()
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:

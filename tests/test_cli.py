@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import torchfeed
-from helpers import RangeDataset, deep_equal, secret_seen_by_worker_code, wait_for
+from helpers import WORKER_COMMAND, RangeDataset, deep_equal, secret_seen_by_worker_code, wait_for
 from torchfeed import cli
 from torchfeed.protocol.addrfile import read_address_file
 from torchfeed.util import cpu_count, free_port, pid_alive
@@ -30,7 +30,7 @@ from torchfeed.util import cpu_count, free_port, pid_alive
 pytestmark = pytest.mark.timeout(60)
 
 ADDRESS = re.compile(r"^127\.0\.0\.1:(\d{1,5})$")
-WORKER = [sys.executable, "-m", "torchfeed", "worker", "--host", "127.0.0.1", "--port", "0"]
+WORKER = [*WORKER_COMMAND, "--port", "0"]
 LAUNCH = [sys.executable, "-m", "torchfeed.launch", "--host", "127.0.0.1", "--port", "0"]
 
 
@@ -497,22 +497,7 @@ def test_procs_start_all_or_none(run, tmp_path):
     holder, port = _taken_port()
     path = tmp_path / "workers"
     with holder:
-        cmd = run(
-            [
-                sys.executable,
-                "-m",
-                "torchfeed",
-                "worker",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port - 1),
-                "--procs",
-                "3",
-                "--address-file",
-                str(path),
-            ]
-        )
+        cmd = run([*WORKER_COMMAND, "--port", str(port - 1), "--procs", "3", "--address-file", str(path)])
         assert wait_for(lambda: cmd.children(), 20)
         kids = cmd.children()
         assert cmd.proc.wait(90) == 1

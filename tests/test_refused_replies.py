@@ -17,7 +17,7 @@ import threading
 import pytest
 
 import torchfeed
-from helpers import PROMPT, accept_handshake
+from helpers import PROMPT, FakeWorker
 from relay import C2W_SEALED
 from torchfeed.errors import ProtocolError
 from torchfeed.protocol import codec, wire
@@ -61,42 +61,22 @@ def error_with_buffers_then_close(chan: Channel, sock: socket.socket, rid: int) 
     sock.shutdown(socket.SHUT_RDWR)
 
 
-class HostileWorker:
+class HostileWorker(FakeWorker):
     """Listens on loopback, completes the real handshake with the tests' secret, reads one
     call and answers it with ``answer(channel, socket, request id)``; then holds the
     connection until closed."""
 
     def __init__(self, answer):
         self.answer = answer
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self.answered = threading.Event()
-        self.failure: BaseException | None = None
-        self._socks: list[socket.socket] = []
-        threading.Thread(target=self._serve, daemon=True).start()
+        listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{listener.getsockname()[1]}"
+        super().__init__(listener)
 
-    def _serve(self) -> None:
-        try:
-            sock, _ = self.listener.accept()
-            self._socks.append(sock)
-            chan = self._handshake(sock)
-            call = chan.read_frame(wire.Limits())
-            chan.skip(call, meta=False)
-            self.answer(chan, sock, call.request_id)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            self.failure = exc
-        finally:
-            self.answered.set()
-
-    @staticmethod
-    def _handshake(sock: socket.socket) -> Channel:
-        keys, received = accept_handshake(sock)
-        return keys.channel(sock, wire.FrameReader(sock, received[C2W_SEALED:]))
-
-    def close(self) -> None:
-        self.listener.close()
-        for sock in self._socks:
-            sock.close()
+    def serve(self, sock, keys, received: bytes) -> None:
+        chan = keys.channel(sock, wire.FrameReader(sock, received[C2W_SEALED:]))
+        call = chan.read_frame(wire.Limits())
+        chan.skip(call, meta=False)
+        self.answer(chan, sock, call.request_id)
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import torchfeed
-from helpers import PROMPT, accept_handshake
+from helpers import PROMPT, FakeWorker
 from torchfeed import LocalWorkers
 from torchfeed.errors import AuthenticationError, TorchfeedError
 from torchfeed.protocol import auth, localpath, serialize, shm, wire
@@ -96,7 +96,7 @@ def too_few_descriptors(rid):
     return reply(rid, fds=[memfd(shm.HEAD + CAP)], new=[(1, CAP), (2, CAP), (3, CAP)], where=[(1, 0)])
 
 
-class HostileNeighbour:
+class HostileNeighbour(FakeWorker):
     """A same-uid "worker" on this machine (see the module docstring)."""
 
     def __init__(self, answer):
@@ -104,43 +104,25 @@ class HostileNeighbour:
         self.tcp = socket.create_server(("127.0.0.1", 0))
         port = self.tcp.getsockname()[1]
         self.address = f"127.0.0.1:{port}"
-        self.unix = socket.socket(socket.AF_UNIX)
-        self.unix.bind(localpath.name_of("127.0.0.1", port))
-        self.unix.listen()
-        self.answered = threading.Event()
-        self.failure: BaseException | None = None
-        self._socks: list[socket.socket] = []
-        threading.Thread(target=self._serve, daemon=True).start()
+        unix = socket.socket(socket.AF_UNIX)
+        unix.bind(localpath.name_of("127.0.0.1", port))
+        unix.listen()
+        super().__init__(unix, same_host=True)
 
-    def _serve(self) -> None:
-        try:
-            sock, _ = self.unix.accept()
-            self._socks.append(sock)
-            leftover = self._handshake(sock)
-            reader = wire.FrameReader(sock, leftover)
-            call = reader.read_frame(wire.Limits())
-            reader.skip_buffers(call.buffer_lengths)
-            message, fds = self.answer(call.request_id)
-            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-            sock.sendmsg([message], rights)
-            for fd in fds:
-                os.close(fd)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            self.failure = exc
-        finally:
-            self.answered.set()
-
-    @staticmethod
-    def _handshake(sock: socket.socket) -> bytes:
-        keys, received = accept_handshake(sock, same_host=True)
+    def serve(self, sock, keys, received: bytes) -> None:
         assert keys.local
-        return received[wire.HEADER.size + auth.AUTH_BYTES :]
+        reader = wire.FrameReader(sock, received[wire.HEADER.size + auth.AUTH_BYTES :])
+        call = reader.read_frame(wire.Limits())
+        reader.skip_buffers(call.buffer_lengths)
+        message, fds = self.answer(call.request_id)
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        sock.sendmsg([message], rights)
+        for fd in fds:
+            os.close(fd)
 
     def close(self) -> None:
         self.tcp.close()
-        self.unix.close()
-        for sock in self._socks:
-            sock.close()
+        super().close()
 
 
 def test_the_hostile_neighbour_speaks_the_protocol():
