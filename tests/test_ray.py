@@ -18,6 +18,13 @@ from typing import Any
 import pytest
 
 from helpers import RangeDataset, SleepDataset
+from pool_conformance import (
+    check_killed,
+    check_secret_off_the_workers,
+    close_and_check,
+    grow_and_wait,
+    retire_and_check,
+)
 from raycluster import LABELS, NODE_IP
 from raycluster import RESOURCE as RESOURCE_NAME
 from torchfeed import DistributedSampler, RemoteDataLoader, RemoteDataset, autoscale
@@ -76,10 +83,11 @@ def test_the_secret_stays_off_clear_networks(monkeypatch):
 
 
 def test_scale_up_kill_mid_epoch_and_drain(ray_cluster):
+    """What every pool does (tests/pool_conformance.py), with the loss and the retirement mid-epoch."""
     with Pool(resources=RESOURCE, start_timeout=60) as pool:
-        pool.scale(2)
-        first = pool.wait(2, timeout=120)
+        first = grow_and_wait(pool, 2)
         assert all(a.startswith(NODE_IP + ":") for a in first)
+        check_secret_off_the_workers(first, pool.secret.value)  # sent by the actor's call, to stdin
         assert _placed_on_the_cpu_node(pool)
         ds = RemoteDataset(first, SleepDataset, N, 0.005)
         loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=8, shuffle=True)
@@ -91,8 +99,7 @@ def test_scale_up_kill_mid_epoch_and_drain(ray_cluster):
                 ray.kill(pool.actors()[first[0]])
         assert sorted(seen) == list(range(N))
         # the pool replaces it (its target holds): a new worker joins the dataset
-        _until(lambda: len(pool.addresses()) == 2 and first[0] not in pool.addresses(), "a replacement")
-        fresh = [a for a in pool.addresses() if a not in ds.workers]
+        fresh = [a for a in check_killed(pool, first[0], 2, replaced=True) if a not in ds.workers]
         ds.remove_workers([first[0]])
         ds.add_workers(fresh)
         assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(N))
@@ -103,10 +110,9 @@ def test_scale_up_kill_mid_epoch_and_drain(ray_cluster):
         assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(N))
         going = three[0]
         ds.remove_workers([going])
-        pool.retire([going])
-        _until(lambda: going not in pool.addresses() and len(pool.addresses()) == 2, "retired")
-        assert pool.requested() == 2
+        retire_and_check(pool, [going])
         assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(N))
+        close_and_check(pool)
         # a fourth would need a fourth torchfeed_worker: Ray has 3, and the pool says so once
     _until(lambda: ray.available_resources().get("torchfeed_worker", 0) == 3, "the actors' resources freed")
 
