@@ -17,7 +17,7 @@ from helpers import secret_seen_by_worker_code, wait_for
 from torchfeed.protocol.auth import ENV_SECRET
 from torchfeed.util import pid_alive
 from torchfeed.worker import forkserver
-from torchfeed.worker.group import RestartPolicy, StartError, WorkerGroup
+from torchfeed.worker.group import RestartPolicy, StartError, StartTimeout, WorkerGroup
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -214,3 +214,11 @@ def test_restart_policy_backs_off_and_detects_a_crash_loop_with_a_fake_clock():
 def test_a_group_needs_a_process():
     with pytest.raises(ValueError, match="at least one"):
         WorkerGroup(0, host="127.0.0.1")
+
+
+def test_a_start_that_runs_out_of_time_is_still_a_timeout_error():
+    group = WorkerGroup(1, host="127.0.0.1", secret=KEY.encode())
+    with pytest.raises(StartTimeout, match="did not print its address in time") as caught:
+        group.start(0.0)  # no process prints its address within no time at all
+    assert isinstance(caught.value, TimeoutError) and isinstance(caught.value, StartError)
+    assert all(p.poll() is not None for p in group.processes)  # stopped and reaped

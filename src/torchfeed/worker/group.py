@@ -62,6 +62,10 @@ class StartError(RuntimeError):
         self.reason = reason
 
 
+class StartTimeout(StartError, TimeoutError):
+    """A process of a group did not get ready in time (still a TimeoutError, as it always was)."""
+
+
 @dataclass
 class RestartPolicy:
     """When a process that ended starts again, and when it is given up (a crash loop).
@@ -378,7 +382,8 @@ class WorkerGroup:
             detail = f"it did not print its address in time ({timeout:g} s)"
         else:
             detail = _short(exc, timeout)
-        return StartError(
+        kind = StartTimeout if isinstance(exc, TimeoutError) else StartError
+        return kind(
             f"{name} ({where}) could not start{tail}: {detail}",
             index=index,
             where=where,
