@@ -133,12 +133,23 @@ def _no_stale_connections():
 # test file is one group, run whole by one xdist worker: its module fixtures (clusters, worker
 # pools, the frameworks' torchrun job) start once, and tests that share a fixture never run at
 # the same time. GROUPS joins the two files that start private Slurm clusters (one at a time is
-# load enough for 2 cores). The docs' code blocks (test_docs.py, the longest file: each block
-# is a process of its own) are spread one by one, but for those that share a server: the Ray
-# blocks run with test_ray.py on the session's Ray cluster, the S3 blocks together. The xdist
+# load enough for 2 cores), and the files that start torch.distributed jobs. The docs' code
+# blocks (test_docs.py, the longest file: each block is a process of its own) are spread one
+# by one, but for those that share a server: the Ray blocks run with test_ray.py on the
+# session's Ray cluster, the S3 blocks together. The xdist
 # workers take groups in collection order, so the longest (measured, see README) come first:
 # the last group to start is a short one.
-GROUPS = {"test_ray": "ray", "test_slurm": "slurm", "test_slurm_pool": "slurm"}
+GROUPS = {
+    "test_ray": "ray",
+    "test_slurm": "slurm",
+    "test_slurm_pool": "slurm",
+    # files that start torch.distributed jobs on loopback (Dask ranks, torchrun, cluster launches):
+    # one at a time, as in a serial run (a Dask rank once met a gloo peer it did not expect
+    # while a torchrun job of another file ran beside it)
+    "test_dask": "ddp",
+    "test_frameworks": "ddp",
+    "test_cluster": "ddp",
+}
 LONGEST_FIRST = [
     "test_ray",
     "test_docs",
@@ -211,9 +222,18 @@ def skip_kind(reason: str) -> str:
     return reason
 
 
+_FILE_SECONDS: collections.Counter[str] = collections.Counter()  # test file -> seconds its tests took
+
+
+def pytest_runtest_logreport(report):
+    _FILE_SECONDS[report.nodeid.split("::", 1)[0]] += report.duration  # setup, call and teardown
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)  # outermost: after pytest's own summary of each skip
 def pytest_terminal_summary(terminalreporter):
     yield
+    longest = ", ".join(f"{Path(f).stem} {s:.0f} s" for f, s in _FILE_SECONDS.most_common(8))
+    terminalreporter.write_line(f"longest test files (what LONGEST_FIRST orders): {longest}")
     skipped = terminalreporter.stats.get("skipped", [])
     if not skipped:
         return

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from helpers import RangeDataset, wait_for
+from helpers import PROMPT, RangeDataset, wait_for
 from torchfeed import LocalWorkers, RemoteDataLoader, RemoteDataset, Session
 from torchfeed.util import free_port
 
@@ -190,7 +190,7 @@ def test_silent_and_dripping_clients_are_dropped():
         finally:
             silent.close()
             dripping.close()
-        assert scrape(served.url) == 200
+        assert wait_for(lambda: scrape(served.url) == 200, PROMPT, interval=0.2)  # handlers free again
 
 
 def test_connections_beyond_the_caps_are_answered_503_and_closed():
@@ -213,7 +213,8 @@ def test_connections_beyond_the_caps_are_answered_503_and_closed():
         finally:
             for s in held:
                 s.close()
-        assert scrape(served.url) == 200  # their handlers are free again
+        # their handlers are free again once they read the closes (their threads, on their time)
+        assert wait_for(lambda: scrape(served.url) == 200, PROMPT, interval=0.2)
 
 
 # --- a pod's PID limit: the pids cgroup -------------------------------------------------------
