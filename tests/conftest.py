@@ -136,9 +136,9 @@ def _no_stale_connections():
 # load enough for 2 cores), and the files that start torch.distributed jobs. The docs' code
 # blocks (test_docs.py, the longest file: each block is a process of its own) are spread one
 # by one, but for those that share a server: the Ray blocks run with test_ray.py on the
-# session's Ray cluster, the S3 blocks together. The xdist
-# workers take groups in collection order, so the longest (measured, see README) come first:
-# the last group to start is a short one.
+# session's Ray cluster, the S3 blocks together. The xdist workers take groups in collection
+# order, so the longest (measured: the run's last lines name them) come first, and the docs'
+# short blocks last.
 GROUPS = {
     "test_ray": "ray",
     "test_slurm": "slurm",
@@ -152,17 +152,20 @@ GROUPS = {
 }
 LONGEST_FIRST = [
     "test_ray",
-    "test_docs",
-    "test_autoscale",
+    "test_dask",  # with test_frameworks and test_cluster: the "ddp" group
     "test_frameworks",
-    "test_cli",
-    "test_dask",
-    "test_slurm",
-    "test_slurm_pool",
-    "test_attacks",
     "test_cluster",
+    "test_slurm",  # with test_slurm_pool: the "slurm" group
+    "test_slurm_pool",
+    "test_cli",
+    "test_attacks",
+    "test_autoscale",
+    "test_same_host",
     "test_dask_secret",
 ]
+# the docs' blocks come last: each a unit of its own (a few seconds), they fill the workers
+# that finish their groups first, so the run ends with short units rather than a long group
+LAST = ["test_docs"]
 
 
 def _module(item) -> str:
@@ -186,7 +189,8 @@ def pytest_collection_modifyitems(config, items):
         if group is not None and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(group))
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(_module(item), len(rank)))  # stable: the rest keep their order
+    rank.update({name: len(LONGEST_FIRST) + 1 + i for i, name in enumerate(LAST)})
+    items.sort(key=lambda item: rank.get(_module(item), len(LONGEST_FIRST)))  # stable otherwise
 
 
 def pytest_configure(config):
@@ -233,7 +237,10 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter):
     yield
     longest = ", ".join(f"{Path(f).stem} {s:.0f} s" for f, s in _FILE_SECONDS.most_common(8))
-    terminalreporter.write_line(f"longest test files (what LONGEST_FIRST orders): {longest}")
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.write_line(
+        f"tests took {total:.0f} s in all; the longest files (what LONGEST_FIRST orders): {longest}"
+    )
     skipped = terminalreporter.stats.get("skipped", [])
     if not skipped:
         return
