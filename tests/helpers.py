@@ -193,6 +193,17 @@ class FakeWorker:
             sock.close()
 
 
+def listen_on_if_free(sock, port: int, host: str = "127.0.0.1") -> bool:
+    """Bind ``sock`` to ``port`` and listen, if the port is free now (a test taking a port a
+    worker it killed held, with ``wait_for``)."""
+    try:
+        sock.bind((host, port))
+    except OSError:
+        return False
+    sock.listen()
+    return True
+
+
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
     """Poll ``predicate`` until it holds or ``timeout`` seconds pass; return its last value.
 

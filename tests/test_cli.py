@@ -22,7 +22,14 @@ import torch
 from torch.utils.data import DataLoader
 
 import torchfeed
-from helpers import WORKER_COMMAND, RangeDataset, deep_equal, secret_seen_by_worker_code, wait_for
+from helpers import (
+    WORKER_COMMAND,
+    RangeDataset,
+    deep_equal,
+    listen_on_if_free,
+    secret_seen_by_worker_code,
+    wait_for,
+)
 from torchfeed import cli
 from torchfeed.protocol.addrfile import read_address_file
 from torchfeed.util import cpu_count, free_port, pid_alive
@@ -384,21 +391,15 @@ def test_procs_crash_loop_gives_up_that_process_and_keeps_the_others(run, tmp_pa
     holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     os.kill(serving_pid(first[0]), signal.SIGKILL)
 
-    def take_port() -> bool:
-        try:
-            holder.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        holder.listen()
-        return True
-
     given_up = (
         f"torchfeed worker: process 1 of 2 (127.0.0.1:{port}) ended 5 times within 120 s, the last time "
         f"it exited with code 1 (cannot serve on 127.0.0.1:{port}: Address already in use): giving it up, "
         "1 of 2 keep serving"
     )
     with holder:
-        assert wait_for(take_port, 10, interval=0.01), "the killed process's port was not freed"
+        assert wait_for(lambda: listen_on_if_free(holder, port), 10, interval=0.01), (
+            "the killed process's port was not freed"
+        )
         assert wait_for(lambda: given_up in cmd.stderr(), 200), cmd.stderr()
     assert "run `torchfeed worker` without --procs to see it alone" in cmd.stderr()
     assert read_address_file(str(path)) == [first[1]]  # the dead address was taken out

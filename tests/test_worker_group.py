@@ -13,7 +13,7 @@ import socket
 import pytest
 
 import torchfeed
-from helpers import secret_seen_by_worker_code, wait_for
+from helpers import listen_on_if_free, secret_seen_by_worker_code, wait_for
 from torchfeed.protocol.auth import ENV_SECRET
 from torchfeed.util import pid_alive
 from torchfeed.worker import forkserver
@@ -173,16 +173,8 @@ def test_supervise_restarts_an_ended_process_on_its_port_and_gives_up_a_crash_lo
         group.send_signal(0, signal.SIGKILL)
         assert wait_for(lambda: group.processes[0].poll() is not None, 30)
 
-        def take_port() -> bool:
-            try:
-                holder.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-            holder.listen()
-            return True
-
         with holder:
-            assert wait_for(take_port, 30, interval=0.01)
+            assert wait_for(lambda: listen_on_if_free(holder, port), 30, interval=0.01)
             assert wait_for(lambda: look("given up"), 120, interval=0.05), changes
         # the kill and two failed starts: with the first end, four within the window
         assert [c.kind for c in changes] == ["ended", "ended", "given up"], changes

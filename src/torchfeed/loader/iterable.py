@@ -254,7 +254,7 @@ class IterablePass(Pass):
                     return
                 self._open_locked(slot, target)
 
-    # -- membership (the dataset's threads; no pass lock held on entry) -----------------
+    # -- membership (basepass.Pass prepares a joining worker; these run with the lock held) --
     def _joined(self, address: str) -> None:
         """Streams waiting for a worker open there."""
         self._lost.discard(address)

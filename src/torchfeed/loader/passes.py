@@ -70,9 +70,7 @@ class MapPass(Pass):
 
     def __init__(self, plan: PassPlan, head: Head | None = None):
         super().__init__(plan)
-        config = plan.config
         self._auto = plan.auto_collation
-        self._pin = config.pin_memory
         self._head = head if head is not None and head.matches(plan) else None
         if head is not None and self._head is None:
             head.discard()
