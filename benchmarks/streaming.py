@@ -25,6 +25,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -98,6 +99,24 @@ def _epoch_rate(loader) -> float:
     return n / (time.perf_counter() - start)
 
 
+def _take_turns(loaders: dict[str, Any], repeats: int) -> dict[str, list[float]]:
+    """Samples/s of whole epochs, by loader name: a warm-up epoch of each loader (start-up,
+    caches), then ``repeats`` rounds in which the loaders take turns in the order given."""
+    for loader in loaders.values():
+        _epoch_rate(loader)
+    rates: dict[str, list[float]] = {name: [] for name in sorted(loaders)}
+    for _ in range(repeats):
+        for name, loader in loaders.items():
+            rates[name].append(_epoch_rate(loader))
+    return rates
+
+
+def _compare(case: str, samples: int, loaders: dict[str, Any], repeats: int) -> dict:
+    """A case's result: every run of each loader (:func:`_take_turns`) and each one's best."""
+    rates = _take_turns(loaders, repeats)
+    return {"case": case, "samples": samples, "rates": rates, "best": {k: max(v) for k, v in rates.items()}}
+
+
 def case_jpeg(repeats: int, shards: int = 16, per_shard: int = 96, batch: int = 32) -> dict:
     with tempfile.TemporaryDirectory() as root, torchfeed.LocalWorkers(2) as workers:
         urls = make_jpeg_shards(root, shards, per_shard)
@@ -105,20 +124,10 @@ def case_jpeg(repeats: int, shards: int = 16, per_shard: int = 96, batch: int = 
         ours: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
             torchfeed.RemoteDataset(workers.addresses, JpegTarStream, urls), batch_size=batch
         )
-        _epoch_rate(theirs), _epoch_rate(ours)  # warm up (start-up, caches)
-        rates: dict[str, list[float]] = {"torch": [], "torchfeed": []}
-        for _ in range(repeats):
-            rates["torch"].append(_epoch_rate(theirs))
-            rates["torchfeed"].append(_epoch_rate(ours))
+        result = _compare("jpeg", shards * per_shard, {"torch": theirs, "torchfeed": ours}, repeats)
         del theirs
-    best = {k: max(v) for k, v in rates.items()}
-    return {
-        "case": "jpeg",
-        "samples": shards * per_shard,
-        "rates": rates,
-        "best": best,
-        "ratio": best["torchfeed"] / best["torch"],
-    }
+    best = result["best"]
+    return {**result, "ratio": best["torchfeed"] / best["torch"]}
 
 
 # --------------------------------------------------------------------------- straggler
@@ -176,9 +185,8 @@ def case_straggler(
             batch_size=batch,
             num_workers=4,
         )
-        _epoch_rate(even)
         # the ideal: 3 fast workers and 1/4 of one, at the rate 4 fast workers reach here
-        all_fast = max(_epoch_rate(even) for _ in range(repeats))
+        all_fast = max(_take_turns({"even": even}, repeats)["even"])
         ideal = all_fast / 4 * (3 + 1 / slowdown)
         ours: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
             torchfeed.RemoteDataset(
@@ -193,51 +201,56 @@ def case_straggler(
             num_workers=4,
             persistent_workers=True,
         )
-        _epoch_rate(ours), _epoch_rate(theirs)
-        rates: dict[str, list[float]] = {"torch": [], "torchfeed": []}
-        for _ in range(repeats):
-            rates["torchfeed"].append(_epoch_rate(ours))
-            rates["torch"].append(_epoch_rate(theirs))
+        result = _compare("straggler", shards * per_shard, {"torchfeed": ours, "torch": theirs}, repeats)
         del theirs
-    best = {k: max(v) for k, v in rates.items()}
     return {
-        "case": "straggler",
-        "samples": shards * per_shard,
+        **result,
         "single": single,
         "all_fast": all_fast,
         "nominal": (3 + 1 / slowdown) / seconds,
         "ideal": ideal,
-        "rates": rates,
-        "best": best,
-        "fraction": {k: v / ideal for k, v in best.items()},
+        "fraction": {k: v / ideal for k, v in result["best"].items()},
     }
+
+
+def _runs(r: dict) -> str:
+    return f"runs { ({k: [round(x) for x in v] for k, v in r['rates'].items()}) }"
+
+
+def describe_jpeg(r: dict) -> str:
+    return (
+        f"jpeg: {r['samples']} samples/epoch, batch 32, 2 workers: torch {r['best']['torch']:.0f} samples/s, "
+        f"torchfeed {r['best']['torchfeed']:.0f} samples/s, ratio {r['ratio']:.2f}x (target >= 1.0x); "
+        + _runs(r)
+    )
+
+
+def describe_straggler(r: dict) -> str:
+    f = r["fraction"]
+    return (
+        f"straggler: Shards, 4 streams on 4 workers, one 4x slower, ideal {r['ideal']:.0f} samples/s "
+        f"(4 fast workers reach {r['all_fast']:.0f}; nominal ideal from the sleep alone {r['nominal']:.0f}; "
+        f"one fast reader in-process {r['single']:.0f}): torchfeed {r['best']['torchfeed']:.0f} samples/s = {f['torchfeed']:.0%} "
+        f"of ideal (target >= 90%); torch {r['best']['torch']:.0f} = {f['torch']:.0%}; " + _runs(r)
+    )
+
+
+# case name -> (its function of the number of repeats, the line that reports its result)
+CASES: dict[str, tuple[Callable[[int], dict], Callable[[dict], str]]] = {
+    "jpeg": (case_jpeg, describe_jpeg),
+    "straggler": (case_straggler, describe_straggler),
+}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", choices=["jpeg", "straggler", "all"], default="all")
+    parser.add_argument("--case", choices=[*CASES, "all"], default="all")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    if args.case in ("jpeg", "all"):
-        r = case_jpeg(args.repeats)
-        print(
-            f"jpeg: {r['samples']} samples/epoch, batch 32, 2 workers: torch {r['best']['torch']:.0f} samples/s, "
-            f"torchfeed {r['best']['torchfeed']:.0f} samples/s, ratio {r['ratio']:.2f}x (target >= 1.0x); "
-            f"runs { ({k: [round(x) for x in v] for k, v in r['rates'].items()}) }",
-            flush=True,
-        )
-    if args.case in ("straggler", "all"):
-        r = case_straggler(args.repeats)
-        f = r["fraction"]
-        print(
-            f"straggler: Shards, 4 streams on 4 workers, one 4x slower, ideal {r['ideal']:.0f} samples/s "
-            f"(4 fast workers reach {r['all_fast']:.0f}; nominal ideal from the sleep alone {r['nominal']:.0f}; "
-            f"one fast reader in-process {r['single']:.0f}): torchfeed {r['best']['torchfeed']:.0f} samples/s = {f['torchfeed']:.0%} "
-            f"of ideal (target >= 90%); torch {r['best']['torch']:.0f} = {f['torch']:.0%}; "
-            f"runs { ({k: [round(x) for x in v] for k, v in r['rates'].items()}) }",
-            flush=True,
-        )
+    for name, (run, describe) in CASES.items():
+        if args.case in (name, "all"):
+            print(describe(run(args.repeats)), flush=True)
     return 0
 
 
