@@ -20,26 +20,14 @@ import sys
 import time
 from typing import Any
 
-import torch
 from distributed import LocalCluster
 
 import torchfeed
 import torchfeed.dask as tfd
+from torchfeed.tools.measure import SleepIndexDataset
 
 N = 400  # samples an epoch
 BATCH = 4
-
-
-class SleepDataset(torch.utils.data.Dataset):
-    def __init__(self, n: int, seconds: float):
-        self.n, self.seconds = n, seconds
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        time.sleep(self.seconds)
-        return i
 
 
 def main() -> int:
@@ -67,7 +55,7 @@ def main() -> int:
         ) as cluster,
         tfd.Pool(cluster, parallel=1, poll=0.5) as pool,
     ):
-        ds = torchfeed.RemoteDataset(pool.wait(1, 120), SleepDataset, N, 0.02)
+        ds = torchfeed.RemoteDataset(pool.wait(1, 120), SleepIndexDataset, N, 0.02)
         loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
             ds, batch_size=BATCH, shuffle=True
         )

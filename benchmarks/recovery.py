@@ -12,7 +12,6 @@ was delivered exactly once, in order.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
@@ -23,27 +22,14 @@ from typing import Any
 import torch
 
 import torchfeed
-
-
-class SleepPidDataset(torch.utils.data.Dataset):
-    """Sample i is (i, pid of the worker); each sample sleeps (I/O-bound loading)."""
-
-    def __init__(self, n: int, seconds: float):
-        self.n, self.seconds = n, seconds
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        time.sleep(self.seconds)
-        return torch.tensor([i, os.getpid()])
+from torchfeed.tools.measure import SleepIndexDataset
 
 
 def run(scenario: str, heartbeat) -> dict:
     torchfeed.set_heartbeat(*heartbeat)
     n, per_item, batch = (8000 if scenario == "restart" else 3000), 0.002, 4
     with torchfeed.LocalWorkers(3) as w:
-        ds = torchfeed.RemoteDataset(w.addresses, SleepPidDataset, n, per_item)
+        ds = torchfeed.RemoteDataset(w.addresses, SleepIndexDataset, n, per_item, pid=True)
         hedge = None if scenario in ("sigstop", "kill") else 4.0
         loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
             ds, batch_size=batch, straggler_factor=hedge

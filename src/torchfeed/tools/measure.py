@@ -160,6 +160,21 @@ class SleepyDataset(Dataset):
         return torch.tensor(float(i)), i
 
 
+class SleepIndexDataset(Dataset):
+    """Sample i is i, after ``seconds`` of sleep (I/O-bound loading); with ``pid``, the tensor
+    ``[i, pid of the loading process]``, which tells which worker loaded it."""
+
+    def __init__(self, n: int, seconds: float, pid: bool = False):
+        self.n, self.seconds, self.pid = n, seconds, pid
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        time.sleep(self.seconds)
+        return torch.tensor([i, os.getpid()]) if self.pid else i
+
+
 # -- measuring ------------------------------------------------------------------------
 
 
