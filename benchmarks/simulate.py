@@ -452,6 +452,21 @@ class Case:
 
 def cases() -> list[Case]:
     tail = pareto(2.0, 20.0)
+
+    def pareto_faults(workers: int, trainers: int, seconds: float, joins: int) -> Case:
+        """Pareto slowness and random faults: 5% of the workers die, 10% stall, ``joins`` join."""
+        name = f"{workers}w/{trainers}t, Pareto, faults"
+        return Case(
+            name,
+            workers,
+            trainers,
+            tail,
+            seconds=seconds,
+            death_fraction=0.05,
+            stall_fraction=0.1,
+            joins=joins,
+        )
+
     return [
         Case("4w/1t, one 4x slower", 4, 1, one_slow(4.0), seconds=120),
         Case(
@@ -463,28 +478,10 @@ def cases() -> list[Case]:
             scripted=(("stall", 0.3, 0, 3.0), ("die", 0.5, 1, None), ("join", 0.7, None, 1.0)),
         ),
         Case("48w/4t, Pareto", 48, 4, tail, seconds=60),
-        Case(
-            "48w/4t, Pareto, faults",
-            48,
-            4,
-            tail,
-            seconds=60,
-            death_fraction=0.05,
-            stall_fraction=0.1,
-            joins=3,
-        ),
+        pareto_faults(48, 4, seconds=60, joins=3),
         Case("48w/4t, Pareto, pass 1024", 48, 4, tail, pass_length=1024, seconds=120),
         Case("1000w/64t, Pareto", 1000, 64, tail, seconds=40),
-        Case(
-            "1000w/64t, Pareto, faults",
-            1000,
-            64,
-            tail,
-            seconds=40,
-            death_fraction=0.05,
-            stall_fraction=0.1,
-            joins=50,
-        ),
+        pareto_faults(1000, 64, seconds=40, joins=50),
         Case("1000w/8t, Pareto, pass 1024", 1000, 8, tail, pass_length=1024, seconds=40),
     ]
 
