@@ -3,8 +3,9 @@ release that removes it.
 
 A package lists its old names in :func:`renamed_getattr` (old name -> the new one's full
 dotted path); the first use of each warns with a ``FutureWarning`` (shown by default, at the
-user's line) and every use returns the new object. Names deprecated in a release are removed
-:data:`REMOVED_IN`; CHANGELOG.md lists them.
+user's line) and every use returns the new object. A module whose every name moved keeps only
+a stub whose ``__getattr__`` is :func:`moved_module`, its names listed in :data:`MOVED_MODULES`.
+Names deprecated in a release are removed :data:`REMOVED_IN`; CHANGELOG.md lists them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,28 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 REMOVED_IN = "0.4.0"  # the release that removes the names deprecated in 0.3.0
+
+# Modules whose every name moved: module -> {old name: the new one's full name}. Their stubs
+# import no engine package: the new object is imported by name on first use.
+MOVED_MODULES: dict[str, dict[str, str]] = {
+    "torchfeed.pools": {"Pool": "torchfeed.scaling.WorkerPool", "WorkerPool": "torchfeed.scaling.WorkerPool"},
+    "torchfeed.scaling.dask_pool": {
+        "DaskPool": "torchfeed.dask.DaskPool",
+        "Pool": "torchfeed.dask.Pool",
+        "PoolProcesses": "torchfeed.dask.pool.PoolProcesses",
+        "POOL_PLUGIN": "torchfeed.dask.pool.POOL_PLUGIN",
+    },
+    "torchfeed.scaling.ray_pool": {
+        "RayPool": "torchfeed.ray.RayPool",
+        "Pool": "torchfeed.ray.Pool",
+        "actor_class": "torchfeed.ray.pool.actor_class",
+        "node_address": "torchfeed.ray.pool.node_address",
+    },
+    "torchfeed.scaling.slurm_pool": {
+        "SlurmPool": "torchfeed.cluster.SlurmPool",
+        "pool_script": "torchfeed.cluster.pool_script",
+    },
+}
 
 _warned: set[str] = set()
 _lock = threading.Lock()
@@ -56,3 +79,8 @@ def renamed_getattr(
         return resolve(new)
 
     return __getattr__
+
+
+def moved_module(module: str) -> Callable[[str], Any]:
+    """The ``__getattr__`` of ``module``, whose every name moved (:data:`MOVED_MODULES`)."""
+    return renamed_getattr(module, MOVED_MODULES[module])

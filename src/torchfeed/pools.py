@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from .deprecation import renamed_getattr
+from .deprecation import moved_module
 
-__getattr__ = renamed_getattr(
-    __name__, {"Pool": "torchfeed.scaling.WorkerPool", "WorkerPool": "torchfeed.scaling.WorkerPool"}
-)
+__getattr__ = moved_module(__name__)

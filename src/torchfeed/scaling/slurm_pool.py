@@ -1,14 +1,8 @@
-"""Deprecated: the Slurm pool lives in :mod:`torchfeed.cluster.pool` (``torchfeed.cluster.SlurmPool``).
-
-Each old name still works and warns once (:mod:`torchfeed.deprecation`); this module imports
-no engine package itself: the new object is looked up by name on first use.
-"""
+"""Deprecated: the Slurm pool lives in :mod:`torchfeed.cluster.pool` (``torchfeed.cluster.SlurmPool``);
+the old names here warn once (:data:`torchfeed.deprecation.MOVED_MODULES`)."""
 
 from __future__ import annotations
 
-from ..deprecation import renamed_getattr
+from ..deprecation import moved_module
 
-__getattr__ = renamed_getattr(
-    __name__,
-    {"SlurmPool": "torchfeed.cluster.SlurmPool", "pool_script": "torchfeed.cluster.pool_script"},
-)
+__getattr__ = moved_module(__name__)
