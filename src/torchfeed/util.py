@@ -1,13 +1,15 @@
 """Small operating-system helpers used across the layers (no torch, no other torchfeed module).
 
-One home for idioms that were written several times: a free TCP port, whether a process is
-alive, an atomic file write, a doubling backoff, the CPUs this process may use, and saving and
-restoring environment variables.
+One home for idioms that were written several times: a free TCP port, closing a socket other
+threads block on, whether a host is loopback, whether a process is alive, an atomic file
+write, a doubling backoff, the CPUs this process may use, saving and restoring environment
+variables, and a callback that holds its object weakly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import secrets
 import socket
@@ -22,6 +24,8 @@ __all__ = [
     "env_seconds",
     "free_port",
     "fsync_dir",
+    "hard_close",
+    "is_loopback_host",
     "pid_alive",
     "restore_env",
     "saved_env",
@@ -34,6 +38,30 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def hard_close(sock: socket.socket) -> None:
+    """Shut ``sock`` down both ways, which wakes a thread blocked on it (close alone would not),
+    then close it; a socket already shut down or never connected is closed all the same."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (an IP, bracketed or with a zone, or ``localhost``) is a loopback address,
+    an IPv4-mapped IPv6 one included. Other names are not resolved: a name means a network."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
 
 
 def pid_alive(pid: int) -> bool:

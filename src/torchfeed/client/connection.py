@@ -27,6 +27,7 @@ from ..protocol import auth, codec, limits, localpath, shm, wire
 from ..protocol.channel import Channel
 from ..protocol.localchannel import FdReader, LocalChannel
 from ..protocol.replies import SAFE, ReplyPolicy
+from ..util import hard_close
 from .addresses import Address, connect_failure, format_address, parse_address
 from .delivery import JSON_REPLY, deliver, ref_id, reply_bytes, reply_wire  # noqa: F401 - re-exported
 
@@ -354,11 +355,7 @@ class Connection:
         owner = self._session()
         if owner is not None:
             owner.forget(self)
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
+        hard_close(self.sock)
         self.channel.close()  # a same-host connection's mappings (replies held keep theirs)
         if pending:
             lost = self._lost_error()

@@ -20,19 +20,9 @@ import os
 import distributed
 from distributed.comm.addressing import get_address_host_port, parse_address
 
+from ..util import is_loopback_host
+
 ENCRYPTED_SCHEMES = frozenset({"tls", "wss", "inproc"})
-
-
-def is_loopback_host(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        ip = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback
 
 
 def in_clear(address: str) -> bool:

@@ -13,9 +13,10 @@ is sent to it.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
+
+from ..util import is_loopback_host as is_loopback
 
 TLS_VARIABLE = "RAY_USE_TLS"
 
@@ -23,18 +24,6 @@ TLS_VARIABLE = "RAY_USE_TLS"
 def ray_uses_tls() -> bool:
     """Whether this process's Ray connections are TLS (``RAY_USE_TLS`` on, as the whole cluster must be)."""
     return os.environ.get(TLS_VARIABLE, "0").strip().lower() in ("1", "true", "yes")
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        ip = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
-    except ValueError:
-        return False  # a name is taken to mean a network
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback
 
 
 def is_this_machine(host: str) -> bool:

@@ -58,6 +58,7 @@ from ..protocol import auth, localpath, shm, wire
 from ..protocol.addrfile import announce
 from ..protocol.channel import Channel
 from ..protocol.localchannel import FdReader, LocalChannel
+from ..util import hard_close
 from . import counters as workerstats
 from . import samplestore as workercache
 from .doorman import Doorman
@@ -188,11 +189,7 @@ class WorkerServer:
         if self._stopping.is_set():
             return
         self._stopping.set()
-        try:
-            self.listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.listener.close()
+        hard_close(self.listener)
         if self.same_host_listener is not None:
             self.same_host_listener.close()
         for conn in self.connections():

@@ -30,6 +30,7 @@ from ..protocol import codec, errordata, serialize, wire
 from ..protocol.buffers import allocate, lending
 from ..protocol.channel import CHUNK
 from ..protocol.limits import check_reply
+from ..util import hard_close
 from . import counters as workerstats
 from .fair import FairQueue
 from .objects import Budget, ConnectionLimits, Registry
@@ -107,11 +108,7 @@ class ServerConnection:
             self._outbox.clear()
             self.unsent_bytes = 0
             self._cond.notify_all()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
+        hard_close(self.sock)
         self.channel.close()  # a same-host connection's shared slots
         for _conn, frame, _buffers in self.server.tasks.drop(self):  # calls that will never run
             self._answered(frame)
