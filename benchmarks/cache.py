@@ -8,11 +8,9 @@ What is measured and how: torchfeed.tools.bench_cache (also ``torchfeed bench ca
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import secrets
 
-from torchfeed.tools import bench_cache
+from torchfeed.tools import bench_cache, scripts
 
 
 def main() -> None:
@@ -23,7 +21,7 @@ def main() -> None:
     )
     p.add_argument("--epochs", type=int, default=4)
     args = p.parse_args()
-    os.environ.setdefault("TORCHFEED_SECRET", secrets.token_hex(32))
+    scripts.throwaway_secret()
     result = bench_cache.run(epochs=args.epochs)
     targets = {
         "epoch 2 >= 5x epoch 1": result["epoch2_over_epoch1"] >= 5,
@@ -34,9 +32,7 @@ def main() -> None:
     result["targets"] = targets
     for name, ok in targets.items():
         print(f"{'met' if ok else 'MISSED'}: {name}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    scripts.write_json(result, args.json)
     if bench_cache.plot(result, args.plot):
         print(f"plot: {args.plot}")
 

@@ -8,11 +8,8 @@ What is measured and how: torchfeed.tools.bench_jpeg. Results: benchmarks/README
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import secrets
 
-from torchfeed.tools import bench_jpeg
+from torchfeed.tools import bench_jpeg, scripts
 
 
 def main() -> None:
@@ -21,13 +18,9 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3, help="epochs per side and round")
     p.add_argument("--json", help="write the numbers here")
     args = p.parse_args()
-    os.environ.setdefault("TORCHFEED_SECRET", secrets.token_hex(32))
+    scripts.throwaway_secret()
     result = bench_jpeg.run(rounds=args.rounds, epochs=args.epochs)
-    for line in bench_jpeg.iter_summary(result):
-        print(line)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    scripts.report(bench_jpeg.iter_summary(result), result, args.json)
 
 
 if __name__ == "__main__":

@@ -10,48 +10,44 @@ What is measured and how: torchfeed.tools.bench_peers. Results: benchmarks/READM
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import secrets
 import sys
 
-from torchfeed.tools import bench_peers, bench_systems
+from torchfeed.tools import bench_peers, bench_systems, scripts
 
 
 def _names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
 
 
+# bench_peers.run()'s integer settings, keyword -> (default, help): each is the option --KEYWORD (- for _)
+SETTINGS = {
+    "rounds": (3, "interleaved rounds (medians are reported)"),
+    "epochs": (3, "passes per run: epoch 1, then later epochs"),
+    "images": (600, "JPEGs of the jpeg case"),
+    "big_batches": (40, "batches per pass of the big case"),
+    "tiny_samples": (2000, "samples per pass of the tiny case"),
+}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", type=_names, default=list(bench_peers.CASES), help="comma-separated")
     p.add_argument("--systems", type=_names, default=list(bench_systems.SYSTEMS), help="comma-separated")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians are reported)")
-    p.add_argument("--epochs", type=int, default=3, help="passes per run: epoch 1, then later epochs")
-    p.add_argument("--images", type=int, default=600, help="JPEGs of the jpeg case")
-    p.add_argument("--big-batches", type=int, default=40, help="batches per pass of the big case")
-    p.add_argument("--tiny-samples", type=int, default=2000, help="samples per pass of the tiny case")
+    for name, (default, text) in SETTINGS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=default, help=text)
     p.add_argument("--json", help="write the numbers here")
     args = p.parse_args()
-    os.environ.setdefault("TORCHFEED_SECRET", secrets.token_hex(32))
+    scripts.throwaway_secret()
     try:
         result = bench_peers.run(
             args.cases,
             args.systems,
-            rounds=args.rounds,
-            images=args.images,
-            big_batches=args.big_batches,
-            tiny_samples=args.tiny_samples,
-            epochs=args.epochs,
             log=lambda line: print(line, file=sys.stderr, flush=True),
+            **{name: getattr(args, name) for name in SETTINGS},
         )
     except ValueError as exc:
         p.error(str(exc))
-    for line in bench_peers.iter_table(result):
-        print(line)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    scripts.report(bench_peers.iter_table(result), result, args.json)
 
 
 if __name__ == "__main__":

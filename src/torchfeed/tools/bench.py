@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import os
 import platform
-import secrets
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -25,7 +24,7 @@ from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from ..util import cpu_count
-from . import BENCH_CASES, bench_cache, bench_epochs
+from . import BENCH_CASES, bench_cache, bench_epochs, scripts
 from . import measure as measure_module
 from .measure import (
     BIG,
@@ -244,8 +243,7 @@ def run_cases(
         raise ValueError(f"unknown benchmark case(s) {unknown}; choose from {list(CASES)}")
     if workers < 1 or seconds <= 0 or repeats < 1:
         raise ValueError("workers and repeats must be >= 1 and seconds > 0")
-    # Trainer and workers share a secret; a throw-away one unless the user set their own.
-    os.environ.setdefault("TORCHFEED_SECRET", secrets.token_hex(32))
+    scripts.throwaway_secret()
     pool = max(workers, STRAGGLER_WORKERS if {"straggler", "stall", "epochs"} & set(names) else 1)
     results = []
     log(f"starting {pool} local torchfeed worker processes")
