@@ -36,18 +36,30 @@ from .measure import (
     JpegDecodeDataset,
     ReadyTensorDataset,
     Result,
-    Runs,
     SleepyDataset,
     TinyDataset,
     batch_megabytes,
     cpu_per_batch,
+    fraction_result,
     make_pair,
     run_pair,
     single_rate,
 )
 
 
-def _ratio_result(case, metric, runs: Runs, per_batch, target, notes=()) -> Result:
+def _ratio_case(
+    ctx: Context,
+    case: str,
+    metric: str,
+    ds: Dataset,
+    batch: int,
+    per_batch: float,
+    target: float,
+    notes: Sequence[str],
+) -> Result:
+    """Both loaders on ``ctx.n`` workers, torch's over ``ds`` and torchfeed's over ``type(ds)(BIG)``
+    built on its workers; best rates in ``metric``, of which a batch holds ``per_batch``."""
+    runs = run_pair(ctx, make_pair(ctx, ctx.n, ds, type(ds), (BIG,), {}, batch))
     if runs.paths:
         notes = [*notes, f"torchfeed reached its workers by: {runs.paths}"]
     best = {k: max(v) * per_batch for k, v in runs.rates.items()}
@@ -70,40 +82,24 @@ def case_cpu(ctx: Context) -> Result:
     batch = 32
     ds = JpegDecodeDataset(BIG)
     sizes = [len(j) for j in ds.jpegs]
-    runs = run_pair(ctx, make_pair(ctx, ctx.n, ds, JpegDecodeDataset, (BIG,), {}, batch))
-    return _ratio_result(
-        "cpu",
-        "samples/s",
-        runs,
-        batch,
-        1.0,
-        [
-            f"{len(sizes)} JPEGs 256x256, {sum(sizes) / len(sizes) / 1e3:.1f} kB on average; "
-            f"crop 224, uint8 CHW, batch {batch}, {ctx.n} workers"
-        ],
+    note = (
+        f"{len(sizes)} JPEGs 256x256, {sum(sizes) / len(sizes) / 1e3:.1f} kB on average; "
+        f"crop 224, uint8 CHW, batch {batch}, {ctx.n} workers"
     )
+    return _ratio_case(ctx, "cpu", "samples/s", ds, batch, per_batch=batch, target=1.0, notes=[note])
 
 
 def case_transfer(ctx: Context) -> Result:
     batch = 64
     ds = ReadyTensorDataset(BIG)
     mb = batch_megabytes(default_collate([ds[i] for i in range(batch)]))
-    runs = run_pair(ctx, make_pair(ctx, ctx.n, ds, ReadyTensorDataset, (BIG,), {}, batch))
-    return _ratio_result(
-        "transfer",
-        "MB/s",
-        runs,
-        mb,
-        1.0,
-        [f"float32 3x224x224 per sample, batch {batch} = {mb:.1f} MB, {ctx.n} workers"],
-    )
+    note = f"float32 3x224x224 per sample, batch {batch} = {mb:.1f} MB, {ctx.n} workers"
+    return _ratio_case(ctx, "transfer", "MB/s", ds, batch, per_batch=mb, target=1.0, notes=[note])
 
 
 def case_overhead(ctx: Context) -> Result:
-    runs = run_pair(ctx, make_pair(ctx, ctx.n, TinyDataset(BIG), TinyDataset, (BIG,), {}, 1))
-    return _ratio_result(
-        "overhead", "items/s", runs, 1, 3.0, [f"scalar tensor + int, batch_size=1, {ctx.n} workers"]
-    )
+    note = f"scalar tensor + int, batch_size=1, {ctx.n} workers"
+    return _ratio_case(ctx, "overhead", "items/s", TinyDataset(BIG), 1, per_batch=1, target=3.0, notes=[note])
 
 
 STALL_EVERY_BATCHES = 50
@@ -125,19 +121,12 @@ def _fraction_of_ideal(
     )
     runs = run_pair(ctx, sides)
     best = {k: max(v) * STRAGGLER_BATCH for k, v in runs.rates.items()}
-    frac = {k: v / ideal for k, v in best.items()}
-    target = 0.9
     notes = notes + [f"torch {best['torch']:.0f} samples/s, torchfeed {best['torchfeed']:.0f} samples/s"]
-    return Result(
+    return fraction_result(
         name,
-        "% of ideal",
-        frac["torch"],
-        frac["torchfeed"],
-        target,
-        f">= {target:.0%}",
-        frac["torchfeed"] >= target,
-        fraction=True,
-        notes=notes,
+        {k: v / ideal for k, v in best.items()},
+        0.9,
+        notes,
         runs={k: [x * STRAGGLER_BATCH / ideal for x in v] for k, v in runs.rates.items()},
         cpu_ms=cpu_per_batch(runs),
     )

@@ -36,6 +36,7 @@ from .measure import (
     Result,
     SleepyDataset,
     TinyDataset,
+    fraction_result,
     own_cpu_seconds,
     process_cpu_seconds,
     touch,
@@ -135,16 +136,11 @@ def case_epochs(ctx: Context) -> Result:
         f"each repeat (best of three {ideal_seconds / 3:.2g} s stretches: {min(singles):.0f}-{max(singles):.0f} "
         f"samples/s, so {min(singles) * share:.0f}-{max(singles) * share:.0f})",
     ]
-    return Result(
+    return fraction_result(
         "epochs",
-        "% of ideal",
-        med["torch"],
-        med["torchfeed"],
+        med,
         EPOCH_TARGET,
-        f">= {EPOCH_TARGET:.0%}",
-        med["torchfeed"] >= EPOCH_TARGET,
-        fraction=True,
-        notes=notes,
+        notes,
         runs=fractions,
         cpu_ms={k: (_median(cpu[k]), _median(workers_cpu[k])) for k in sides},
     )

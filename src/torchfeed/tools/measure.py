@@ -348,6 +348,30 @@ class Result:
         return self.torchfeed / self.torch if self.torch else float("inf")
 
 
+def fraction_result(
+    case: str,
+    fractions: dict[str, float],
+    target: float,
+    notes: list[str],
+    runs: dict[str, list[float]],
+    cpu_ms: dict[str, tuple[float, float]],
+) -> Result:
+    """A case whose values are each side's fraction of an ideal rate; torchfeed passes at ``target``."""
+    return Result(
+        case,
+        "% of ideal",
+        fractions["torch"],
+        fractions["torchfeed"],
+        target,
+        f">= {target:.0%}",
+        fractions["torchfeed"] >= target,
+        fraction=True,
+        notes=notes,
+        runs=runs,
+        cpu_ms=cpu_ms,
+    )
+
+
 @dataclass
 class Context:
     workers: LocalWorkers
