@@ -31,8 +31,8 @@ SIDE = 224
 CROP = 200
 
 
-class JpegFiles(Dataset):
-    """Read + decode + resize: ``root/000123.jpg`` -> a 3x224x224 float32 tensor in [0, 1]."""
+class JpegDir(Dataset):
+    """The ``.jpg`` files of ``root``, in name order: sample i is made from :meth:`path` ``(i)``."""
 
     def __init__(self, root: str):
         self.root = root
@@ -41,10 +41,17 @@ class JpegFiles(Dataset):
     def __len__(self) -> int:
         return len(self.files)
 
+    def path(self, i: int) -> str:
+        return os.path.join(self.root, self.files[i])
+
+
+class JpegFiles(JpegDir):
+    """Read + decode + resize: ``root/000123.jpg`` -> a 3x224x224 float32 tensor in [0, 1]."""
+
     def __getitem__(self, i: int) -> torch.Tensor:
         from PIL import Image
 
-        with Image.open(os.path.join(self.root, self.files[i])) as img:
+        with Image.open(self.path(i)) as img:
             small = img.convert("RGB").resize((SIDE, SIDE), Image.Resampling.BILINEAR)
         return (
             torch.frombuffer(bytearray(small.tobytes()), dtype=torch.uint8)

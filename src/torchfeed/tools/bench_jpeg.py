@@ -39,12 +39,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, default_collate
 
 from . import measure
-from .bench_cache import make_jpegs
+from .bench_cache import JpegDir, make_jpegs
 from .bench_ceiling import Bare
-from .measure import own_cpu_seconds, touch
+from .measure import child_pids, own_cpu_seconds, touch
 
 SIDE = 224
 DRAFT = (400, 300)
@@ -90,18 +90,11 @@ def crop_flip(image: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(crop.transpose(2, 0, 1)))
 
 
-class JpegDecoded(Dataset):
+class JpegDecoded(JpegDir):
     """``root/000123.jpg`` -> the decoded image (the part :func:`torchfeed.cached` keeps)."""
 
-    def __init__(self, root: str):
-        self.root = root
-        self.files = sorted(f for f in os.listdir(root) if f.endswith(".jpg"))
-
-    def __len__(self) -> int:
-        return len(self.files)
-
     def __getitem__(self, i: int) -> np.ndarray:
-        return decode(os.path.join(self.root, self.files[i]))
+        return decode(self.path(i))
 
 
 class JpegPipeline(JpegDecoded):
@@ -155,15 +148,8 @@ class Epochs:
 
 
 def children() -> list[int]:
-    """This process's child processes (Linux /proc): torch's forked workers while a pass runs."""
-    found: list[int] = []
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/children") as f:
-                found += [int(p) for p in f.read().split()]
-        except OSError:
-            continue
-    return found
+    """This process's child processes: torch's forked workers while a pass runs."""
+    return child_pids(os.getpid())
 
 
 def _in_process(root: str, keys: list[int], tries: int = 3) -> float:

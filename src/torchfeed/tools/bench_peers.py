@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .bench_systems import SYSTEMS, Case, missing
+from .measure import child_pids
 
 CASES = ("jpeg", "big", "tiny")
 BATCH = {"jpeg": 32, "big": 64, "tiny": 1}
@@ -50,16 +51,7 @@ def descendants(pid: int) -> list[int]:
     while todo:
         p = todo.pop()
         found.append(p)
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for t in tasks:
-            try:
-                with open(f"/proc/{p}/task/{t}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-            except OSError:
-                continue
+        todo += child_pids(p)
     return found
 
 

@@ -236,6 +236,22 @@ def process_cpu_seconds(pid: int) -> float:
         return 0.0
 
 
+def child_pids(pid: int) -> list[int]:
+    """The child processes of every thread of a process (Linux /proc; none where unavailable)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    found: list[int] = []
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return found
+
+
 def own_cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process, no children
     return usage.ru_utime + usage.ru_stime
