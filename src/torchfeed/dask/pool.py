@@ -161,6 +161,10 @@ class DaskPool(BasePool):
     thread_name = "torchfeed-dask-pool"
     close_timeout = 60.0
     unknown_holder = "no Dask worker hosts"
+    wait_failed_text = (
+        "{label}: {ready} of {n} torchfeed workers ready after {timeout:g} s (asked the cluster for "
+        "{requested}); see the Dask workers' logs"
+    )
 
     def __init__(
         self,
@@ -246,12 +250,6 @@ class DaskPool(BasePool):
         if self._exported:
             unexport()
         self._close_client()
-
-    def _wait_failed(self, ready: int, n: int, timeout: float) -> str:
-        return (
-            f"torchfeed.dask.Pool: {ready} of {n} torchfeed workers ready after {timeout:g} s "
-            f"(asked the cluster for {self.requested()}); see the Dask workers' logs"
-        )
 
     def _close_client(self) -> None:
         if self._own_client:

@@ -123,6 +123,10 @@ class RayPool(BasePool):
     thread_name = "torchfeed-ray-pool"
     close_timeout = 30.0
     unknown_holder = "no actor serves"
+    wait_failed_text = (
+        "{label}: {ready} of {n} workers ready after {timeout:g} s (asked Ray for {requested}); see the "
+        "log of torchfeed.ray and `ray status`"
+    )
 
     def __init__(
         self,
@@ -206,12 +210,6 @@ class RayPool(BasePool):
         with self._lock:
             members, self._members = list(self._members.values()), {}
         self._stop(members)
-
-    def _wait_failed(self, ready: int, n: int, timeout: float) -> str:
-        return (
-            f"torchfeed.ray.Pool: {ready} of {n} workers ready after {timeout:g} s (asked Ray "
-            f"for {self.requested()}); see the log of torchfeed.ray and `ray status`"
-        )
 
     def _step(self) -> None:
         """Grow to the target, move each actor along, notice dead ones, report stuck ones."""

@@ -93,6 +93,8 @@ class BasePool:
     thread_name = "torchfeed-pool"
     close_timeout = 60.0  # seconds close() waits for the thread to end
     unknown_holder = "no worker of this pool serves"  # retire() of addresses the pool has not
+    # the text of wait()'s TimeoutError, formatted with label, ready, n, timeout and requested
+    wait_failed_text = "{label}: {ready} of {n} workers ready after {timeout:g} s (asked for {requested})"
 
     def __init__(self, poll: float, log: logging.Logger):
         self.poll = poll
@@ -223,7 +225,7 @@ class BasePool:
         left and free the engine's resources."""
 
     def _wait_failed(self, ready: int, n: int, timeout: float) -> str:
-        """The text of :meth:`wait`'s TimeoutError."""
-        return (
-            f"{self.label}: {ready} of {n} workers ready after {timeout:g} s (asked for {self.requested()})"
+        """The text of :meth:`wait`'s TimeoutError (:attr:`wait_failed_text` filled in)."""
+        return self.wait_failed_text.format(
+            label=self.label, ready=ready, n=n, timeout=timeout, requested=self.requested()
         )
