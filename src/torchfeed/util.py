@@ -13,6 +13,7 @@ import ipaddress
 import os
 import secrets
 import socket
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, BinaryIO
 
@@ -30,6 +31,7 @@ __all__ = [
     "restore_env",
     "saved_env",
     "umask",
+    "weak_callback",
 ]
 
 
@@ -227,3 +229,17 @@ def env_seconds(name: str, default: float) -> float:
         return float(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number of seconds: set it to e.g. {default:g}") from None
+
+
+def weak_callback(method: Callable[..., Any], *args: Any) -> Callable[..., None]:
+    """A callback that calls the bound ``method`` with ``args`` and then its own arguments, while
+    ``method``'s object lives: it holds that object weakly (a reply still pending keeps nothing
+    alive), and does nothing once the object is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def callback(*more: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args, *more)
+
+    return callback

@@ -24,7 +24,6 @@ the order depends on timing anyway, and a slow worker then does not hold the oth
 from __future__ import annotations
 
 import itertools
-import weakref
 from collections import deque
 from typing import Any
 
@@ -32,6 +31,7 @@ from .. import errors
 from ..client import wait_all
 from ..errors import RemoteError, Timeout, WorkerLost
 from ..protocol.errordata import rebuild_remote_error
+from ..util import weak_callback
 from ..worker.streams import BATCH, END, ERROR, NEED, open_stream, shard_order, shard_plan
 from . import reported
 from .basepass import Delivery, Pass
@@ -187,13 +187,6 @@ class IterablePass(Pass):
         fetcher = self._plan.fetchers.get(worker)
         count = len(self._slots)
         context = (self._pass_id, self._rank * count + slot.index, self._ranks * count, self._base_seed)
-        this, incarnation = weakref.ref(self), slot.incarnation
-
-        def opened(ok, value):
-            me = this()
-            if me is not None:
-                me._on_opened(slot, incarnation, worker, ok, value)
-
         try:
             self._source.session.call(
                 worker,
@@ -202,7 +195,7 @@ class IterablePass(Pass):
                 rref=True,
                 timeout=self._source.timeout,
                 secret=self._source.secret,
-                callback=opened,
+                callback=weak_callback(self._on_opened, slot, slot.incarnation, worker),
             )
         except (WorkerLost, OSError) as exc:
             self._worker_lost(worker, exc)
@@ -275,15 +268,9 @@ class IterablePass(Pass):
     def _top_up(self, slot: StreamSlot) -> None:
         if self._closed or slot.ended or slot.ref is None or slot.worker is None:
             return  # (a slot's ref and worker are set and cleared together)
-        this, incarnation = weakref.ref(self), slot.incarnation
+        on_result = weak_callback(self._on_result, slot, slot.incarnation)
         while slot.inflight + len(slot.results) < self._credits:
             grants = self._grant(slot)
-
-            def on_result(ok, value):
-                me = this()
-                if me is not None:
-                    me._on_result(slot, incarnation, ok, value)
-
             try:
                 slot.ref.request(
                     (grants, self._total(slot)),

@@ -15,6 +15,7 @@ import weakref
 from typing import Any
 
 from ..errors import RemoteError, TorchfeedError, WorkerLost
+from ..util import weak_callback
 from . import plan as passplan
 from . import split
 from .basepass import POLL_SECONDS, Delivery, Pass
@@ -251,15 +252,8 @@ class MapPass(Pass):
 
     def _send(self, address: str, seq: int, idx) -> None:
         """Send one request (dispatch thread, no lock held)."""
-        this = weakref.ref(self)
-
-        def on_result(ok, value, _seq=seq, _address=address):
-            it = this()
-            if it is not None:
-                it.on_result(_address, _seq, ok, value)
-
         try:
-            rid = self._requests.send(address, idx, on_result)
+            rid = self._requests.send(address, idx, weak_callback(self.on_result, address, seq))
         except (WorkerLost, OSError, KeyError) as exc:
             with self._lock:
                 self._lose_worker(address, exc)

@@ -31,6 +31,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from .. import client
 from ..errors import WorkerLost
+from ..util import weak_callback
 from .ledger import Outcome
 from .plan import BatchRequests
 from .resume import Sampling, shuffle_seed
@@ -211,15 +212,8 @@ class Head:
             self._send(address, seq)
 
     def _send(self, address: str, seq: int) -> None:
-        this = weakref.ref(self)
-
-        def on_result(ok, value, _seq=seq, _address=address):
-            head = this()
-            if head is not None:
-                head._on_result(_address, _seq, ok, value)
-
         try:
-            rid = self.requests.send(address, self.indices[seq], on_result)
+            rid = self.requests.send(address, self.indices[seq], weak_callback(self._on_result, address, seq))
         except Exception:  # noqa: BLE001 - a prefetch that cannot go out is simply not used
             with self._lock:
                 self._finish(self._entries[seq], "lost")
