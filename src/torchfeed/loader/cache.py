@@ -140,20 +140,12 @@ def _shared_instance(key: bytes, factory: Callable, args: tuple, kwargs: dict) -
         return shared
 
 
-class Counts:
+class Counts(store_module.Tally):
     """A cached dataset's hits and misses on this worker (this trainer's view of it)."""
 
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
-
     def add(self, hit: bool) -> None:
-        with self._lock:
-            if hit:
-                self.hits += 1
-            else:
-                self.misses += 1
+        """Count one lookup here and in the worker's own figures."""
+        self.tally(hit)
         store_module.store.tally(hit)
 
 

@@ -113,26 +113,35 @@ class Figures:
     evicted: int  # entries of datasets no trainer holds, dropped to make room
 
 
-class Store:
-    """Samples kept within a byte budget (thread-safe; the lock is held for a few instructions)."""
+class Tally:
+    """Lookups of cached datasets' samples: found (hits, here or at a peer) or not (misses)."""
 
-    def __init__(self, budget: int = DEFAULT_SIZE):
-        self.budget = budget
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()  # oldest first
-        self._holders: dict[bytes, int] = {}  # dataset key -> datasets built on it and alive
-        self._dataset_bytes: dict[bytes, int] = {}  # dataset key -> bytes of its entries
-        self._bytes = 0
-        self._notes = 0  # entries that are notes
-        self.hits = self.misses = self.refused = self.evicted = 0
+        self.hits = self.misses = 0
 
     def tally(self, hit: bool) -> None:
-        """Count a lookup of a cached dataset on this worker (found here or at a peer, or not)."""
+        """Count one lookup."""
         with self._lock:
             if hit:
                 self.hits += 1
             else:
                 self.misses += 1
+
+
+class Store(Tally):
+    """Samples kept within a byte budget (thread-safe; the lock is held for a few instructions),
+    and this worker's lookups of them (:meth:`tally`, under the same lock)."""
+
+    def __init__(self, budget: int = DEFAULT_SIZE):
+        super().__init__()
+        self.budget = budget
+        self._entries: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()  # oldest first
+        self._holders: dict[bytes, int] = {}  # dataset key -> datasets built on it and alive
+        self._dataset_bytes: dict[bytes, int] = {}  # dataset key -> bytes of its entries
+        self._bytes = 0
+        self._notes = 0  # entries that are notes
+        self.refused = self.evicted = 0
 
     def peek(self, dataset: bytes, key: Any) -> Any:
         """The kept sample or :data:`MISSING` (counting nothing: see :meth:`tally`)."""
