@@ -56,54 +56,57 @@ class WorkerCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        figures = self.server.counters.snapshot(self.server)
-        batches, samples = workerstats.served.read()
+        kinds = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
         cache = workercache.figures()
-        labels = ["worker"]
-        who = [self.server.address]
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
-            family.add_metric(who, value)
-            return family
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
-            family.add_metric(who, value)
-            return family
-
-        yield counter("batches", "Batches this worker loaded and collated for loaders", batches)
-        yield counter("samples", "Samples in those batches", samples)
-        yield counter("requests", "Calls answered (batches, builds, statistics, errors)", figures["requests"])
-        yield counter("errors", "Calls answered with an error", figures["errors"])
-        yield counter(
-            "busy_seconds",
-            "Seconds the executors spent running calls (divide its rate by torchfeed_worker_executors "
-            "for the busy share)",
-            figures["busy_seconds"],
-        )
-        yield gauge("executors", "Calls this worker runs at once (--parallel)", figures["parallel"])
-        yield gauge("queued_requests", "Calls received and waiting for an executor", figures["queued"])
-        yield gauge("clients", "Authenticated connections", figures["clients"])
-        yield counter("sent_bytes", "Reply bytes before compression (logical)", figures["bytes_sent"])
-        yield counter(
-            "wire_sent_bytes", "Reply bytes as they left (after compression)", figures["wire_bytes_sent"]
-        )
-        yield counter("cpu_seconds", "CPU time of this worker process (user + system)", _cpu_seconds())
-        yield gauge("resident_memory_bytes", "Resident memory of this worker process", figures["rss_bytes"])
-        yield gauge("cache_bytes", "Decoded samples the sample cache holds", cache["cache_bytes"])
-        yield gauge("cache_budget_bytes", "The sample cache's budget (--cache-size)", cache["cache_budget"])
-        yield gauge("cache_entries", "Samples the sample cache holds", cache["cache_entries"])
-        yield counter("cache_hits", "Samples found in the sample cache", cache["cache_hits"])
-        yield counter(
-            "cache_misses", "Samples looked for and not found in the sample cache", cache["cache_misses"]
-        )
+        batches, samples = workerstats.served.read()
         looked = cache["cache_hits"] + cache["cache_misses"]
-        yield gauge(
-            "cache_hit_ratio",
-            "Share of the samples looked for that the cache held, since the worker started (0 before any)",
-            cache["cache_hits"] / looked if looked else 0.0,
-        )
+        values = {
+            **self.server.counters.snapshot(self.server),
+            **cache,
+            "batches": batches,
+            "samples": samples,
+            "cpu_seconds": _cpu_seconds(),
+            "cache_hit_ratio": cache["cache_hits"] / looked if looked else 0.0,
+        }
+        for kind, name, doc, figure in FAMILIES:
+            family = kinds[kind](PREFIX + name, doc, labels=["worker"])
+            family.add_metric([self.server.address], values[figure])
+            yield family
+
+
+# The families, in scrape order: (kind, name after PREFIX, help, the figure it reports: a key of
+# the worker's STATS, of the sample cache's figures, or one WorkerCollector.collect adds).
+FAMILIES = (
+    ("counter", "batches", "Batches this worker loaded and collated for loaders", "batches"),
+    ("counter", "samples", "Samples in those batches", "samples"),
+    ("counter", "requests", "Calls answered (batches, builds, statistics, errors)", "requests"),
+    ("counter", "errors", "Calls answered with an error", "errors"),
+    (
+        "counter",
+        "busy_seconds",
+        "Seconds the executors spent running calls (divide its rate by torchfeed_worker_executors "
+        "for the busy share)",
+        "busy_seconds",
+    ),
+    ("gauge", "executors", "Calls this worker runs at once (--parallel)", "parallel"),
+    ("gauge", "queued_requests", "Calls received and waiting for an executor", "queued"),
+    ("gauge", "clients", "Authenticated connections", "clients"),
+    ("counter", "sent_bytes", "Reply bytes before compression (logical)", "bytes_sent"),
+    ("counter", "wire_sent_bytes", "Reply bytes as they left (after compression)", "wire_bytes_sent"),
+    ("counter", "cpu_seconds", "CPU time of this worker process (user + system)", "cpu_seconds"),
+    ("gauge", "resident_memory_bytes", "Resident memory of this worker process", "rss_bytes"),
+    ("gauge", "cache_bytes", "Decoded samples the sample cache holds", "cache_bytes"),
+    ("gauge", "cache_budget_bytes", "The sample cache's budget (--cache-size)", "cache_budget"),
+    ("gauge", "cache_entries", "Samples the sample cache holds", "cache_entries"),
+    ("counter", "cache_hits", "Samples found in the sample cache", "cache_hits"),
+    ("counter", "cache_misses", "Samples looked for and not found in the sample cache", "cache_misses"),
+    (
+        "gauge",
+        "cache_hit_ratio",
+        "Share of the samples looked for that the cache held, since the worker started (0 before any)",
+        "cache_hit_ratio",
+    ),
+)
 
 
 def _cpu_seconds() -> float:
