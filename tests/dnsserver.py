@@ -9,6 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from helpers import stop_process
 from torchfeed.loader.dnsnames import DNSName
 from torchfeed.util import free_port
 
@@ -73,10 +74,5 @@ class Dnsmasq:
             self.proc.send_signal(signal.SIGHUP)
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        stop_process(self.proc)
         self.log.close()

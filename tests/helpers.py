@@ -97,6 +97,25 @@ def named_workers(specs: dict):
             w.close()
 
 
+def named_workers_fixtures(specs_of):
+    """The fixtures of a test module with workers of its own: ``_workers`` (module-scoped, name ->
+    (address, pid), started by :func:`named_workers` from the specs ``specs_of(tmp_path_factory)``
+    returns) and ``worker``, the one named ``main``. A module binds both:
+    ``_workers, worker = named_workers_fixtures(...)``."""
+    import pytest
+
+    @pytest.fixture(scope="module", name="_workers")
+    def workers(tmp_path_factory):
+        with named_workers(specs_of(tmp_path_factory)) as started:
+            yield started
+
+    @pytest.fixture(name="worker")
+    def main(_workers):
+        return _workers["main"]
+
+    return workers, main
+
+
 # Seconds within which something "prompt" must happen in a test on a busy shared machine: far
 # above the milliseconds it takes on a quiet one (the load of other jobs stretches any wait), far
 # below a hang (pytest's 120 s). A test asserts a duration only where the behaviour itself is a
@@ -217,6 +236,101 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+def stop_process(proc, grace: float = 10.0) -> None:
+    """End ``proc`` (a ``subprocess.Popen``): SIGTERM, then SIGKILL if it is still running
+    ``grace`` seconds later."""
+    import subprocess
+
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def port_free_on(hosts) -> int:
+    """A port free on every address of ``hosts`` now (workers listening on several loopback
+    addresses, one port for all, as the pods behind a headless Service do)."""
+    import socket
+
+    from torchfeed.util import free_port
+
+    while True:
+        candidate = free_port()
+        try:
+            for host in hosts:
+                with socket.socket() as s:
+                    s.bind((host, candidate))
+            return candidate
+        except OSError:
+            continue
+
+
+def torch_batches(dataset, **kw) -> list:
+    """The batches torch's DataLoader yields for ``dataset`` with ``kw``, after
+    ``torch.manual_seed(7)`` (as :func:`batches_of` seeds a torchfeed pass)."""
+    from torch.utils.data import DataLoader
+
+    torch.manual_seed(7)
+    return list(DataLoader(dataset, **kw))
+
+
+def batches_of(loader, stop: int | None = None, at: int | None = None, event=None) -> list:
+    """The batches of a pass of ``loader`` begun after ``torch.manual_seed(7)``: ``event()`` runs
+    once ``at`` batches arrived; the pass stops after ``stop`` batches (at the end without)."""
+    torch.manual_seed(7)
+    out = []
+    for batch in loader:
+        out.append(batch)
+        if len(out) == at:
+            event()
+        if len(out) == stop:
+            break
+    return out
+
+
+def elastic_loader(rds, batch_size: int, world: int, rank: int, **kw):
+    """Rank ``rank`` of ``world``'s loader of ``rds``: a DistributedSampler without padding (seed
+    0), the loader's seed 5; ``kw`` goes to the loader."""
+    import torchfeed
+
+    sampler = torchfeed.DistributedSampler(rds, num_replicas=world, rank=rank, seed=0, pad=False)
+    return torchfeed.RemoteDataLoader(rds, batch_size, sampler=sampler, seed=5, **kw)
+
+
+def run_in_segments(make_loader, worlds: list[int], stops: list[int], pick) -> tuple[list, list[list[dict]]]:
+    """A job run in segments, its ranks moving in step as DDP moves them: segment k runs the
+    loaders ``make_loader(worlds[k], rank)`` for ``stops[k]`` batches each (the last segment to
+    the end of the epoch), then saves every rank's state; rank r of segment k resumes from the
+    state of the segment before's rank ``pick(k, r, its world)``. A segment in which a rank's
+    share runs out goes on to the end of the epoch (without padding the ranks' batch counts can
+    differ by one) and is the last. Returns every batch delivered, and each segment's states."""
+    delivered: list = []
+    saved: list[list[dict]] = []
+    for k, world in enumerate(worlds):
+        loaders = [make_loader(world, r) for r in range(world)]
+        if saved:
+            for r, loader in enumerate(loaders):
+                loader.load_state_dict(saved[-1][pick(k, r, len(saved[-1]))])
+        its = [iter(loader) for loader in loaders]
+        last = k == len(worlds) - 1
+        step, ending = 0, False
+        while last or ending or step < stops[k]:
+            got = [next(it, None) for it in its]  # every rank takes one
+            ending = ending or any(b is None for b in got)
+            if all(b is None for b in got):
+                break
+            delivered += [b for b in got if b is not None]
+            step += 1
+        saved.append([loader.state_dict() for loader in loaders])
+        if ending:
+            break
+    return delivered, saved
 
 
 def deep_equal(a, b) -> bool:

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import torchfeed
-from helpers import PROMPT, RangeDataset, wait_for
+from helpers import PROMPT, RangeDataset, stop_process, wait_for
 from relay import C2W_SEALED, W2C_SEALED, Relay, flip_byte_at, inject_before_sealed, replay_first_sealed
 from torchfeed import client
 from torchfeed.protocol import auth, localpath, replies, serialize, wire
@@ -63,13 +63,7 @@ class WorkerProcess:
         return self.proc.poll() is None
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import torch
 
 import torchfeed
 import torchfeed.audit
-from helpers import RangeDataset, WorkerShare
+from helpers import RangeDataset, WorkerShare, elastic_loader, run_in_segments
 from torchfeed.loader import sampling
 from torchfeed.loader.audit import KeySet
 
@@ -26,8 +26,7 @@ def rds(workers2):
 
 
 def loader_of(rds, world: int, rank: int):
-    sampler = torchfeed.DistributedSampler(rds, num_replicas=world, rank=rank, seed=0, pad=False)
-    return torchfeed.RemoteDataLoader(rds, BATCH, sampler=sampler, seed=5, audit=True)
+    return elastic_loader(rds, BATCH, world, rank, audit=True)
 
 
 def chain(rds, worlds: list[int], stops: list[int]) -> list[dict]:
@@ -35,23 +34,10 @@ def chain(rds, worlds: list[int], stops: list[int]) -> list[dict]:
     ``stops[k]`` batches (the last one at the end of the epoch) and saving every rank's state;
     rank r of the next segment resumes from old rank r's state (rank 0's when the world grew).
     Returns every state saved."""
-    saved: list[dict] = []
-    states: list[dict] | None = None
-    for k, world in enumerate(worlds):
-        loaders = [loader_of(rds, world, r) for r in range(world)]
-        if states is not None:
-            for r, loader in enumerate(loaders):
-                loader.load_state_dict(states[r if r < len(states) else 0])
-        its = [iter(loader) for loader in loaders]
-        last = k == len(worlds) - 1
-        step = 0
-        while last or step < stops[k]:
-            if all(b is None for b in [next(it, None) for it in its]):  # every rank takes one
-                break
-            step += 1
-        states = [loader.state_dict() for loader in loaders]
-        saved += states
-    return saved
+    _, saved = run_in_segments(
+        lambda world, rank: loader_of(rds, world, rank), worlds, stops, lambda k, r, old: r if r < old else 0
+    )
+    return [state for segment in saved for state in segment]
 
 
 def test_one_rank_one_epoch_is_verified(rds):

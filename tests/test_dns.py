@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from helpers import SleepDataset
+from helpers import SleepDataset, port_free_on, wait_for
 from torchfeed import LocalWorkers, RemoteDataLoader, RemoteDataset
 from torchfeed.loader.dnsnames import DNSName, WatchedName
 from torchfeed.util import free_port
@@ -58,39 +58,19 @@ def test_a_failing_server_changes_nothing(caplog):
     assert len(said) == 1  # once until it resolves again
 
 
-def _port_free_on(hosts) -> int:
-    import socket
-
-    while True:
-        port = free_port()
-        try:
-            for h in hosts:
-                with socket.socket() as s:
-                    s.bind((h, port))
-            return port
-        except OSError:
-            continue
-
-
-def _until(condition, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g} s: {what}")
-        time.sleep(0.05)
-
-
 def test_a_and_aaaa_records_are_workers(dnsmasq):
     dnsmasq.set(["127.0.0.2", "::1", "127.0.0.3"])
     name = DNSName(NAME, 6543, server="127.0.0.1", server_port=dnsmasq.port)
     expected = ["127.0.0.2:6543", "127.0.0.3:6543", "[::1]:6543"]
-    _until(lambda: name.resolve() == expected, f"{NAME} resolves to {expected}", timeout=30)  # after SIGHUP
+    assert wait_for(lambda: name.resolve() == expected, timeout=30), (
+        f"{NAME} resolves to {expected}"
+    )  # after SIGHUP
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_records_that_change_during_an_epoch(dnsmasq):
-    port = _port_free_on(HOSTS)
+    port = port_free_on(HOSTS)
     pools = [LocalWorkers(1, host=h, extra_args=["--port", str(port)]) for h in HOSTS]
     address = {h: f"{h}:{port}" for h in HOSTS}
     try:
@@ -107,8 +87,8 @@ def test_records_that_change_during_an_epoch(dnsmasq):
             seen += idx.tolist()
             if i == 2:  # mid-epoch: .2 leaves, .4 joins
                 dnsmasq.set(HOSTS[1:])
-                _until(
-                    lambda: sorted(ds.workers) == [address[h] for h in HOSTS[1:]], "the records are followed"
+                assert wait_for(lambda: sorted(ds.workers) == [address[h] for h in HOSTS[1:]], timeout=60), (
+                    "the records are followed"
                 )
         assert sorted(seen) == list(range(n)), "epoch 1: every index exactly once"
         rows = loader.stats().workers
@@ -126,7 +106,9 @@ def test_records_that_change_during_an_epoch(dnsmasq):
         time.sleep(1.0)
         assert sorted(ds.workers) == [address[h] for h in HOSTS[1:]]
         dnsmasq.set(HOSTS)
-        _until(lambda: sorted(ds.workers) == sorted(address.values()), "all three listed again")
+        assert wait_for(lambda: sorted(ds.workers) == sorted(address.values()), timeout=60), (
+            "all three listed again"
+        )
         assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(n)), "epoch 3: exactly once"
         ds.close()
     finally:

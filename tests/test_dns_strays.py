@@ -10,6 +10,7 @@ and 127.0.0.6 (nothing listens), all on one port, as pods behind a headless Serv
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import socket
@@ -18,10 +19,9 @@ from typing import Any
 
 import pytest
 
-from helpers import SleepDataset, wait_for
+from helpers import SleepDataset, port_free_on, wait_for
 from torchfeed import AuthenticationError, LocalWorkers, RemoteDataLoader, RemoteDataset, WorkerLost
 from torchfeed.protocol import auth, wire
-from torchfeed.util import free_port
 
 pytest.importorskip(
     "dns.resolver", reason="dns:// names need dnspython (pip install 'torchfeed[kubernetes]')"
@@ -74,19 +74,17 @@ class Stray:
         self.server.close()
         self.thread.join(10)
 
+    def __enter__(self) -> Stray:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 @pytest.fixture
 def port() -> int:
     """A port free on every worker's and stray's address."""
-    while True:
-        candidate = free_port()
-        try:
-            for host in (*HOSTS, STRAY, SILENT):
-                with socket.socket() as s:
-                    s.bind((host, candidate))
-            return candidate
-        except OSError:
-            continue
+    return port_free_on((*HOSTS, STRAY, SILENT))
 
 
 @pytest.fixture
@@ -101,8 +99,10 @@ def _url(port: int, dnsmasq) -> str:
     return f"dns://{NAME}:{port}?server=127.0.0.1:{dnsmasq.port}&every=0.2"
 
 
-def _resolves_to(dnsmasq, ips) -> None:
-    """Wait until dnsmasq serves ``ips`` (it reads its hosts file again after SIGHUP)."""
+def _list(dnsmasq, ips) -> None:
+    """Make the name list ``ips``, and wait until dnsmasq serves them (it reads its hosts file
+    again after SIGHUP)."""
+    dnsmasq.set(ips)
     expected = sorted(f"{ip}:1" for ip in ips)
     assert wait_for(lambda: dnsmasq.name.resolve() == expected, timeout=30), f"{NAME} -> {ips}"
 
@@ -116,11 +116,9 @@ def _said(caplog, *words: str) -> list[str]:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("kind", ["impostor", "garbage", "closes", "refuses"])
 def test_a_stray_beside_two_workers_is_skipped_at_build(dnsmasq, port, pods, kind, caplog):
-    stray = Stray(STRAY, port, kind) if kind != "refuses" else None
-    host = STRAY if stray is not None else SILENT
-    try:
-        dnsmasq.set([*HOSTS[:2], host])
-        _resolves_to(dnsmasq, [*HOSTS[:2], host])
+    host = STRAY if kind != "refuses" else SILENT
+    with Stray(STRAY, port, kind) if kind != "refuses" else contextlib.nullcontext():
+        _list(dnsmasq, [*HOSTS[:2], host])
         with caplog.at_level(logging.WARNING, logger="torchfeed.workers"):
             ds = RemoteDataset(_url(port, dnsmasq), SleepDataset, 40, 0.0)
             assert sorted(ds.workers) == [pods[h] for h in HOSTS[:2]]
@@ -129,86 +127,73 @@ def test_a_stray_beside_two_workers_is_skipped_at_build(dnsmasq, port, pods, kin
         said = _said(caplog, f"{host}:{port}", "skip")
         assert len(said) == 1, f"one warning names the stray and why: {said}"
         ds.close()
-    finally:
-        if stray is not None:
-            stray.close()
+
+
+def _epoch_changing_the_name(
+    dnsmasq, port: int, n: int, change
+) -> tuple[RemoteDataset, RemoteDataLoader, list]:
+    """The name lists two workers; an epoch of ``n`` samples over it (shuffled, batches of 8)
+    runs ``change(the dataset)`` mid-epoch, after its third batch. Returns the dataset, its
+    loader and every index the epoch delivered."""
+    dnsmasq.set(HOSTS[:2])
+    ds = RemoteDataset(_url(port, dnsmasq), SleepDataset, n, 0.01)
+    loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=8, shuffle=True)
+    seen = []
+    for i, (_, idx) in enumerate(loader):
+        seen += idx.tolist()
+        if i == 2:
+            change(ds)
+    return ds, loader, seen
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_stray_listed_with_a_new_worker_does_not_keep_it_out(dnsmasq, port, pods):
-    stray = Stray(STRAY, port, "impostor")
-    try:
-        dnsmasq.set(HOSTS[:2])
-        n = 240
-        ds = RemoteDataset(_url(port, dnsmasq), SleepDataset, n, 0.01)
-        loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=8, shuffle=True)
-        seen = []
-        for i, (_, idx) in enumerate(loader):
-            seen += idx.tolist()
-            if i == 2:  # mid-epoch: a new worker and a stray in the same answer
-                dnsmasq.set([*HOSTS, STRAY])
-                assert wait_for(lambda: pods[HOSTS[2]] in ds.alive_workers(), timeout=60), (
-                    "the new worker joins"
-                )
-        assert sorted(seen) == list(range(n)), "every index exactly once"
+    def change(ds) -> None:  # a new worker and a stray in the same answer
+        dnsmasq.set([*HOSTS, STRAY])
+        assert wait_for(lambda: pods[HOSTS[2]] in ds.alive_workers(), timeout=60), "the new worker joins"
+
+    with Stray(STRAY, port, "impostor"):
+        ds, loader, seen = _epoch_changing_the_name(dnsmasq, port, 240, change)
+        assert sorted(seen) == list(range(240)), "every index exactly once"
         assert loader.stats().workers[pods[HOSTS[2]]].samples > 0, "the new worker served in the same epoch"
         assert f"{STRAY}:{port}" not in ds.workers
         ds.close()
-    finally:
-        stray.close()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_an_answer_of_only_strays_keeps_the_workers(dnsmasq, port, pods, caplog):
-    stray = Stray(STRAY, port, "garbage")
-    try:
-        dnsmasq.set(HOSTS[:2])
-        n = 160
-        ds = RemoteDataset(_url(port, dnsmasq), SleepDataset, n, 0.01)
-        loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=8, shuffle=True)
-        seen = []
-        with caplog.at_level(logging.WARNING, logger="torchfeed.workers"):
-            for i, (_, idx) in enumerate(loader):
-                seen += idx.tolist()
-                if i == 2:  # mid-epoch: the name lists only what is no worker
-                    dnsmasq.set([STRAY, SILENT])
-                    assert wait_for(lambda: _said(caplog, "no reachable worker"), timeout=60)
-        assert sorted(seen) == list(range(n)), "every index exactly once, no error"
+    def change(ds) -> None:  # the name lists only what is no worker
+        dnsmasq.set([STRAY, SILENT])
+        assert wait_for(lambda: _said(caplog, "no reachable worker"), timeout=60)
+
+    with Stray(STRAY, port, "garbage"), caplog.at_level(logging.WARNING, logger="torchfeed.workers"):
+        ds, loader, seen = _epoch_changing_the_name(dnsmasq, port, 160, change)
+        assert sorted(seen) == list(range(160)), "every index exactly once, no error"
         assert sorted(ds.workers) == [pods[h] for h in HOSTS[:2]], "the workers in use are kept"
         assert len(_said(caplog, "no reachable worker")) == 1
 
         dnsmasq.set(HOSTS[1:])  # reachable workers again: the unlisted one is drained now
         assert wait_for(lambda: sorted(ds.workers) == [pods[h] for h in HOSTS[1:]], timeout=60)
-        assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(n))
+        assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(160))
         ds.close()
-    finally:
-        stray.close()
 
 
 @pytest.mark.timeout(120)
-def test_a_name_of_only_strays_fails_the_build_naming_them(dnsmasq, port):
-    stray = Stray(STRAY, port, "garbage")
-    try:
-        dnsmasq.set([STRAY, SILENT])
-        _resolves_to(dnsmasq, [STRAY, SILENT])
-        with pytest.raises(WorkerLost) as info:
-            RemoteDataset(_url(port, dnsmasq), SleepDataset, 40, 0.0, timeout=2)
-        for host in (STRAY, SILENT):
-            assert f"{host}:{port}" in str(info.value)
-        assert "not a torchfeed endpoint" in str(info.value) and "refused" in str(info.value)
-    finally:
-        stray.close()
-
-
-@pytest.mark.timeout(120)
-def test_a_name_whose_every_address_fails_the_handshake_raises_authentication_error(dnsmasq, port):
-    stray = Stray(STRAY, port, "impostor")
-    try:
-        dnsmasq.set([STRAY])
-        _resolves_to(dnsmasq, [STRAY])
-        with pytest.raises(AuthenticationError, match=f"{STRAY}:{port}"):
-            RemoteDataset(_url(port, dnsmasq), SleepDataset, 40, 0.0, timeout=60)
-    finally:
-        stray.close()
+@pytest.mark.parametrize(
+    "kind, listed, error, timeout, why",
+    [
+        # a name of only strays fails the build, naming each and why
+        ("garbage", [STRAY, SILENT], WorkerLost, 2, ["not a torchfeed endpoint", "refused"]),
+        # a name whose every address fails the handshake raises AuthenticationError
+        ("impostor", [STRAY], AuthenticationError, 60, []),
+    ],
+)
+def test_a_name_of_only_strays_fails_the_build_naming_them(dnsmasq, port, kind, listed, error, timeout, why):
+    with Stray(STRAY, port, kind):
+        _list(dnsmasq, listed)
+        with pytest.raises(error) as info:
+            RemoteDataset(_url(port, dnsmasq), SleepDataset, 40, 0.0, timeout=timeout)
+    for said in [f"{host}:{port}" for host in listed] + why:
+        assert said in str(info.value)

@@ -9,31 +9,16 @@ import torch
 from torch.utils.data import DataLoader
 
 import torchfeed
-from helpers import deep_equal
+from helpers import batches_of, deep_equal, torch_batches
 from stream_datasets import Counting, DatasetStateful, StatefulCounting, sum_collate
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def torch_batches(dataset, **kw):
-    torch.manual_seed(7)
-    return list(DataLoader(dataset, **kw))
-
-
-def our_batches(loader, stop=None):
-    torch.manual_seed(7)
-    out = []
-    for batch in loader:
-        out.append(batch)
-        if stop is not None and len(out) == stop:
-            break
-    return out
-
-
 @pytest.mark.parametrize("streams,physical", [(3, 2), (1, 2), (4, 1), (2, 2)])
 def test_same_batches_as_torch_for_any_number_of_physical_workers(workers2, streams, physical):
     ds = torchfeed.RemoteDataset(workers2[:physical], Counting, 23)
-    ours = our_batches(torchfeed.RemoteDataLoader(ds, batch_size=3, num_workers=streams))
+    ours = batches_of(torchfeed.RemoteDataLoader(ds, batch_size=3, num_workers=streams))
     assert deep_equal(ours, torch_batches(Counting(23), batch_size=3, num_workers=streams))
 
 
@@ -43,13 +28,13 @@ def test_same_batches_as_torch_for_any_number_of_physical_workers(workers2, stre
 )
 def test_batching_options_like_torch(workers2, kw):
     ds = torchfeed.RemoteDataset(workers2, Counting, 19)
-    ours = our_batches(torchfeed.RemoteDataLoader(ds, num_workers=3, **kw))
+    ours = batches_of(torchfeed.RemoteDataLoader(ds, num_workers=3, **kw))
     assert deep_equal(ours, torch_batches(Counting(19), num_workers=3, **kw))
 
 
 def test_default_streams_is_the_number_of_workers(workers2):
     ds = torchfeed.RemoteDataset(workers2, Counting, 17)
-    ours = our_batches(torchfeed.RemoteDataLoader(ds, batch_size=2))
+    ours = batches_of(torchfeed.RemoteDataLoader(ds, batch_size=2))
     assert deep_equal(ours, torch_batches(Counting(17), batch_size=2, num_workers=2))
 
 
@@ -72,12 +57,7 @@ def test_a_killed_worker_loses_nothing(fresh_workers, cls, warns, recwarn):
     loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
         ds, batch_size=2, num_workers=4, prefetch_factor=1, timeout=60
     )
-    torch.manual_seed(7)
-    ours = []
-    for batch in loader:
-        ours.append(batch)
-        if len(ours) == 5:
-            w.kill(1)
+    ours = batches_of(loader, at=5, event=lambda: w.kill(1))
     assert deep_equal(ours, torch_batches(cls(60), batch_size=2, num_workers=4))
     replayed = [x for x in recwarn if "drawn again" in str(x.message)]
     assert len(replayed) == (1 if warns else 0)
@@ -87,13 +67,10 @@ def _losing_a_worker_keeps_dataset_state(w, seconds: float, num_workers: int, af
     """A pass of a dataset-level Stateful iterable in batches of 3 over ``num_workers`` streams,
     worker ``victim`` killed once ``after`` batches arrived: torch's batches all the same."""
     ds = torchfeed.RemoteDataset(w.addresses, DatasetStateful, 40, seconds)
-    ours = []
-    for batch in torchfeed.RemoteDataLoader(
+    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
         ds, batch_size=3, num_workers=num_workers, prefetch_factor=1, timeout=60
-    ):
-        ours.append(batch)
-        if len(ours) == after:
-            w.kill(victim)
+    )
+    ours = batches_of(loader, at=after, event=lambda: w.kill(victim))
     assert deep_equal(ours, torch_batches(DatasetStateful(40), batch_size=3, num_workers=num_workers))
 
 
@@ -109,7 +86,7 @@ def test_resume_on_other_workers(workers2, fresh_workers, cls):
     first: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
         torchfeed.RemoteDataset(workers2, cls, 31), batch_size=2, num_workers=3
     )
-    head = our_batches(first, stop=4)
+    head = batches_of(first, stop=4)
     state = first.state_dict()
     other = fresh_workers(1)
     second: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
@@ -126,12 +103,10 @@ def test_resume_on_other_workers(workers2, fresh_workers, cls):
 def test_a_cut_connection_moves_the_stream_too(fresh_workers):
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset(w.addresses, StatefulCounting, 40, 0.01)
-    torch.manual_seed(7)
-    ours = []
-    for batch in torchfeed.RemoteDataLoader(ds, batch_size=2, num_workers=3, prefetch_factor=1, timeout=60):
-        ours.append(batch)
-        if len(ours) == 4:
-            torchfeed.client.close_connections([w.addresses[0]])
+    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+        ds, batch_size=2, num_workers=3, prefetch_factor=1, timeout=60
+    )
+    ours = batches_of(loader, at=4, event=lambda: torchfeed.client.close_connections([w.addresses[0]]))
     assert deep_equal(ours, torch_batches(StatefulCounting(40), batch_size=2, num_workers=3))
 
 
@@ -157,7 +132,7 @@ def test_resume_in_a_new_process(workers2, tmp_path):
     first: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
         torchfeed.RemoteDataset(workers2, StatefulCounting, 29), batch_size=3, num_workers=3
     )
-    head = our_batches(first, stop=5)
+    head = batches_of(first, stop=5)
     torch.save(first.state_dict(), tmp_path / "state.pt")
     script = f"""
 import torch, torchfeed

@@ -8,19 +8,12 @@ import os
 from typing import Any
 
 import pytest
-import torch
-from torch.utils.data import DataLoader
 
 import torchfeed
-from helpers import PROMPT, deep_equal, wait_for
+from helpers import PROMPT, batches_of, deep_equal, torch_batches, wait_for
 from stream_datasets import CrashesAt, StatefulCounting
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-def torch_batches(dataset, **kw) -> list:
-    torch.manual_seed(7)
-    return list(DataLoader(dataset, **kw))
 
 
 def same_as_torch_despite(ds, event) -> None:
@@ -29,12 +22,7 @@ def same_as_torch_despite(ds, event) -> None:
     loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
         ds, batch_size=2, num_workers=2, prefetch_factor=1, timeout=120
     )
-    torch.manual_seed(7)
-    ours = []
-    for batch in loader:
-        ours.append(batch)
-        if len(ours) == 4:
-            event()
+    ours = batches_of(loader, at=4, event=event)
     assert deep_equal(ours, torch_batches(StatefulCounting(40), batch_size=2, num_workers=2))
 
 

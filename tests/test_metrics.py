@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from helpers import WORKER_COMMAND, RangeDataset, SleepDataset
+from helpers import WORKER_COMMAND, RangeDataset, SleepDataset, stop_process
 from torchfeed import LocalWorkers, RemoteDataLoader, RemoteDataset
 from torchfeed.scaling import Policy
 from torchfeed.stats import LoaderStats, WorkerStats
@@ -250,12 +250,7 @@ class Prometheus:
             time.sleep(0.5)
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        stop_process(self.proc, grace=30)
         self.log.close()
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from helpers import RangeDataset, SleepDataset
+from helpers import RangeDataset, SleepDataset, wait_for
 from pool_conformance import (
     check_killed,
     check_secret_off_the_workers,
@@ -55,14 +55,6 @@ def ray_cluster(ray_cluster_shared):  # tests/conftest.py: shared with the docs'
     finally:
         if ray.is_initialized():
             ray.shutdown()
-
-
-def _until(condition, what: str, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g} s: {what}")
-        time.sleep(0.1)
 
 
 def _placed_on_the_cpu_node(pool: Pool) -> bool:
@@ -114,7 +106,9 @@ def test_scale_up_kill_mid_epoch_and_drain(ray_cluster):
         assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(N))
         close_and_check(pool)
         # a fourth would need a fourth torchfeed_worker: Ray has 3, and the pool says so once
-    _until(lambda: ray.available_resources().get("torchfeed_worker", 0) == 3, "the actors' resources freed")
+    assert wait_for(lambda: ray.available_resources().get("torchfeed_worker", 0) == 3, timeout=90), (
+        "the actors' resources freed"
+    )
 
 
 def test_actors_placed_by_node_labels(ray_cluster):
@@ -133,7 +127,7 @@ def test_autoscale_grows_a_ray_pool(ray_cluster):
                 if len(ds.workers) == 3:
                     break
             assert pool.requested() == 3, scaler.stats()
-            _until(lambda: len(ds.workers) == 3, "three workers in the dataset")
+            assert wait_for(lambda: len(ds.workers) == 3, timeout=90), "three workers in the dataset"
             assert sorted(ds.workers) == pool.addresses()
             assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(N))
 
@@ -145,32 +139,29 @@ def test_actors_ray_cannot_place_are_reported_once_per_request(ray_cluster, capl
     with caplog.at_level(logging.WARNING, logger="torchfeed.ray"):
         with Pool(4, resources=RESOURCE, place_timeout=2) as pool:  # the cluster offers 3
             assert len(pool.wait(3, timeout=120)) == 3
-            _until(lambda: len(reports()) == 1, "the report")
+            assert wait_for(lambda: len(reports()) == 1, timeout=90), "the report"
             time.sleep(3.0)
             assert len(reports()) == 1, "said once"
             said = reports()[0]
             assert "'torchfeed_worker': 0.0" in said and "'torchfeed_worker': 3.0" in said, said
             pool.scale(5)  # a new request that cannot be met either: said again, once
-            _until(lambda: len(reports()) == 2, "the second report")
+            assert wait_for(lambda: len(reports()) == 2, timeout=90), "the second report"
             time.sleep(3.0)
             assert len(reports()) == 2
             assert len(pool.addresses()) == 3 and pool.requested() == 5
 
 
-def _train_loop(config):
+def _rank_loader(config, seed: int, batch_size: int) -> tuple[int, int, DistributedSampler, RemoteDataLoader]:
+    """In a Ray Train worker: its rank, the world's size, and its loader of ``config``'s workers
+    (a RangeDataset of ``config["n"]`` samples, a shuffling DistributedSampler seeded ``seed``)."""
     import ray.train
 
     os.environ["TORCHFEED_SECRET_FILE"] = config["secret_file"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     ds = RemoteDataset(config["addresses"], RangeDataset, config["n"])
-    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=7)
-    loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=8, sampler=sampler)
-    for epoch in range(2):
-        sampler.set_epoch(epoch)
-        seen = [i for _, idx in loader for i in idx.tolist()]
-        Path(config["out"], f"epoch{epoch}-rank{rank}.json").write_text(json.dumps(seen))
-    ray.train.report({"rank": rank, "world": world})
+    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+    return rank, world, sampler, RemoteDataLoader(ds, batch_size=batch_size, sampler=sampler)
 
 
 def _private_secret_file(tmp_path: Path) -> Path:
@@ -183,7 +174,10 @@ def _private_secret_file(tmp_path: Path) -> Path:
     return secret_file
 
 
-def test_ray_train_ranks_fed_from_the_pool(ray_cluster, tmp_path):
+def _fit(tmp_path: Path, loop, n: int, **run) -> Path:
+    """Run ``loop`` as a Ray Train job of two ranks fed by a pool of two workers (with a private
+    secret file), over ``n`` samples; ``run`` adds to its RunConfig. Returns the folder the
+    ranks write to (``config["out"]``)."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -191,18 +185,29 @@ def test_ray_train_ranks_fed_from_the_pool(ray_cluster, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     with Pool(2, resources=RESOURCE, secret_file=secret_file) as pool:
-        trainer = TorchTrainer(
-            _train_loop,
-            train_loop_config={
-                "addresses": pool.wait(2, 120),
-                "secret_file": str(secret_file),
-                "n": N,
-                "out": str(out),
-            },
+        config = {"addresses": pool.wait(2, 120), "secret_file": str(secret_file), "n": n, "out": str(out)}
+        TorchTrainer(
+            loop,
+            train_loop_config=config,
             scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 0.5}),
-            run_config=RunConfig(name="torchfeed", storage_path=str(tmp_path / "runs")),
-        )
-        trainer.fit()
+            run_config=RunConfig(storage_path=str(tmp_path / "runs"), **run),
+        ).fit()
+    return out
+
+
+def _train_loop(config):
+    import ray.train
+
+    rank, world, sampler, loader = _rank_loader(config, seed=7, batch_size=8)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        seen = [i for _, idx in loader for i in idx.tolist()]
+        Path(config["out"], f"epoch{epoch}-rank{rank}.json").write_text(json.dumps(seen))
+    ray.train.report({"rank": rank, "world": world})
+
+
+def test_ray_train_ranks_fed_from_the_pool(ray_cluster, tmp_path):
+    out = _fit(tmp_path, _train_loop, N, name="torchfeed")
     for epoch in range(2):
         shards = [json.loads((out / f"epoch{epoch}-rank{r}.json").read_text()) for r in range(2)]
         assert not set(shards[0]) & set(shards[1]), "the ranks' shards are disjoint"
@@ -216,12 +221,7 @@ def _resume_loop(config):
     import torch
     from ray.train import Checkpoint
 
-    os.environ["TORCHFEED_SECRET_FILE"] = config["secret_file"]
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    ds = RemoteDataset(config["addresses"], RangeDataset, config["n"])
-    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=11)
-    loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=4, sampler=sampler)
+    rank, _, _, loader = _rank_loader(config, seed=11, batch_size=4)
     seen: list[int] = []
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:  # the second attempt: exactly where the checkpoint was taken
@@ -242,24 +242,9 @@ def _resume_loop(config):
 
 
 def test_ray_train_resumes_exactly_from_its_checkpoint(ray_cluster, tmp_path):
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train import FailureConfig
 
-    secret_file = _private_secret_file(tmp_path)
-    out = tmp_path / "out"
-    out.mkdir()
-    with Pool(2, resources=RESOURCE, secret_file=secret_file) as pool:
-        config = {"addresses": pool.wait(2, 120), "secret_file": str(secret_file), "n": 64, "out": str(out)}
-        TorchTrainer(
-            _resume_loop,
-            train_loop_config=config,
-            scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 0.5}),
-            run_config=RunConfig(
-                name="resume",
-                storage_path=str(tmp_path / "runs"),
-                failure_config=FailureConfig(max_failures=1),
-            ),
-        ).fit()
+    out = _fit(tmp_path, _resume_loop, 64, name="resume", failure_config=FailureConfig(max_failures=1))
     shards = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert not set(shards[0]) & set(shards[1])
     assert sorted(shards[0] + shards[1]) == list(range(64)), "every index exactly once across the restart"

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torchfeed
-from helpers import RandomAugmentDataset, indices
+from helpers import RandomAugmentDataset, elastic_loader, indices, run_in_segments
 
 N = 45
 BATCH = 4
@@ -23,18 +23,13 @@ def rds(workers2):
     return torchfeed.RemoteDataset(workers2, RandomAugmentDataset, N)
 
 
-def elastic_loader(rds, world: int, rank: int):
-    sampler = torchfeed.DistributedSampler(rds, num_replicas=world, rank=rank, seed=0, pad=False)
-    return torchfeed.RemoteDataLoader(rds, BATCH, sampler=sampler, seed=5)
-
-
 def rows(batch) -> list[tuple]:
     return [tuple(round(v, 9) for v in row) for row in batch.tolist()]
 
 
 def uninterrupted(rds) -> dict[int, tuple]:
     """Every sample of epoch 0 with its draws, from one rank reading the whole epoch."""
-    got = [r for b in elastic_loader(rds, 1, 0) for r in rows(b)]
+    got = [r for b in elastic_loader(rds, BATCH, 1, 0) for r in rows(b)]
     assert sorted(int(r[0]) for r in got) == list(range(N))
     return {int(r[0]): r for r in got}
 
@@ -43,30 +38,13 @@ def run_chain(rds, worlds: list[int], stops: list[int], picks: list[int]) -> lis
     """Segments of a job: segment k runs ``worlds[k]`` ranks in step for ``stops[k]`` batches
     (the last one to the end), then every rank's state is saved; the next segment's rank r
     loads the state of old rank ``picks[...] % old world``. Returns every row delivered."""
-    delivered: list[tuple] = []
-    states: list[dict] | None = None
-    for k, world in enumerate(worlds):
-        loaders = [elastic_loader(rds, world, r) for r in range(world)]
-        if states is not None:
-            for r, loader in enumerate(loaders):
-                loader.load_state_dict(states[picks[(k + r) % len(picks)] % len(states)])
-        its = [iter(loader) for loader in loaders]
-        last = k == len(worlds) - 1
-        step, ending = 0, False
-        while last or ending or step < stops[k]:
-            got = [next(it, None) for it in its]
-            if all(b is None for b in got):
-                ending = True
-                break
-            # a rank whose share ended takes no checkpoint before the others end too (without
-            # padding the ranks' batch counts can differ by one): the epoch ends in this segment
-            ending = ending or any(b is None for b in got)
-            delivered += [row for b in got if b is not None for row in rows(b)]
-            step += 1
-        if ending or last:
-            break
-        states = [loader.state_dict() for loader in loaders]
-    return delivered
+    delivered, _ = run_in_segments(
+        lambda world, rank: elastic_loader(rds, BATCH, world, rank),
+        worlds,
+        stops,
+        lambda k, r, old: picks[(k + r) % len(picks)] % old,
+    )
+    return [row for b in delivered for row in rows(b)]
 
 
 @pytest.mark.slow
@@ -93,12 +71,12 @@ def test_two_resumes_on_one_rank_lose_nothing(rds):
 
 
 def test_the_sampler_state_after_a_resume_counts_only_what_followed(rds):
-    loader = elastic_loader(rds, 1, 0)
+    loader = elastic_loader(rds, BATCH, 1, 0)
     it = iter(loader)
     for _ in range(4):
         next(it)
     first = loader.state_dict()
-    resumed = elastic_loader(rds, 1, 0)
+    resumed = elastic_loader(rds, BATCH, 1, 0)
     resumed.load_state_dict(first)
     it = iter(resumed)
     for _ in range(2):
@@ -115,7 +93,7 @@ def test_a_state_taken_while_an_exception_unwinds_leaves_out_the_batch_in_hand(r
 
     def make():
         if sampler:
-            return elastic_loader(rds, 1, 0)
+            return elastic_loader(rds, BATCH, 1, 0)
         return torchfeed.RemoteDataLoader(rds, BATCH, shuffle=True, seed=3)
 
     loader = make()
@@ -205,12 +183,12 @@ def test_a_torchfeed_sampler_is_a_torch_distributed_sampler(rds):
     ],
 )
 def test_a_crafted_sampler_state_is_refused(rds, change, message):
-    loader = elastic_loader(rds, 2, 0)
+    loader = elastic_loader(rds, BATCH, 2, 0)
     it = iter(loader)
     next(it)
     state = loader.state_dict()
     state["sampler"] = {**state["sampler"], **change}
-    resumed = elastic_loader(rds, 2, 0)
+    resumed = elastic_loader(rds, BATCH, 2, 0)
     resumed.load_state_dict(state)
     with pytest.raises(ValueError, match=message):
         next(iter(resumed))
@@ -218,16 +196,16 @@ def test_a_crafted_sampler_state_is_refused(rds, change, message):
 
 @pytest.mark.parametrize("name, value", [("batches", 2**64), ("batches", -1), ("samples", "3")])
 def test_a_crafted_count_is_refused(rds, name, value):
-    loader = elastic_loader(rds, 1, 0)
+    loader = elastic_loader(rds, BATCH, 1, 0)
     it = iter(loader)
     next(it)
     state = {**loader.state_dict(), name: value}
     with pytest.raises(ValueError, match=name):
-        elastic_loader(rds, 1, 0).load_state_dict(state)
+        elastic_loader(rds, BATCH, 1, 0).load_state_dict(state)
 
 
 def test_a_format_2_state_taken_after_a_resume_is_refused_and_a_first_pass_one_resumes(rds):
-    loader = elastic_loader(rds, 1, 0)
+    loader = elastic_loader(rds, BATCH, 1, 0)
     it = iter(loader)
     first = [int(r[0]) for _ in range(2) for r in rows(next(it))]
     state = loader.state_dict()
@@ -236,12 +214,12 @@ def test_a_format_2_state_taken_after_a_resume_is_refused_and_a_first_pass_one_r
         "format": "torchfeed.RemoteDataLoader/2",
         "sampler": {**state["sampler"], "consumed_on_rank": 0},
     }
-    resumed = elastic_loader(rds, 1, 0)
+    resumed = elastic_loader(rds, BATCH, 1, 0)
     resumed.load_state_dict(old)
     assert sorted(first + [int(r[0]) for b in resumed for r in rows(b)]) == list(range(N))
     after_resume = {**old, "sampler": {**old["sampler"], "start": 8}, "samples": 16}
     with pytest.raises(ValueError, match="counted the resumed pass's samples twice"):
-        elastic_loader(rds, 1, 0).load_state_dict(after_resume)
+        elastic_loader(rds, BATCH, 1, 0).load_state_dict(after_resume)
 
 
 def torch_sharded(rds, world: int, rank: int):
@@ -319,14 +297,14 @@ def test_a_state_further_into_the_epoch_than_the_sampler_goes_is_refused(rds):
 
 
 def test_a_state_taken_after_a_load_and_before_the_resume_is_the_loaded_one(rds):
-    loader = elastic_loader(rds, 1, 0)
+    loader = elastic_loader(rds, BATCH, 1, 0)
     it = iter(loader)
     seen = [rows(next(it)) for _ in range(3)]
     state = loader.state_dict()
-    again = elastic_loader(rds, 1, 0)
+    again = elastic_loader(rds, BATCH, 1, 0)
     again.load_state_dict(state)
     iter(again)  # an iterator made, not read: a job stopped before its first step
-    later = elastic_loader(rds, 1, 0)
+    later = elastic_loader(rds, BATCH, 1, 0)
     later.load_state_dict(again.state_dict())
     rest = [rows(b) for b in later]
     assert sorted(int(r[0]) for b in seen + rest for r in b) == list(range(N))

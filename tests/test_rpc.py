@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import torchfeed
-from helpers import named_workers, wait_for
+from helpers import named_workers_fixtures, wait_for
 from torchfeed import client
 from torchfeed.protocol import buffers, serialize
 
@@ -41,21 +41,10 @@ TESTS = Path(__file__).resolve().parent
 # -- workers --------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def _workers():
-    """Private workers, started concurrently: name -> (address, pid).
-
-    main: two executors (a sleeping request does not block the others); spare: a second,
-    harmless worker; victim: for the test that may break its executor.
-    """
-    specs = {"main": {"parallel": 2}, "spare": {}, "victim": {}}
-    with named_workers(specs) as started:
-        yield started
-
-
-@pytest.fixture
-def worker(_workers):
-    return _workers["main"]
+# Private workers, started concurrently: main: two executors (a sleeping request does not
+# block the others); spare: a second, harmless worker; victim: for the test that may break its
+# executor.
+_workers, worker = named_workers_fixtures(lambda _: {"main": {"parallel": 2}, "spare": {}, "victim": {}})
 
 
 @pytest.fixture
@@ -241,18 +230,27 @@ def noncontiguous_variants(dtype, seed: int = 0) -> dict:
 
 
 def digests(tree):
-    """Worker-side (and local) fingerprint of a dict of tensors."""
-    return {k: tensor_digest(v) for k, v in tree.items()}
+    """Worker-side (and local) fingerprint of a dict of tensors or of numpy arrays."""
+    return {k: array_digest(v) if isinstance(v, np.ndarray) else tensor_digest(v) for k, v in tree.items()}
 
 
-def check_tensors(got: dict, expected: dict) -> None:
+def check_each(got: dict, expected: dict, is_kind, same) -> None:
+    """``got`` holds ``expected``'s keys, each value ``is_kind`` and of the dtype and shape of
+    ``expected``'s, and ``same(got value, expected value, key)`` asserts the rest."""
     assert got.keys() == expected.keys()
     for key in expected:
         g, e = got[key], expected[key]
-        assert isinstance(g, torch.Tensor), key
+        assert is_kind(g), key
         assert g.dtype == e.dtype and g.shape == e.shape, key
+        same(g, e, key)
+
+
+def check_tensors(got: dict, expected: dict) -> None:
+    def same(g: torch.Tensor, e: torch.Tensor, key: str) -> None:
         assert g.requires_grad == e.requires_grad, key
         assert raw_bytes(g) == raw_bytes(e), f"{key}: bytes differ"
+
+    check_each(got, expected, lambda g: isinstance(g, torch.Tensor), same)
 
 
 def check_results(address, make, dtype):
@@ -299,23 +297,12 @@ def test_dtype_list_is_complete():
 
 
 @pytest.mark.parametrize("dtype", dtype_params())
-def test_tensor_results_every_dtype(addr, dtype):
-    check_results(addr, contiguous_variants, dtype)
-
-
-@pytest.mark.parametrize("dtype", dtype_params())
-def test_noncontiguous_tensor_results_every_dtype(addr, dtype):
-    check_results(addr, noncontiguous_variants, dtype)
-
-
-@pytest.mark.parametrize("dtype", dtype_params())
-def test_tensor_arguments_every_dtype(addr, dtype):
-    check_arguments(addr, contiguous_variants, dtype)
-
-
-@pytest.mark.parametrize("dtype", dtype_params())
-def test_noncontiguous_tensor_arguments_every_dtype(addr, dtype):
-    check_arguments(addr, noncontiguous_variants, dtype)
+@pytest.mark.parametrize(
+    "make", [contiguous_variants, noncontiguous_variants], ids=["contiguous", "noncontiguous"]
+)
+@pytest.mark.parametrize("check", [check_results, check_arguments], ids=["results", "arguments"])
+def test_tensors_of_every_dtype_arrive_bit_exact(addr, check, make, dtype):
+    check(addr, make, dtype)
 
 
 def test_call_arguments_carry_tensors_out_of_band():
@@ -447,25 +434,19 @@ def array_digest(a: np.ndarray):
     return (type(a).__name__, a.dtype.str, a.dtype.descr, a.shape, hashlib.sha256(body).hexdigest())
 
 
-def array_digests(tree):
-    return {k: array_digest(v) for k, v in tree.items()}
-
-
 def check_arrays(got: dict, expected: dict) -> None:
-    assert got.keys() == expected.keys()
-    for key in expected:
-        g, e = got[key], expected[key]
-        assert type(g) is np.ndarray, key
-        assert g.dtype == e.dtype and g.shape == e.shape, key
+    def same(g: np.ndarray, e: np.ndarray, key: str) -> None:
         if e.dtype.hasobject:
             assert g.tolist() == e.tolist(), key
         else:
             assert np.ascontiguousarray(g).tobytes() == np.ascontiguousarray(e).tobytes(), key
 
+    check_each(got, expected, lambda g: type(g) is np.ndarray, same)
+
 
 def test_numpy_roundtrip(addr):
     expected = numpy_arrays(11)
-    assert call(addr, array_digests, expected) == array_digests(expected)
+    assert call(addr, digests, expected) == digests(expected)
     check_arrays(call(addr, lambda tree: tree, expected), expected)
     check_arrays(call(addr, numpy_arrays, 11), expected)
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import torchfeed
+from helpers import wait_for
 from relay import Relay
 from torchfeed import LocalWorkers, RemoteDataLoader, RemoteDataset
 from torchfeed.client.session import Session
@@ -62,15 +63,6 @@ def slot_fds(pid: int) -> int:
         except OSError:
             pass
     return n
-
-
-def wait_for(condition, what: str, limit: float = 60.0) -> None:
-    """Wait for ``condition()`` (a bound for a broken build, not a timing assertion)."""
-    deadline = time.monotonic() + limit
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        time.sleep(0.05)
 
 
 def one_epoch(loader) -> tuple[list[int], bool]:
@@ -145,8 +137,8 @@ def test_slots_are_freed_with_the_batches_and_with_the_connection():
         del kept
         gc.collect()
         assert slot_maps(worker=worker_pid) == []
-        wait_for(
-            lambda: slot_fds(worker_pid) == 0 and slot_maps(worker_pid) == [], "the worker let its slots go"
+        assert wait_for(lambda: slot_fds(worker_pid) == 0 and slot_maps(worker_pid) == [], timeout=60), (
+            "the worker let its slots go"
         )
 
 
@@ -211,8 +203,12 @@ def test_nothing_is_left_after_either_side_is_killed(tmp_path):
         finally:
             trainer.kill()
             trainer.wait()
-        wait_for(lambda: slot_fds(worker.pid) == 0, "the worker closed the killed trainer's slots")
-        wait_for(lambda: slot_maps(worker.pid) == [], "the worker unmapped the killed trainer's slots")
+        assert wait_for(lambda: slot_fds(worker.pid) == 0, timeout=60), (
+            "the worker closed the killed trainer's slots"
+        )
+        assert wait_for(lambda: slot_maps(worker.pid) == [], timeout=60), (
+            "the worker unmapped the killed trainer's slots"
+        )
         with Session() as session:  # and it still serves
             session.connect(address)
             assert session.paths() == {address: "same-host"}

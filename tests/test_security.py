@@ -27,7 +27,7 @@ from typing import Any, cast
 import pytest
 
 import torchfeed
-from helpers import PROMPT, named_workers, wait_for
+from helpers import PROMPT, named_workers_fixtures, wait_for
 from torchfeed import client
 from torchfeed.protocol import auth, replies, serialize, strength, wire
 
@@ -140,25 +140,20 @@ def evil_call_meta(path: Path) -> bytes:
 SHARED_FILE_SECRET = secrets.token_hex(32)
 
 
-@pytest.fixture(scope="module")
-def _workers(tmp_path_factory):
-    """Private workers, started concurrently: name -> (address, pid)."""
+def _specs(tmp_path_factory) -> dict:
+    """This module's private workers, started concurrently."""
     secret_file = tmp_path_factory.mktemp("secret") / "shared-secret"
     write_secret(secret_file, SHARED_FILE_SECRET + "\n")
-    specs = {
+    return {
         "main": {},
         # gives new connections one second to authenticate
         "quick": {"extra_args": ["--handshake-timeout", "1"]},
         # finds its secret through TORCHFEED_SECRET_FILE only
         "file": {"env": {auth.ENV_SECRET: "", auth.ENV_SECRET_FILE: str(secret_file)}},
     }
-    with named_workers(specs) as started:
-        yield started
 
 
-@pytest.fixture
-def worker(_workers):
-    return _workers["main"]
+_workers, worker = named_workers_fixtures(_specs)
 
 
 @pytest.fixture
@@ -338,52 +333,44 @@ def test_marker_payload_is_effective_after_authentication(worker, tmp_path):
     assert wait_for(marker.exists)
 
 
-@pytest.mark.parametrize("padding", [0, 4096], ids=["small-meta", "oversized-meta"])
-def test_call_before_handshake_is_not_unpickled(worker, tmp_path, padding):
+def _no_handshake(sock: socket.socket, reader: wire.FrameReader) -> int | None:
+    return None
+
+
+def _wrong_secret(sock: socket.socket, reader: wire.FrameReader) -> int | None:
+    hello = read_hello(sock, reader)
+    wire.send_frame(sock, wire.AUTH, meta=auth_meta(sock, WRONG, hello, os.urandom(32)))
+    return wire.AUTH_FAIL  # pipelined: the CALL is sent before the verdict arrives
+
+
+def _garbage_auth(sock: socket.socket, reader: wire.FrameReader) -> int | None:
+    read_hello(sock, reader)
+    wire.send_frame(sock, wire.AUTH, meta=b"x" * 10)  # wrong length
+    return None
+
+
+@pytest.mark.parametrize(
+    "prelude, padding",
+    [(_no_handshake, 0), (_no_handshake, 4096), (_wrong_secret, 0), (_garbage_auth, 0)],
+    ids=["no-handshake-small-meta", "no-handshake-oversized-meta", "wrong-secret", "garbage-auth"],
+)
+def test_call_without_a_good_handshake_is_not_unpickled(worker, tmp_path, prelude, padding):
+    """A CALL sent after ``prelude`` (what the client sent of a handshake, returning the frame
+    the worker answers it with, if any) is never unpickled: the worker closes the connection
+    and serves on."""
     address, pid = worker
-    marker = tmp_path / "unpickled-before-auth"
-    meta = evil_call_meta(marker) + b"\x00" * padding
+    marker = tmp_path / "unpickled"
     sock = raw_connect(address)
+    reader = wire.FrameReader(sock)
     try:
-        wire.send_frame(sock, wire.CALL, 1, meta=meta)  # no handshake at all
+        verdict = prelude(sock, reader)
+        wire.send_frame(sock, wire.CALL, 1, meta=evil_call_meta(marker) + b"\x00" * padding)
+        if verdict is not None:
+            assert reader.read_frame(wire.HANDSHAKE_LIMITS).kind == verdict
         wait_closed(sock)
     finally:
         sock.close()
     assert_serves(address, pid)  # runs through the same executor after any queued work
-    assert not marker.exists()
-
-
-def test_call_after_wrong_secret_is_not_unpickled(worker, tmp_path):
-    address, pid = worker
-    marker = tmp_path / "unpickled-after-wrong-auth"
-    sock = raw_connect(address)
-    reader = wire.FrameReader(sock)
-    try:
-        hello = read_hello(sock, reader)
-        wire.send_frame(sock, wire.AUTH, meta=auth_meta(sock, WRONG, hello, os.urandom(32)))
-        # pipelined: the CALL is sent before the verdict arrives
-        wire.send_frame(sock, wire.CALL, 1, meta=evil_call_meta(marker))
-        assert reader.read_frame(wire.HANDSHAKE_LIMITS).kind == wire.AUTH_FAIL
-        wait_closed(sock)
-    finally:
-        sock.close()
-    assert_serves(address, pid)
-    assert not marker.exists()
-
-
-def test_call_with_garbage_auth_is_not_unpickled(worker, tmp_path):
-    address, pid = worker
-    marker = tmp_path / "unpickled-after-garbage-auth"
-    sock = raw_connect(address)
-    reader = wire.FrameReader(sock)
-    try:
-        read_hello(sock, reader)
-        wire.send_frame(sock, wire.AUTH, meta=b"x" * 10)  # wrong length
-        wire.send_frame(sock, wire.CALL, 1, meta=evil_call_meta(marker))
-        wait_closed(sock)
-    finally:
-        sock.close()
-    assert_serves(address, pid)
     assert not marker.exists()
 
 
