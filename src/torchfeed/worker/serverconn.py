@@ -22,6 +22,7 @@ import pickle
 import socket
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 from .. import seeding
@@ -177,33 +178,30 @@ class ServerConnection:
                     self._cond.notify_all()
 
     def _write_loop(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while (not self._outbox or self.sending) and not self.closed:
-                        self._cond.wait()
-                    if self.closed:
-                        return
-                    kind, rid, meta, buffers, flags, size, packed, placed = self._outbox.popleft()
-                    self.sending = True
-                if kind == _SEALED:  # the rest of a message send() began to write
-                    self.channel.write(meta)
-                elif placed is not None:
-                    self.channel.send(kind, rid, meta, buffers, flags, placed=placed)
-                else:
-                    self.channel.send(kind, rid, meta, buffers, flags, packed=packed)
-                del meta, buffers, packed, placed
-                with self._cond:
-                    self.sending = False
-                    self.unsent_bytes -= size
-                    self._cond.notify_all()
-        except (OSError, TimeoutError) as exc:
-            if not self.closed:
-                log.info("could not write to client %s: %s", self.peer, exc)
-        except Exception:  # a bug here must cost one connection, never the worker
-            log.exception("unexpected error writing to %s", self.peer)
-        finally:
-            self.close()
+        self._until_lost(
+            self._write_replies, "could not write to client %s: %s", "unexpected error writing to %s"
+        )
+
+    def _write_replies(self) -> None:
+        while True:
+            with self._cond:
+                while (not self._outbox or self.sending) and not self.closed:
+                    self._cond.wait()
+                if self.closed:
+                    return
+                kind, rid, meta, buffers, flags, size, packed, placed = self._outbox.popleft()
+                self.sending = True
+            if kind == _SEALED:  # the rest of a message send() began to write
+                self.channel.write(meta)
+            elif placed is not None:
+                self.channel.send(kind, rid, meta, buffers, flags, placed=placed)
+            else:
+                self.channel.send(kind, rid, meta, buffers, flags, packed=packed)
+            del meta, buffers, packed, placed
+            with self._cond:
+                self.sending = False
+                self.unsent_bytes -= size
+                self._cond.notify_all()
 
     def busy(self) -> bool:
         """Replies waiting or being sent, or reading paused for them: judged by the writer."""
@@ -214,15 +212,26 @@ class ServerConnection:
 
     # -- reader thread -----------------------------------------------------
     def serve(self) -> None:
+        self._until_lost(
+            self._read_loop, "client %s disconnected: %s", "unexpected error serving %s", (ProtocolError,)
+        )
+
+    def _until_lost(
+        self, loop: Callable[[], None], lost: str, bug: str, dropped: tuple[type[Exception], ...] = ()
+    ) -> None:
+        """Run the reader's or the writer's ``loop``, then close the connection. A socket error
+        (``lost``, logged unless closed already) or a client breaking the rules (``dropped``)
+        ends it; any other exception is a bug (``bug``), and it costs this connection, never the
+        worker."""
         try:
-            self._read_loop()
-        except (ConnectionError, OSError) as exc:
+            loop()
+        except OSError as exc:  # ConnectionError and TimeoutError included
             if not self.closed:
-                log.info("client %s disconnected: %s", self.peer, exc)
-        except ProtocolError as exc:
+                log.info(lost, self.peer, exc)
+        except dropped as exc:
             log.warning("dropping client %s: %s", self.peer, exc)
-        except Exception:  # a bug here must cost one connection, never the worker
-            log.exception("unexpected error serving %s", self.peer)
+        except Exception:
+            log.exception(bug, self.peer)
         finally:
             self.close()
 
