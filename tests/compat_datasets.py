@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from helpers import SizedDataset
+
 Pair = collections.namedtuple("Pair", "x y")
 
 
@@ -22,15 +24,12 @@ class CorruptSample(Exception):
         self.reason = reason
 
 
-class Typed(Dataset):
+class Typed(SizedDataset):
     """Samples of many types and dtypes; ``bad`` maps an index to the exception it raises."""
 
     def __init__(self, n: int = 23, bad=None):
-        self.n = n
+        super().__init__(n)
         self.bad = dict(bad or {})
-
-    def __len__(self):
-        return self.n
 
     def __getitem__(self, i):
         if i in self.bad:
@@ -61,14 +60,11 @@ class Typed(Dataset):
         }
 
 
-class Plain(Dataset):
+class Plain(SizedDataset):
     """Sample i is (float tensor of i, i)."""
 
     def __init__(self, n: int = 23):
-        self.n = n
-
-    def __len__(self):
-        return self.n
+        super().__init__(n)
 
     def __getitem__(self, i):
         return torch.full((3,), float(i)), i
@@ -121,14 +117,11 @@ class Failing(Plain):
         raise PermissionError(13, "Permission denied", "/data/train")
 
 
-class Random(Dataset):
+class Random(SizedDataset):
     """Draws from Python's, numpy's and torch's global generators; reports the seeds."""
 
     def __init__(self, n: int = 12):
-        self.n = n
-
-    def __len__(self):
-        return self.n
+        super().__init__(n)
 
     def __getitem__(self, i):
         return torch.tensor(
@@ -142,18 +135,15 @@ class Random(Dataset):
         )
 
 
-class Info(Dataset):
+class Info(SizedDataset):
     """Sample i: (i, worker id, number of workers, worker seed, is info.dataset this instance,
     torch.initial_seed(), pid), and the dataset's tag. Sleeps ``delay`` seconds per sample."""
 
     def __init__(self, n: int = 16, delay: float = 0.0):
-        self.n = n
+        super().__init__(n)
         self.delay = delay
         self.tag = "built"
         self.built_with_info = get_worker_info()  # None: construction is not loading
-
-    def __len__(self):
-        return self.n
 
     def __getitem__(self, i):
         import os

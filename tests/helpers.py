@@ -14,15 +14,22 @@ import torch
 from torch.utils.data import Dataset
 
 
-class RangeDataset(Dataset):
-    """Sample i is (a float tensor filled with i, the label i)."""
+class SizedDataset(Dataset):
+    """A map-style dataset of ``n`` samples (a subclass says what sample i is)."""
 
-    def __init__(self, n: int, width: int = 3):
+    def __init__(self, n: int):
         self.n = n
-        self.width = width
 
     def __len__(self):
         return self.n
+
+
+class RangeDataset(SizedDataset):
+    """Sample i is (a float tensor filled with i, the label i)."""
+
+    def __init__(self, n: int, width: int = 3):
+        super().__init__(n)
+        self.width = width
 
     def __getitem__(self, i):
         if not 0 <= i < self.n:
@@ -30,13 +37,7 @@ class RangeDataset(Dataset):
         return torch.full((self.width,), float(i)), i
 
 
-class DictDataset(Dataset):
-    def __init__(self, n: int):
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
+class DictDataset(SizedDataset):
     def __getitem__(self, i):
         return {"x": np.arange(4, dtype=np.float32) + i, "name": f"s{i}", "t": (i, torch.tensor([i, -i]))}
 
@@ -346,15 +347,12 @@ def deep_equal(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-class RandomAugmentDataset(Dataset):
+class RandomAugmentDataset(SizedDataset):
     """Uses Python's, numpy's and torch's global generators in __getitem__ (and sleeps a bit)."""
 
     def __init__(self, n: int, delay: float = 0.0):
-        self.n = n
+        super().__init__(n)
         self.delay = delay
-
-    def __len__(self):
-        return self.n
 
     def __getitem__(self, i):
         import random
@@ -436,15 +434,12 @@ def secret_seen_by_worker_code() -> dict:
     }
 
 
-class OffsetDataset(Dataset):
+class OffsetDataset(SizedDataset):
     """Sample i is ``offset + i``; a worker_init_fn may set ``offset`` on a worker's copy."""
 
     def __init__(self, n):
-        self.n = n
+        super().__init__(n)
         self.offset = 0
-
-    def __len__(self):
-        return self.n
 
     def __getitem__(self, i):
         return self.offset + i
