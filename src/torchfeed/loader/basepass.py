@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -158,19 +159,22 @@ class Pass:
             return
         if self._plan.fetchers.ensure([address]):
             return  # it cannot be prepared: it stays out of this pass
-        with self._lock:
-            if self._closed:
-                return
-            self._faults.joined(address)
-            self._joined(address)
+        self._membership_changed(address, self._faults.joined, self._joined)
 
     def worker_removed(self, address: str) -> None:
         """A worker left the dataset: it finishes what it holds and gets no more."""
+        self._membership_changed(address, self._faults.draining, self._removed)
+
+    def _membership_changed(
+        self, address: str, note: Callable[[str], None], hook: Callable[[str], None]
+    ) -> None:
+        """Under the lock, unless the pass is closed: ``note`` the change in the faults, then
+        tell the pass's ``hook``."""
         with self._lock:
             if self._closed:
                 return
-            self._faults.draining(address)
-            self._removed(address)
+            note(address)
+            hook(address)
 
     def _joined(self, address: str) -> None:
         """Put ``address`` to work (lock held)."""
