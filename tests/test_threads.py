@@ -50,23 +50,54 @@ def test_sampler_never_runs_on_reader_threads(rds):
 
 
 class _BlockingFetcher:
-    """A worker's fetcher whose sends block while ``gate`` is closed (a full socket buffer)."""
+    """A worker's fetcher that records the keys it was asked for in ``sent``; once ``sent`` is
+    armed, the first send (to whichever worker) blocks while ``gate`` is closed (a full socket
+    buffer)."""
 
-    def __init__(self, ref, armed: threading.Event, entered: threading.Event, gate: threading.Event):
-        self.ref, self.armed, self.entered, self.gate = ref, armed, entered, gate
+    def __init__(self, ref, sent: _Sent, gate: threading.Event):
+        self.ref, self.sent, self.gate = ref, sent, gate
 
     @property
     def closed(self):
         return self.ref.closed
 
-    def request(self, *args, **kwargs):
-        if self.armed.is_set():
-            self.entered.set()
+    def request(self, args, **kwargs):
+        if self.sent.blocks_this_send():
             self.gate.wait(30)
-        return self.ref.request(*args, **kwargs)
+        request_id = self.ref.request(args, **kwargs)
+        self.sent.add(args[0])
+        return request_id
 
     def cancel(self, request_ids):
         self.ref.cancel(request_ids)
+
+
+class _Sent:
+    """The sampler keys requested so far, and the events of the blocked send."""
+
+    def __init__(self):
+        self.keys: list = []
+        self.changed = threading.Condition()
+        self.armed, self.entered = threading.Event(), threading.Event()
+
+    def blocks_this_send(self) -> bool:
+        """True for the first send once armed (it marks ``entered``)."""
+        with self.changed:
+            if not self.armed.is_set() or self.entered.is_set():
+                return False
+            self.entered.set()
+            self.changed.notify_all()
+            return True
+
+    def add(self, keys):
+        with self.changed:
+            self.keys.append(list(keys))
+            self.changed.notify_all()
+
+    def wait_for(self, count: int, timeout: float) -> bool:
+        """Wait until ``count`` requests were sent, or the blocked send began."""
+        with self.changed:
+            return self.changed.wait_for(lambda: len(self.keys) >= count or self.entered.is_set(), timeout)
 
 
 def test_blocked_send_to_one_worker_does_not_delay_the_others(workers2):
@@ -74,24 +105,29 @@ def test_blocked_send_to_one_worker_does_not_delay_the_others(workers2):
     loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
         rds, batch_size=1, prefetch_factor=2, timeout=20
     )
-    blocked = workers2[0]
-    armed, entered, gate = threading.Event(), threading.Event(), threading.Event()
+    sent, gate = _Sent(), threading.Event()
     fetchers = loader._fetchers.for_pass(loader.collate_fn, loader.worker_init_fn)
     original = fetchers.get
 
     def get(address):
         ref = original(address)
-        return _BlockingFetcher(ref, armed, entered, gate) if ref is not None and address == blocked else ref
+        return _BlockingFetcher(ref, sent, gate) if ref is not None else ref
 
     fetchers.get = get  # type: ignore[method-assign]  # one worker's fetcher blocks, on purpose
+    window = 2 * 2  # prefetch_factor batches per worker
     try:
         it = iter(loader)
-        got = [next(it)]
-        armed.set()
-        assert entered.wait(10), "no send to the blocked worker happened"
-        # batches already in flight keep coming while that send is stuck (were next() to wait
-        # for it, it would hang: only the finally below releases the gate)
-        got.append(next(it))
+        got = [next(it)]  # the pass starts
+        assert sent.wait_for(1 + window, 20), f"the first window was never requested (sent: {sent.keys})"
+        sent.armed.set()
+        got.append(next(it))  # its replacement is the send that blocks
+        assert sent.entered.wait(20), "no request replaced the batch taken"
+        with sent.changed:  # a hedged batch is sent twice: count batches, not requests
+            in_flight = len({tuple(keys) for keys in sent.keys}) - len(got)
+        assert in_flight >= window - 1, (in_flight, sent.keys)
+        # every batch sent before the stuck send arrives while it is stuck (were next() to wait
+        # for that send, it would hang: only the finally below opens the gate)
+        got += [next(it) for _ in range(in_flight)]
         assert not gate.is_set()
     finally:
         gate.set()
