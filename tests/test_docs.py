@@ -1,8 +1,9 @@
 """The documentation works: every ```python block of README.md and docs/ runs, and the site builds.
 
-Each block runs as a script in a fresh Python process (``sys.executable``) in an empty
-directory, with this repository's ``src`` first on ``PYTHONPATH``; on failure the test shows
-the block's location and its output. An HTML comment on the line just before a block's
+Each block runs as a script (``python example.py``) in an empty directory, with this
+repository's ``src`` first on ``PYTHONPATH``: a process forked from a warm interpreter that
+imported torch and torchfeed once (tests/docsrunner.py), run as ``__main__``; on failure the
+test shows the block's location and its output. An HTML comment on the line just before a block's
 fence says how to run it:
 
 - ``<!-- docs-test: skip (reason) -->``: the block cannot run here as it stands (a
@@ -28,7 +29,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import signal
 import subprocess
 import sys
 import textwrap
@@ -156,26 +156,21 @@ def dns_server(tmp_path_factory):
     server.close()
 
 
-def run_script(code: str, cwd: Path, env: dict[str, str], timeout: float) -> tuple[int | None, str]:
-    """Run ``code`` as ``cwd/example.py``; (exit code or None on timeout, stdout + stderr)."""
-    script = cwd / "example.py"
-    script.write_text(code, encoding="utf-8")
-    proc = subprocess.Popen(
-        [sys.executable, str(script)],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its own process group: a timeout stops its children too
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, out
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return None, out
+@pytest.fixture(scope="session")
+def runner():
+    """A warm interpreter that runs the blocks (tests/docsrunner.py): one per test process."""
+    from docsrunner import Runner
+
+    warm = Runner(_block_env())
+    yield warm
+    warm.close()
+
+
+def _block_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), env.get("PYTHONPATH", "")) if p)
+    env["MPLBACKEND"] = "Agg"
+    return env
 
 
 @pytest.mark.parametrize("block", _params())
@@ -183,9 +178,7 @@ def test_block(block: Block, tmp_path, request):
     compile(block.code, block.name, "exec")  # every block, skipped ones included
     if block.kind == "skip":
         pytest.skip(f"{block.name}: {block.reason}")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), env.get("PYTHONPATH", "")) if p)
-    env["MPLBACKEND"] = "Agg"
+    env = _block_env()
     if block.kind == "dask":
         pytest.importorskip("distributed")
     if block.kind == "s3":
@@ -195,7 +188,9 @@ def test_block(block: Block, tmp_path, request):
     if block.kind == "dns":
         env["TORCHFEED_DNS_SERVER"] = request.getfixturevalue("dns_server")
     timeout = RUN_TIMEOUT[block.kind]
-    code, out = run_script(block.code, tmp_path, env, timeout)
+    script = tmp_path / "example.py"
+    script.write_text(block.code, encoding="utf-8")
+    code, out = request.getfixturevalue("runner").run(script, env, timeout)
     print(out)  # shown with -rP
     if code is None:
         pytest.fail(f"{block.name} did not finish within {timeout} s; its output:\n{out}", pytrace=False)
