@@ -31,6 +31,7 @@ from helpers import (
     wait_for,
 )
 from torchfeed import cli
+from torchfeed.cli import bench as benchcli
 from torchfeed.protocol.addrfile import read_address_file
 from torchfeed.util import cpu_count, free_port, pid_alive
 
@@ -539,14 +540,14 @@ def test_version_and_help_for_every_option(capsys):
                 )
     assert "DEBUG, INFO, WARNING, ERROR, CRITICAL" in subcommands["worker"].format_help()
     bench_help = subcommands["bench"].format_help()
-    assert all(case in bench_help for case in cli.BENCH_CASES)
+    assert all(case in bench_help for case in benchcli.BENCH_CASES)
 
 
 def test_bench_cases_listed_by_the_command_are_the_benchmarks():
     from torchfeed.tools import bench
 
-    assert cli.BENCH_CASES is bench.BENCH_CASES  # one list
-    assert bench.CASES == list(cli.BENCH_CASES) and sorted(bench.RUNNERS) == sorted(cli.BENCH_CASES)
+    assert benchcli.BENCH_CASES is bench.BENCH_CASES  # one list
+    assert bench.CASES == list(benchcli.BENCH_CASES) and sorted(bench.RUNNERS) == sorted(benchcli.BENCH_CASES)
 
 
 def test_help_does_not_import_torch():

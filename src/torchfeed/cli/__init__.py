@@ -8,11 +8,16 @@ commands in it is made from the subcommands themselves.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from typing import Protocol, cast
 
 from .. import __version__
-from ..tools import BENCH_CASES  # `torchfeed bench` cases (light: the runners import torch)
-from . import worker
+
+# The subcommands, in --help order: each is the module torchfeed.cli.NAME, with HELP (one
+# line), DESCRIPTION (its --help text), add_arguments(parser) and run(args) -> exit status.
+# Building the parser imports them all, so none imports torch before run().
+COMMANDS = ("worker", "demo", "bench", "top", "slurm")
 
 
 class Parser(argparse.ArgumentParser):
@@ -22,74 +27,15 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _add_demo_parser(sub) -> None:
-    d = sub.add_parser(
-        "demo",
-        help="train a small CNN on scikit-learn's digits, fed by local workers",
-        description="Start local workers, train a small CNN on scikit-learn's 8x8 digits fed by "
-        "RemoteDataLoader, then compare loading throughput with torch's DataLoader.",
-    )
-    d.add_argument("--workers", type=int, default=2, help="local worker processes to start (default 2)")
-    d.add_argument("--epochs", type=int, default=8, help="training epochs (default 8)")
-    d.add_argument("--batch-size", type=int, default=64, help="samples per batch (default 64)")
-    d.add_argument(
-        "--seed", type=int, default=0, help="seed of the shuffle order and augmentation (default 0)"
-    )
-    d.add_argument(
-        "--connect",
-        nargs="*",
-        metavar="HOST:PORT",
-        help="use these running workers instead of starting local ones",
-    )
-    d.add_argument(
-        "--plot",
-        metavar="FILE.png",
-        default="torchfeed-demo.png",
-        help="draw per-worker throughput and the trainer's wait during training here (default "
-        "torchfeed-demo.png; needs matplotlib; '' for none)",
-    )
-
-
-def _add_bench_parser(sub) -> None:
-    listed = "; ".join(f"{name}: {what}" for name, what in BENCH_CASES.items())
-    b = sub.add_parser(
-        "bench",
-        help="compare with torch's DataLoader (see benchmarks/)",
-        description=f"Measure RemoteDataLoader against torch's DataLoader. Cases: {listed}.",
-    )
-    b.add_argument(
-        "cases",
-        nargs="*",
-        default=[],
-        metavar="CASE",
-        help=f"cases to run (default: all): {', '.join(BENCH_CASES)}",
-    )
-    b.add_argument("--workers", type=int, default=2, help="worker processes per side (default 2)")
-    b.add_argument("--seconds", type=float, default=6.0, help="approximate time per measurement (default 6)")
-    b.add_argument(
-        "--plot",
-        metavar="FILE.png",
-        help="also draw the torchfeed runs: per-worker samples/s and the trainer's wait over time "
-        "(needs matplotlib: pip install 'torchfeed[plot]')",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="torchfeed")
     parser.add_argument("--version", action="version", version=f"torchfeed {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    worker.add_parser(sub)
-    _add_demo_parser(sub)
-    _add_bench_parser(sub)
-    from . import top  # [stats hook]
-
-    top.add_parser(sub)
-    from ..cluster import slurm
-
-    slurm.add_parser(sub)
-    commands = list(sub.choices)
+    for name in COMMANDS:
+        command = _command(name)
+        command.add_arguments(sub.add_parser(name, help=command.HELP, description=command.DESCRIPTION))
     parser.description = (
-        f"Feed PyTorch training from remote data-loading workers. Commands: {', '.join(commands)} "
+        f"Feed PyTorch training from remote data-loading workers. Commands: {', '.join(COMMANDS)} "
         "(torchfeed COMMAND --help for each)."
     )
     return parser
@@ -97,33 +43,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "worker":
-        return worker.run(args)
-    if args.command == "demo":
-        from ..tools.demo import run_demo
+    return _command(args.command).run(args)
 
-        return run_demo(args)
-    if args.command == "bench":
-        unknown = [c for c in args.cases if c not in BENCH_CASES]
-        if unknown:
-            print(
-                f"torchfeed bench: error: unknown benchmark case(s) {', '.join(unknown)}; choose from "
-                f"{', '.join(BENCH_CASES)}",
-                file=sys.stderr,
-            )
-            return 2
-        from ..tools.bench import run_bench
 
-        return run_bench(args)
-    if args.command == "top":  # [stats hook]
-        from . import top
+class Command(Protocol):
+    """What a subcommand's module holds."""
 
-        return top.run(args)
-    if args.command == "slurm":
-        from ..cluster import slurm
+    HELP: str
+    DESCRIPTION: str
 
-        return slurm.run(args)
-    return 2
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+def _command(name: str) -> Command:
+    return cast(Command, importlib.import_module(f"{__name__}.{name}"))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ hold every column of the table under the column's own name (and a few more).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -58,13 +59,14 @@ _BIG = 1 << 63
 _CLEAR = "\x1b[H\x1b[2J"
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "top",
-        help="live view of workers: CPU, memory, requests/s, MB/s, clients, queue, errors",
-        description="Show what workers are doing, refreshed every --interval seconds (Ctrl-C stops). "
-        "Connects as a trainer does (same secret discovery).",
-    )
+HELP = "live view of workers: CPU, memory, requests/s, MB/s, clients, queue, errors"
+DESCRIPTION = (
+    "Show what workers are doing, refreshed every --interval seconds (Ctrl-C stops). Connects as a "
+    "trainer does (same secret discovery)."
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("addresses", nargs="*", metavar="HOST:PORT", help="workers to show")
     p.add_argument("--workers-file", metavar="F", help="also show the workers listed in this file")
     p.add_argument("--once", action="store_true", help="show one refresh and exit")

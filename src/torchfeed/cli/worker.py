@@ -38,14 +38,15 @@ def _level(value: str) -> str:
     return level
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "worker",
-        help="run a data-loading worker daemon",
-        description="Serve remote data loading. Prints one host:port line per worker "
-        "process on stdout when ready (all of them, or none: with --procs N, "
-        "if one process cannot start, all stop; one that ends later is started again).",
-    )
+HELP = "run a data-loading worker daemon"
+DESCRIPTION = (
+    "Serve remote data loading. Prints one host:port line per worker process on stdout when ready "
+    "(all of them, or none: with --procs N, if one process cannot start, all stop; one that ends "
+    "later is started again)."
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="0.0.0.0", help="interface to bind (default: all)")
     p.add_argument(
         "--port",
