@@ -6,15 +6,25 @@ from __future__ import annotations
 import pickle
 import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from ..protocol import codec, serialize, wire
 from ..protocol.replies import ReplyPolicy
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's from Python 3.11 (torch requires typing_extensions)
+
     from .connection import Connection
 
 Callback = Callable[[bool, Any], None]
+
+
+class RequestOptions(TypedDict, total=False):
+    """The keywords of :meth:`RemoteRef.request` that :meth:`RemoteRef.call` passes on."""
+
+    pin: bool
+    policy: ReplyPolicy | None
+    compression: int | None
 
 
 class Call:
@@ -70,23 +80,11 @@ class RemoteRef:
         """Whether calls through this reference can still reach the object (not :attr:`closed`)."""
         return not self._conn.closed
 
-    def call(
-        self,
-        args: tuple,
-        *,
-        callback: Callback,
-        pin: bool = False,
-        policy: ReplyPolicy | None = None,
-        compression: int | None = None,
-    ) -> Call:
+    def call(self, args: tuple, *, callback: Callback, **options: Unpack[RequestOptions]) -> Call:
         """Call the referenced object with ``args`` (plain pickle); ``callback(ok, value)`` gets
         the outcome on the connection's reader thread. Returns the :class:`Call` (cancellable).
-        ``policy`` says how the result is loaded (default: the session's); ``compression``
-        (a :data:`torchfeed.protocol.codec.MODES` value; default: the session's) how its
-        buffers may travel."""
-        return Call(
-            self._conn, self.request(args, callback=callback, pin=pin, policy=policy, compression=compression)
-        )
+        ``options`` are :meth:`request`'s."""
+        return Call(self._conn, self.request(args, callback=callback, **options))
 
     def request(
         self,
@@ -97,7 +95,10 @@ class RemoteRef:
         policy: ReplyPolicy | None = None,
         compression: int | None = None,
     ) -> int:
-        """As :meth:`call`, returning the bare request id (to cancel many at once with :meth:`cancel`)."""
+        """As :meth:`call`, returning the bare request id (to cancel many at once with :meth:`cancel`).
+        ``policy`` says how the result is loaded (default: the session's); ``compression`` (a
+        :data:`torchfeed.protocol.codec.MODES` value; default: the session's) how its buffers may
+        travel; ``pin`` puts its tensors in pinned memory."""
         meta = pickle.dumps((self.ref_id, args, None), protocol=5)
         if compression is None:
             owner = self._conn.session
