@@ -18,7 +18,6 @@ import argparse
 import logging
 import sys
 import time
-from typing import Any
 
 from distributed import LocalCluster
 
@@ -56,9 +55,7 @@ def main() -> int:
         tfd.Pool(cluster, parallel=1, poll=0.5) as pool,
     ):
         ds = torchfeed.RemoteDataset(pool.wait(1, 120), SleepIndexDataset, N, 0.02)
-        loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-            ds, batch_size=BATCH, shuffle=True
-        )
+        loader = torchfeed.RemoteDataLoader(ds, batch_size=BATCH, shuffle=True)
         received: list[tuple[float, int, float]] = []  # (time, samples, waited) per batch
         timeline: list[tuple] = []
         epochs_ok = epochs = 0

@@ -26,7 +26,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -122,9 +121,7 @@ def far_workers(n: int) -> tuple[list[subprocess.Popen], list[str]]:
 
 def rate(addresses: list[str], seconds: float, sleep: float) -> tuple[float, dict[str, str]]:
     """MB/s a loader over ``addresses`` delivers (after a warm-up), and its paths."""
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        torchfeed.RemoteDataset(addresses, Sleepy, sleep), batch_size=16
-    )
+    loader = torchfeed.RemoteDataLoader(torchfeed.RemoteDataset(addresses, Sleepy, sleep), batch_size=16)
     it = iter(loader)
     for _ in range(3 * len(addresses)):
         next(it)

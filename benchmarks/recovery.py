@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any
 
 import torch
 
@@ -31,9 +30,7 @@ def run(scenario: str, heartbeat) -> dict:
     with torchfeed.LocalWorkers(3) as w:
         ds = torchfeed.RemoteDataset(w.addresses, SleepIndexDataset, n, per_item, pid=True)
         hedge = None if scenario in ("sigstop", "kill") else 4.0
-        loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-            ds, batch_size=batch, straggler_factor=hedge
-        )
+        loader = torchfeed.RemoteDataLoader(ds, batch_size=batch, straggler_factor=hedge)
         times, rows, injected, detected, rejoined, old_pid = [], [], None, None, None, None
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

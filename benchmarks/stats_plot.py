@@ -14,7 +14,6 @@ import secrets
 import sys
 import threading
 import time
-from typing import Any
 
 import torchfeed
 from torchfeed.plots import Timeline
@@ -28,9 +27,7 @@ def main(path: str) -> None:
         ds = torchfeed.RemoteDataset(workers.addresses, SleepyDataset, 1 << 30, 0.002, slow_pids=slow)
         sampler = CountSampler()
         sampler.n = 1 << 30
-        loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-            ds, batch_size=8, sampler=sampler
-        )
+        loader = torchfeed.RemoteDataLoader(ds, batch_size=8, sampler=sampler)
         timeline = Timeline(every=0.25)
         start = time.monotonic()
         restarted = False

@@ -121,7 +121,7 @@ def case_jpeg(repeats: int, shards: int = 16, per_shard: int = 96, batch: int = 
     with tempfile.TemporaryDirectory() as root, torchfeed.LocalWorkers(2) as workers:
         urls = make_jpeg_shards(root, shards, per_shard)
         theirs = DataLoader(JpegTarStream(urls), batch_size=batch, num_workers=2, persistent_workers=True)
-        ours: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+        ours = torchfeed.RemoteDataLoader(
             torchfeed.RemoteDataset(workers.addresses, JpegTarStream, urls), batch_size=batch
         )
         result = _compare("jpeg", shards * per_shard, {"torch": theirs, "torchfeed": ours}, repeats)
@@ -163,51 +163,50 @@ def _single_rate(url: str, seconds: float) -> float:
     return n / (time.perf_counter() - start)
 
 
-def case_straggler(
-    repeats: int,
-    shards: int = 320,
-    per_shard: int = 10,
-    seconds: float = 0.002,
-    slowdown: float = 4.0,
-    batch: int = 10,
-) -> dict:
-    with tempfile.TemporaryDirectory() as root, torchfeed.LocalWorkers(4) as workers:
+# The straggler case's setting, read by the case and by the line that reports it: SHARDS text
+# shards of PER_SHARD lines; reading a line sleeps SECONDS, SLOWDOWN times longer on worker 0
+# (of WORKERS); batches of BATCH lines.
+SHARDS, PER_SHARD, SECONDS, SLOWDOWN, WORKERS, BATCH = 320, 10, 0.002, 4.0, 4, 10
+
+
+def case_straggler(repeats: int) -> dict:
+    with tempfile.TemporaryDirectory() as root, torchfeed.LocalWorkers(WORKERS) as workers:
         urls = []
-        for s in range(shards):
+        for s in range(SHARDS):
             url = os.path.join(root, f"part-{s:04d}.txt")
             with open(url, "w") as f:
-                f.write("".join(f"{s * per_shard + k}\n" for k in range(per_shard)))
+                f.write("".join(f"{s * PER_SHARD + k}\n" for k in range(PER_SHARD)))
             urls.append(url)
-        single = _single_rate(urls[0], seconds)
+        single = _single_rate(urls[0], SECONDS)
         slow_pid = workers.processes[0].pid
-        even: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-            torchfeed.RemoteDataset(workers.addresses, Shards, urls, SleepyLines(seconds)),
-            batch_size=batch,
-            num_workers=4,
+        even = torchfeed.RemoteDataLoader(
+            torchfeed.RemoteDataset(workers.addresses, Shards, urls, SleepyLines(SECONDS)),
+            batch_size=BATCH,
+            num_workers=WORKERS,
         )
-        # the ideal: 3 fast workers and 1/4 of one, at the rate 4 fast workers reach here
+        # the ideal: the fast workers and 1 / SLOWDOWN of the slow one, at the rate all reach when fast
         all_fast = max(_take_turns({"even": even}, repeats)["even"])
-        ideal = all_fast / 4 * (3 + 1 / slowdown)
-        ours: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+        ideal = all_fast / WORKERS * (WORKERS - 1 + 1 / SLOWDOWN)
+        ours = torchfeed.RemoteDataLoader(
             torchfeed.RemoteDataset(
-                workers.addresses, Shards, urls, SleepyLines(seconds, slow_pid, factor=slowdown)
+                workers.addresses, Shards, urls, SleepyLines(SECONDS, slow_pid, factor=SLOWDOWN)
             ),
-            batch_size=batch,
-            num_workers=4,
+            batch_size=BATCH,
+            num_workers=WORKERS,
         )
         theirs = DataLoader(
-            Shards(urls, SleepyLines(seconds, slow_worker_id=0, factor=slowdown)),
-            batch_size=batch,
-            num_workers=4,
+            Shards(urls, SleepyLines(SECONDS, slow_worker_id=0, factor=SLOWDOWN)),
+            batch_size=BATCH,
+            num_workers=WORKERS,
             persistent_workers=True,
         )
-        result = _compare("straggler", shards * per_shard, {"torchfeed": ours, "torch": theirs}, repeats)
+        result = _compare("straggler", SHARDS * PER_SHARD, {"torchfeed": ours, "torch": theirs}, repeats)
         del theirs
     return {
         **result,
         "single": single,
         "all_fast": all_fast,
-        "nominal": (3 + 1 / slowdown) / seconds,
+        "nominal": (WORKERS - 1 + 1 / SLOWDOWN) / SECONDS,
         "ideal": ideal,
         "fraction": {k: v / ideal for k, v in result["best"].items()},
     }
@@ -228,7 +227,8 @@ def describe_jpeg(r: dict) -> str:
 def describe_straggler(r: dict) -> str:
     f = r["fraction"]
     return (
-        f"straggler: Shards, 4 streams on 4 workers, one 4x slower, ideal {r['ideal']:.0f} samples/s "
+        f"straggler: Shards, {WORKERS} streams on {WORKERS} workers, one {SLOWDOWN:g}x slower, "
+        f"ideal {r['ideal']:.0f} samples/s "
         f"(4 fast workers reach {r['all_fast']:.0f}; nominal ideal from the sleep alone {r['nominal']:.0f}; "
         f"one fast reader in-process {r['single']:.0f}): torchfeed {r['best']['torchfeed']:.0f} samples/s = {f['torchfeed']:.0%} "
         f"of ideal (target >= 90%); torch {r['best']['torch']:.0f} = {f['torch']:.0%}; " + _runs(r)

@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,9 +39,7 @@ def main() -> int:
 
     ds = torchfeed.RemoteDataset(my_workers, RangeDataset, args.samples)
     sampler = torchfeed.DistributedSampler(args.samples, num_replicas=world, rank=rank, shuffle=True, seed=7)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        ds, batch_size=args.batch_size, sampler=sampler, seed=11
-    )
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=args.batch_size, sampler=sampler, seed=11)
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(3, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

@@ -107,25 +107,19 @@ def run_torchrun(out: dict) -> None:
     out["plain_warnings"] = [m for m in records if "every rank loads the whole dataset" in m]
     # a resume in epoch 1 after 3 batches, from the loader's state, in a new loader
     torch.manual_seed(0)  # base seeds come from the global generator (seed=None), as torch's
-    full: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        rds, BATCH, sampler=torchfeed.DistributedSampler(rds, seed=3)
-    )
+    full = torchfeed.RemoteDataLoader(rds, BATCH, sampler=torchfeed.DistributedSampler(rds, seed=3))
     seen = []
     for e in range(EPOCHS):
         full.set_epoch(e)
         seen.append([noise(b) for b in full])
     torch.manual_seed(0)
-    first: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        rds, BATCH, sampler=torchfeed.DistributedSampler(rds, seed=3)
-    )
+    first = torchfeed.RemoteDataLoader(rds, BATCH, sampler=torchfeed.DistributedSampler(rds, seed=3))
     list(first)
     first.set_epoch(1)
     it = iter(first)
     head = [noise(next(it)) for _ in range(3)]
     state = first.state_dict()
-    resumed: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        rds, BATCH, sampler=torchfeed.DistributedSampler(rds, seed=3)
-    )
+    resumed = torchfeed.RemoteDataLoader(rds, BATCH, sampler=torchfeed.DistributedSampler(rds, seed=3))
     torch.manual_seed(1)  # the resumed process's generator is another's
     resumed.load_state_dict(state)
     out["resume"] = {
@@ -387,9 +381,7 @@ def run_accelerate(out: dict) -> None:
 
     # a loader its sampler already shards is refused, naming the fix (Accelerate shards it again)
     try:
-        sharded: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-            rds, BATCH, sampler=torchfeed.DistributedSampler(rds)
-        )
+        sharded = torchfeed.RemoteDataLoader(rds, BATCH, sampler=torchfeed.DistributedSampler(rds))
         tf_accelerate.prepare(Accelerator(cpu=True), sharded)
         out["sharded_refusal"] = None
     except ValueError as e:

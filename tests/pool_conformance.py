@@ -65,7 +65,7 @@ def check_serves(addresses: Sequence[str], session: Any = None, n: int = 48) -> 
     ds = torchfeed.RemoteDataset(list(addresses), RangeDataset, n, session=session)
     try:
         assert sorted(ds.workers) == sorted(addresses)
-        loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=4, shuffle=True)
+        loader = torchfeed.RemoteDataLoader(ds, batch_size=4, shuffle=True)
         assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(n))
     finally:
         ds.close()

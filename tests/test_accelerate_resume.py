@@ -5,8 +5,6 @@ sampler is refused before Accelerate shards it again."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -28,7 +26,7 @@ def keys(batch) -> list[int]:
 
 
 def prepared(rds):
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, 4, shuffle=True, seed=1)
+    loader = torchfeed.RemoteDataLoader(rds, 4, shuffle=True, seed=1)
     return tf_accelerate.prepare(accelerate.Accelerator(cpu=True), loader)
 
 
@@ -78,7 +76,7 @@ def test_a_loader_sharded_by_its_sampler_is_refused_before_accelerate_shards_it_
         torchfeed.DistributedSampler(rds, num_replicas=2, rank=0),
         torch.utils.data.DistributedSampler(indices(N), num_replicas=2, rank=0),
     ):
-        loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, 4, sampler=sampler)
+        loader = torchfeed.RemoteDataLoader(rds, 4, sampler=sampler)
         with pytest.raises(ValueError, match="drop the sampler"):
             tf_accelerate.check_unsharded(loader, processes=2)
         tf_accelerate.check_unsharded(loader, processes=1)  # nothing shards it again

@@ -41,9 +41,7 @@ def chain(rds, worlds: list[int], stops: list[int]) -> list[dict]:
 
 
 def test_one_rank_one_epoch_is_verified(rds):
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        rds, BATCH, shuffle=True, seed=1, audit=True
-    )
+    loader = torchfeed.RemoteDataLoader(rds, BATCH, shuffle=True, seed=1, audit=True)
     for _ in loader:
         pass
     report = torchfeed.audit.verify([loader.state_dict()], N)

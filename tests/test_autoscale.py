@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
 
 import pytest
 from distributed import Client
@@ -199,7 +198,7 @@ def test_scales_up_then_drains_down_on_dask_and_every_epoch_sees_each_sample_onc
     caplog.set_level(logging.INFO, logger="torchfeed.autoscale")
     with tfd.Pool(cluster, poll=0.25) as pool:
         ds = torchfeed.RemoteDataset(pool.wait(1, 60), SleepDataset, 60, 0.02)
-        loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=4, shuffle=True)
+        loader = torchfeed.RemoteDataLoader(ds, batch_size=4, shuffle=True)
         most = [1]
 
         def watch():
@@ -233,9 +232,7 @@ def test_a_worker_removed_mid_pass_finishes_its_batches_before_it_is_retired(clu
     with tfd.Pool(cluster, 2, poll=0.25) as pool:
         addresses = pool.wait(2, 60)
         ds = torchfeed.RemoteDataset(addresses, SleepDataset, 40, 0.1)
-        loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-            ds, batch_size=2, prefetch_factor=2
-        )
+        loader = torchfeed.RemoteDataLoader(ds, batch_size=2, prefetch_factor=2)
         held: dict[str, int] = {}
         requeued = 0  # batches sent elsewhere because their worker went: none when it drains
         scaler = None
@@ -271,7 +268,7 @@ def test_a_pool_that_cannot_grow_is_logged_and_training_goes_on(cluster, caplog)
         tfd.Pool(client, poll=0.25) as pool,
     ):
         ds = torchfeed.RemoteDataset(pool.wait(1, 60), SleepDataset, 60, 0.02)
-        loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=4)
+        loader = torchfeed.RemoteDataLoader(ds, batch_size=4)
         with torchfeed.autoscale(loader, pool, max_workers=4, start_timeout=1.0, **FAST_AUTOSCALE) as scaler:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and not any(
@@ -288,7 +285,7 @@ def test_a_pool_that_cannot_grow_is_logged_and_training_goes_on(cluster, caplog)
 
 def test_autoscale_arguments_are_checked(workers2):
     ds = torchfeed.RemoteDataset(workers2, SleepDataset, 4, 0.0)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds)
+    loader = torchfeed.RemoteDataLoader(ds)
     with pytest.raises(TypeError, match="addresses"):
         torchfeed.autoscale(loader, object())  # type: ignore[arg-type]  # not a pool: refused
     with pytest.raises(ValueError, match="min_workers"):

@@ -50,9 +50,7 @@ def test_cached_equals_uncached_and_decodes_each_sample_once_in_the_pool(workers
         assert _same(_batches(cached, **kw), _batches(plain, **kw)), epoch
         assert _same(_batches(one_worker, **kw), _batches(plain_one, **kw)), epoch  # any number of workers
     before = _decodes(workers2, n)
-    loader: RemoteDataLoader[Any] = RemoteDataLoader(
-        cached, batch_size=6, shuffle=True, seed=1, straggler_factor=None
-    )
+    loader = RemoteDataLoader(cached, batch_size=6, shuffle=True, seed=1, straggler_factor=None)
     list(loader)
     # one cache across the pool: once decoded, a sample is found by whichever worker its batch
     # goes to, and a pass after the first ones decodes nothing. A sample whose note to its owner
@@ -157,9 +155,7 @@ def test_three_workers_find_samples_through_their_owners_notes(fresh_workers):
     # a loaded machine), and is decoded once more. Once the notes are in, nothing is.
     assert set(decoded) == set(range(n)) and all(c <= 2 for c in decoded.values())
     assert sum(decoded.values()) <= n + n // 4
-    loader: RemoteDataLoader[Any] = RemoteDataLoader(
-        cached, batch_size=4, shuffle=True, seed=9, straggler_factor=None
-    )
+    loader = RemoteDataLoader(cached, batch_size=4, shuffle=True, seed=9, straggler_factor=None)
     list(loader)
     assert _decodes(w.addresses, n) == decoded
     assert loader.stats().cache_hit_rate == 1.0
@@ -261,7 +257,7 @@ def test_worker_killed_during_a_cached_epoch(fresh_workers):
 
 def test_loader_stats_show_the_hit_rate(workers2):
     ds = RemoteDataset(workers2, torchfeed.cached(cd.Decoded, then=cd.augment), 30)
-    loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=5, shuffle=True, seed=0)
+    loader = RemoteDataLoader(ds, batch_size=5, shuffle=True, seed=0)
     list(loader)
     list(loader)
     import time
@@ -290,7 +286,7 @@ def test_hit_rate_is_final_when_a_short_pass_ends(workers2):
     """A pass's figures are read from the workers when it ends: right after a pass (even one
     shorter than the probe's polling period), stats() gives that pass's hit rate and a cache line."""
     ds = RemoteDataset(workers2, torchfeed.cached(cd.Decoded, then=cd.augment), 17)
-    loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=4, straggler_factor=None)
+    loader = RemoteDataLoader(ds, batch_size=4, straggler_factor=None)
     for _ in range(3):  # the first pass decodes (misses), the next ones find samples cached
         hits, misses = _hits(ds)
         list(loader)

@@ -9,7 +9,6 @@ import logging
 import os
 import socket
 import threading
-from typing import Any
 
 import numpy as np
 import pytest
@@ -54,7 +53,7 @@ def _equal(a, b) -> bool:
 @pytest.mark.parametrize("compression", [None, "lz4", "zstd", "auto"])
 def test_every_choice_gives_torchs_batches(workers2, compression):
     ds = RemoteDataset(workers2, Mixed)
-    loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=16, compression=compression)
+    loader = RemoteDataLoader(ds, batch_size=16, compression=compression)
     got = list(loader)
     expected = list(DataLoader(Mixed(), batch_size=16))
     assert len(got) == len(expected)
@@ -188,7 +187,7 @@ def test_a_worker_sending_corrupt_data_is_dropped_and_nothing_is_lost(fresh_work
     caplog.set_level(logging.WARNING, logger="torchfeed.workers")
     w = fresh_workers(2)
     ds = RemoteDataset(w.addresses, Sabotaged, str(tmp_path / "claim"))
-    loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=8, compression="lz4")
+    loader = RemoteDataLoader(ds, batch_size=8, compression="lz4")
     got = list(loader)
     expected = list(DataLoader(Mixed(), batch_size=8))
     assert len(got) == len(expected)

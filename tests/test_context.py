@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import pytest
 import torch
@@ -47,9 +46,7 @@ def test_get_worker_info_is_none_outside_of_loading(workers2):
 
 def test_worker_init_fn_configures_the_instance_that_loads(workers2):
     ds = torchfeed.RemoteDataset(workers2, Info, 12)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        ds, batch_size=3, worker_init_fn=tag_with_worker
-    )
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=3, worker_init_fn=tag_with_worker)
     for _ in range(2):
         batches = list(loader)
         tags = {tag for _, tags in batches for tag in tags}
@@ -83,7 +80,7 @@ def test_without_per_sample_seeding_one_worker_is_torchs_worker(fresh_workers, i
     order: with one worker the batches are torch's (num_workers=1), bit for bit."""
     w = fresh_workers(1)
     ds = torchfeed.RemoteDataset(w.addresses, Random, 12)
-    ours: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+    ours = torchfeed.RemoteDataLoader(
         ds, batch_size=4, shuffle=True, per_sample_seeding=False, worker_init_fn=init
     )
     for epoch in range(2):

@@ -6,7 +6,6 @@ import os
 import re
 import subprocess
 import sys
-from typing import Any
 
 import numpy as np
 import pytest
@@ -66,7 +65,7 @@ def test_augmentation_follows_the_loader_seed(workers2):
     assert np.allclose(plain[7][0].numpy()[0], normalize(test_x[7] / 16.0))
     # on workers, the loader's seed makes the augmentation exact; epochs differ
     remote = torchfeed.RemoteDataset(workers2, AugmentedDigits, train_x[:64], train_y[:64])
-    one: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(remote, batch_size=16, seed=3)
+    one = torchfeed.RemoteDataLoader(remote, batch_size=16, seed=3)
     first, second = torch.cat([b[0] for b in one]), torch.cat([b[0] for b in one])
     again = torch.cat([b[0] for b in torchfeed.RemoteDataLoader(remote, batch_size=16, seed=3)])
     assert torch.equal(first, again) and not torch.equal(first, second)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import pytest
 
@@ -80,7 +79,7 @@ def test_records_that_change_during_an_epoch(dnsmasq):
             f"dns://{NAME}:{port}?server=127.0.0.1:{dnsmasq.port}&every=0.2", SleepDataset, n, 0.01
         )
         assert sorted(ds.workers) == [address[h] for h in HOSTS[:2]]
-        loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=8, shuffle=True)
+        loader = RemoteDataLoader(ds, batch_size=8, shuffle=True)
 
         seen = []
         for i, (_, idx) in enumerate(loader):

@@ -15,7 +15,6 @@ import logging
 import secrets
 import socket
 import threading
-from typing import Any
 
 import pytest
 
@@ -137,7 +136,7 @@ def _epoch_changing_the_name(
     loader and every index the epoch delivered."""
     dnsmasq.set(HOSTS[:2])
     ds = RemoteDataset(_url(port, dnsmasq), SleepDataset, n, 0.01)
-    loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=8, shuffle=True)
+    loader = RemoteDataLoader(ds, batch_size=8, shuffle=True)
     seen = []
     for i, (_, idx) in enumerate(loader):
         seen += idx.tolist()

@@ -11,7 +11,6 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any
 
 import pytest
 import torch
@@ -64,7 +63,7 @@ def fast_heartbeat():
 def test_killed_workers_lose_nothing(fresh_workers, kills):
     w = fresh_workers(4)
     ds = torchfeed.RemoteDataset(w.addresses, PidDataset, 200, 0.002)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=4)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4)
     victims = list(range(kills))
 
     def kill(i):
@@ -88,9 +87,7 @@ def test_killed_workers_lose_nothing(fresh_workers, kills):
 def test_stopped_worker_detected_by_heartbeat(fresh_workers, fast_heartbeat):
     w = fresh_workers(3)
     ds = torchfeed.RemoteDataset(w.addresses, PidDataset, 120, 0.005)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        ds, batch_size=4, straggler_factor=None
-    )  # heartbeats alone
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4, straggler_factor=None)  # heartbeats alone
     stopped = {}
 
     def stop(i):
@@ -185,9 +182,7 @@ def test_network_cut_detected(fresh_workers, netns_worker, fast_heartbeat):
     address, cut = netns_worker
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset([address, *w.addresses], PidDataset, 120, 0.005)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        ds, batch_size=4, straggler_factor=None
-    )  # heartbeats alone
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4, straggler_factor=None)  # heartbeats alone
     rows, warned = collect(loader, lambda i: cut() if i == 3 else None)
     assert rows[:, 0].tolist() == list(range(120))
     assert any(address in m and "no heartbeat" in m for m in warned), warned
@@ -198,7 +193,7 @@ def test_restarted_worker_is_used_again(fresh_workers):
     w = fresh_workers(2)
     n = 1000  # the epoch outlasts the restart (a few seconds) plus the reconnect backoff
     ds = torchfeed.RemoteDataset(w.addresses, PidDataset, n, 0.004)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=2)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=2)
     old_pid = w.processes[0].pid
     new_pid = {}
 
@@ -262,7 +257,7 @@ def test_remove_worker_drains_it(fresh_workers):
 def test_all_workers_gone_raises_after_timeout(fresh_workers):
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset(w.addresses, PidDataset, 400, 0.005)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=2, timeout=2)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=2, timeout=2)
     t0 = time.monotonic()
     with pytest.raises(torchfeed.WorkerLost) as info, warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -279,7 +274,7 @@ def test_all_workers_gone_raises_after_timeout(fresh_workers):
 def test_poison_sample_gives_up_and_names_it(fresh_workers, caplog):
     w = fresh_workers(4)
     ds = torchfeed.RemoteDataset(w.addresses, PoisonDataset, 60, 21, 0.002)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=4, max_retries=2)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4, max_retries=2)
     with pytest.raises(torchfeed.PoisonSampleError) as info, caplog.at_level(logging.INFO, "torchfeed"):
         list(loader)
     assert 21 in info.value.indices
@@ -302,9 +297,7 @@ def test_connection_closed_on_purpose_blames_no_batch(fresh_workers):
 
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset(w.addresses, SleepDataset, 40, 0.02)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        ds, batch_size=4, max_retries=0, timeout=60
-    )
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4, max_retries=0, timeout=60)
     it = iter(loader)
     got = [next(it)[1]]
     client.close_connections(w.addresses[:1])  # it holds a batch: 20 ms per sample
@@ -320,9 +313,7 @@ def test_the_batch_that_killed_the_worker_is_the_one_blamed(fresh_workers):
     w = fresh_workers(1)
     for _ in range(3):
         ds = torchfeed.RemoteDataset(w.addresses, PoisonDataset, 40, 20, 0.002)
-        loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-            ds, batch_size=4, max_retries=0, timeout=30
-        )
+        loader = torchfeed.RemoteDataLoader(ds, batch_size=4, max_retries=0, timeout=30)
         with pytest.raises(torchfeed.PoisonSampleError) as info:
             list(loader)
         assert info.value.indices == [20, 21, 22, 23]
@@ -345,7 +336,7 @@ def test_straggler_is_duplicated_and_delivered_once(fresh_workers):
     w = fresh_workers(3)
     slow = w.processes[0].pid
     ds = torchfeed.RemoteDataset(w.addresses, PidDataset, 90, 0.003, {slow: 400})  # 1.2 s per item there
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=1, straggler_factor=3)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=1, straggler_factor=3)
     rows, _ = collect(loader)
     assert rows[:, 0].tolist() == list(range(90))  # each once, in order
     assert loader.stats().workers[w.addresses[0]].hedged > 0  # the slow one's batches went elsewhere
@@ -383,7 +374,7 @@ def test_hundred_loaders_leave_nothing_behind(workers2):
         ["pgrep", "-P", str(os.getpid())], capture_output=True, text=True
     ).stdout.split()
     for i in range(100):
-        loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=8, shuffle=True)
+        loader = torchfeed.RemoteDataLoader(ds, batch_size=8, shuffle=True)
         it = iter(loader)
         next(it)
         if i % 2:
@@ -409,7 +400,7 @@ def _rss_kb(pid) -> int:
 def test_soak_ten_thousand_batches_memory_flat(fresh_workers):
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset(w.addresses, RangeDataset, 10**6, 64)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=4, seed=0)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4, seed=0)
     it = iter(loader)
     pids = [os.getpid(), *(p.pid for p in w.processes)]
     for _ in range(1500):  # warm-up: pools, caches, allocator arenas

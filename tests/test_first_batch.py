@@ -6,7 +6,6 @@ import collections
 import os
 import threading
 import time
-from typing import Any
 
 import pytest
 import torch
@@ -105,9 +104,7 @@ class Timed(torch.utils.data.Dataset):
 def test_the_first_batch_is_loaded_by_every_worker_and_equals_torchs():
     with LocalWorkers(2) as workers:
         pids = {p.pid for p in workers.processes}
-        loader: RemoteDataLoader[Any] = RemoteDataLoader(
-            RemoteDataset(workers.addresses, Timed), batch_size=16, shuffle=True
-        )
+        loader = RemoteDataLoader(RemoteDataset(workers.addresses, Timed), batch_size=16, shuffle=True)
         torch.manual_seed(7)
         order = [b[:, 0].tolist() for b in DataLoader(Timed(), batch_size=16, shuffle=True)]
         torch.manual_seed(7)
@@ -123,7 +120,7 @@ def first_collate(batch):
 
 def test_a_custom_collate_is_never_split():
     with LocalWorkers(2) as workers:
-        loader: RemoteDataLoader[Any] = RemoteDataLoader(
+        loader = RemoteDataLoader(
             RemoteDataset(workers.addresses, Timed), batch_size=16, collate_fn=first_collate
         )
         first = next(iter(loader))
@@ -145,9 +142,7 @@ class Held(torch.utils.data.Dataset):
 @pytest.mark.timeout(300)
 def test_a_worker_lost_while_it_builds_a_part_of_the_first_batch_loses_nothing():
     with LocalWorkers(2) as workers:
-        loader: RemoteDataLoader[Any] = RemoteDataLoader(
-            RemoteDataset(workers.addresses, Held), batch_size=10
-        )
+        loader = RemoteDataLoader(RemoteDataset(workers.addresses, Held), batch_size=10)
         it = iter(loader)
         got: dict = {}
         taker = threading.Thread(target=lambda: got.update(first=next(it)))

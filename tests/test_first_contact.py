@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any
 
 import pytest
 import torch
@@ -52,9 +51,7 @@ def test_a_dataset_that_prints_a_lot_completes_and_its_output_arrives_prefixed(c
 def test_lost_worker_is_logged_not_warned(fresh_workers, caplog):
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset(w.addresses, SleepDataset, 40, 0.02)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        ds, batch_size=2, straggler_factor=None
-    )
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=2, straggler_factor=None)
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO, "torchfeed"):
         warnings.simplefilter("always")
         for i, _ in enumerate(loader):
@@ -347,7 +344,7 @@ def test_timeout_is_ambiguous_for_a_factory_taking_any_keyword_but_not_once_boun
 
 
 def test_loader_kwargs_are_the_factory_s_timeout_included(workers2):
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+    loader = torchfeed.RemoteDataLoader(
         workers=workers2, dataset=TakesTimeout, args=(4,), kwargs={"timeout": 3}
     )
     assert isinstance(loader.dataset, torchfeed.RemoteDataset)

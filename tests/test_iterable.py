@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -54,9 +52,7 @@ def test_a_killed_worker_loses_nothing(fresh_workers, cls, warns, recwarn):
     """Streams of a killed worker go on elsewhere: the output is still torch's, exactly."""
     w = fresh_workers(3)
     ds = torchfeed.RemoteDataset(w.addresses, cls, 60, 0.01)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        ds, batch_size=2, num_workers=4, prefetch_factor=1, timeout=60
-    )
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=2, num_workers=4, prefetch_factor=1, timeout=60)
     ours = batches_of(loader, at=5, event=lambda: w.kill(1))
     assert deep_equal(ours, torch_batches(cls(60), batch_size=2, num_workers=4))
     replayed = [x for x in recwarn if "drawn again" in str(x.message)]
@@ -67,7 +63,7 @@ def _losing_a_worker_keeps_dataset_state(w, seconds: float, num_workers: int, af
     """A pass of a dataset-level Stateful iterable in batches of 3 over ``num_workers`` streams,
     worker ``victim`` killed once ``after`` batches arrived: torch's batches all the same."""
     ds = torchfeed.RemoteDataset(w.addresses, DatasetStateful, 40, seconds)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+    loader = torchfeed.RemoteDataLoader(
         ds, batch_size=3, num_workers=num_workers, prefetch_factor=1, timeout=60
     )
     ours = batches_of(loader, at=after, event=lambda: w.kill(victim))
@@ -83,13 +79,13 @@ def test_dataset_level_state_moves_too(fresh_workers):
 @pytest.mark.parametrize("cls", [StatefulCounting, Counting])
 def test_resume_on_other_workers(workers2, fresh_workers, cls):
     expected = torch_batches(cls(31), batch_size=2, num_workers=3)
-    first: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+    first = torchfeed.RemoteDataLoader(
         torchfeed.RemoteDataset(workers2, cls, 31), batch_size=2, num_workers=3
     )
     head = batches_of(first, stop=4)
     state = first.state_dict()
     other = fresh_workers(1)
-    second: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+    second = torchfeed.RemoteDataLoader(
         torchfeed.RemoteDataset(other.addresses, cls, 31), batch_size=2, num_workers=3
     )
     second.load_state_dict(state)
@@ -103,18 +99,14 @@ def test_resume_on_other_workers(workers2, fresh_workers, cls):
 def test_a_cut_connection_moves_the_stream_too(fresh_workers):
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset(w.addresses, StatefulCounting, 40, 0.01)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        ds, batch_size=2, num_workers=3, prefetch_factor=1, timeout=60
-    )
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=2, num_workers=3, prefetch_factor=1, timeout=60)
     ours = batches_of(loader, at=4, event=lambda: torchfeed.client.close_connections([w.addresses[0]]))
     assert deep_equal(ours, torch_batches(StatefulCounting(40), batch_size=2, num_workers=3))
 
 
 def test_persistent_workers_keep_each_streams_generators(workers2):
     ds = torchfeed.RemoteDataset(workers2, Counting, 12)
-    ours: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        ds, batch_size=2, num_workers=3, persistent_workers=True
-    )
+    ours = torchfeed.RemoteDataLoader(ds, batch_size=2, num_workers=3, persistent_workers=True)
     theirs = DataLoader(Counting(12), batch_size=2, num_workers=3, persistent_workers=True)
     torch.manual_seed(3)
     mine = [list(ours) for _ in range(2)]
@@ -129,7 +121,7 @@ def test_resume_in_a_new_process(workers2, tmp_path):
     import sys
 
     expected = torch_batches(StatefulCounting(29), batch_size=3, num_workers=3)
-    first: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+    first = torchfeed.RemoteDataLoader(
         torchfeed.RemoteDataset(workers2, StatefulCounting, 29), batch_size=3, num_workers=3
     )
     head = batches_of(first, stop=5)
@@ -162,9 +154,7 @@ def test_a_pass_left_open_is_closed_at_exit_like_a_map_pass(workers2, monkeypatc
     from torchfeed.loader.iterable import IterablePass
 
     monkeypatch.setattr(plan.live, "exiting", False)  # close_all sets it: undone after the test
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        torchfeed.RemoteDataset(workers2, Counting, 100), batch_size=4
-    )
+    loader = torchfeed.RemoteDataLoader(torchfeed.RemoteDataset(workers2, Counting, 100), batch_size=4)
     passing = iter(loader)
     next(passing)
     running = [p for p in plan.live.passes if isinstance(p, IterablePass)]

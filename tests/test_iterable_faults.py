@@ -5,7 +5,6 @@ file, takes the streams waiting for one) and stops a stream that kills the worke
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import pytest
 
@@ -19,9 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 def same_as_torch_despite(ds, event) -> None:
     """One pass of ``ds`` (StatefulCounting(40): 2 streams, batches of 2) with ``event()`` run once 4
     batches arrived: the batches are torch's all the same."""
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        ds, batch_size=2, num_workers=2, prefetch_factor=1, timeout=120
-    )
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=2, num_workers=2, prefetch_factor=1, timeout=120)
     ours = batches_of(loader, at=4, event=event)
     assert deep_equal(ours, torch_batches(StatefulCounting(40), batch_size=2, num_workers=2))
 
@@ -56,9 +53,7 @@ def test_a_stream_that_kills_its_workers_is_poison(fresh_workers):
     w = fresh_workers(3)
     # stream 1 of 2 holds the odd numbers: 13 is its 7th item, in its batch 3 (batches of 2)
     ds = torchfeed.RemoteDataset(w.addresses, CrashesAt, 40, 13)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        ds, batch_size=2, num_workers=2, max_retries=1, timeout=120
-    )
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=2, num_workers=2, max_retries=1, timeout=120)
     got = []
     with pytest.raises(
         torchfeed.PoisonSampleError,

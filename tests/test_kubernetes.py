@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 import shlex
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -137,9 +136,7 @@ def test_tcp_probes_on_the_data_port_are_not_failed_handshakes(capfd):
         host, port = workers.addresses[0].rsplit(":", 1)
         for _ in range(40):  # beyond the doorman's burst of failed handshakes per source
             socket.create_connection((host, int(port)), timeout=10).close()
-        loader: RemoteDataLoader[Any] = RemoteDataLoader(
-            RemoteDataset(workers.addresses, RangeDataset, 20), batch_size=5
-        )
+        loader = RemoteDataLoader(RemoteDataset(workers.addresses, RangeDataset, 20), batch_size=5)
         assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(20))
     err = capfd.readouterr().err
     assert "listening on" in err  # the worker's log is seen here

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
 
 import pytest
 import torch
@@ -88,7 +87,7 @@ def test_a_batch_over_a_limit_is_a_clear_error_and_the_worker_stays(
 ):
     ds = torchfeed.RemoteDataset(workers2, dataset)
     torchfeed.set_reply_limits(**knob)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=batch, max_retries=0)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=batch, max_retries=0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(torchfeed.FrameTooLarge, match=expected) as info:

@@ -97,7 +97,7 @@ def test_conflicting_arguments_raise_like_torch(rds, kw, message):
 
 
 def test_break_and_iterate_again(rds):
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, batch_size=4)
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=4)
     for i, _ in enumerate(loader):
         if i == 2:
             break
@@ -142,7 +142,7 @@ def test_local_class_and_lambda_transform(workers2):
 
 def test_remote_exception_names_worker_type_traceback_and_indices(workers2):
     rds = torchfeed.RemoteDataset(workers2, FailingDataset, 20, bad=[13])
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, batch_size=4)
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=4)
     it = iter(loader)
     got = [next(it) for _ in range(3)]  # batches 0..2 are fine and come first, in order
     assert [int(b[1][0]) for b in got] == [0, 4, 8]

@@ -88,7 +88,7 @@ def test_iterable_dataset_argument_errors_are_torchs(shards, kw):
 )
 def test_assigning_after_construction_raises_like_torch(plain, name, value):
     theirs = DataLoader(Plain())
-    ours: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(plain)
+    ours = torchfeed.RemoteDataLoader(plain)
     with pytest.raises(ValueError) as t:
         setattr(theirs, name, value)
     with pytest.raises(ValueError) as o:
@@ -110,7 +110,7 @@ def test_has_every_attribute_of_torchs_dataloader(plain):
         pin_memory=False,
     )
     theirs = DataLoader(Plain(), **settings)
-    ours: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(plain, **settings)
+    ours = torchfeed.RemoteDataLoader(plain, **settings)
     public = [a for a in dir(theirs) if not a.startswith("_")]
     missing = [a for a in public if not hasattr(ours, a)]
     assert not missing
@@ -143,9 +143,7 @@ def test_generic_like_torch():
 
 
 def test_positional_arguments_in_torchs_order(plain):
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        plain, 4, False, None, None, 2, None, False, True
-    )
+    loader = torchfeed.RemoteDataLoader(plain, 4, False, None, None, 2, None, False, True)
     assert (loader.batch_size, loader.num_workers, loader.drop_last) == (4, 2, True)
     assert deep_equal(list(loader), list(DataLoader(Plain(), 4, False, None, None, 0, None, False, True)))
     with pytest.raises(TypeError, match="6th positional argument .* is num_workers"):

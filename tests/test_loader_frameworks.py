@@ -24,7 +24,7 @@ def rds(workers2):
 def test_a_dataloader_that_lightning_can_recreate_with_its_sampler(rds):
     from lightning.fabric.utilities.data import _update_dataloader
 
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+    loader = torchfeed.RemoteDataLoader(
         rds, batch_size=4, shuffle=True, seed=5, compression=None, max_retries=1
     )
     assert isinstance(loader, DataLoader)
@@ -38,7 +38,7 @@ def test_a_dataloader_that_lightning_can_recreate_with_its_sampler(rds):
 
 
 def test_an_unread_iterator_loads_nothing_and_keeps_the_epoch(rds):
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, batch_size=4, seed=1)
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=4, seed=1)
     it = iter(loader)
     assert len(it) == 5 and not it.started
     del it
@@ -49,7 +49,7 @@ def test_an_unread_iterator_loads_nothing_and_keeps_the_epoch(rds):
 
 def test_the_sampler_epoch_is_read_at_the_first_next(rds):
     sampler = torchfeed.DistributedSampler(rds, num_replicas=1, rank=0, seed=2)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, batch_size=20, sampler=sampler)
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=20, sampler=sampler)
     it = iter(loader)  # Lightning's order: iter(), then set_epoch, then next()
     sampler.set_epoch(3)
     expected: TorchDistributedSampler[int] = TorchDistributedSampler(
@@ -61,13 +61,11 @@ def test_the_sampler_epoch_is_read_at_the_first_next(rds):
 
 def test_set_epoch_reaches_the_sampler_and_the_batch_samplers_sampler(rds):
     sampler = torchfeed.DistributedSampler(rds, num_replicas=2, rank=0, seed=4)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, batch_size=4, sampler=sampler)
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=4, sampler=sampler)
     loader.set_epoch(6)
     assert sampler.epoch == 6 and loader.epoch == 6
     inner = torchfeed.DistributedSampler(rds, num_replicas=2, rank=0)
-    batches: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        rds, batch_sampler=torch.utils.data.BatchSampler(inner, 3, False)
-    )
+    batches = torchfeed.RemoteDataLoader(rds, batch_sampler=torch.utils.data.BatchSampler(inner, 3, False))
     batches.set_epoch(2)
     assert inner.epoch == 2
 
@@ -83,9 +81,7 @@ def _tag(worker_id):
 
 def test_worker_init_fn_assigned_after_a_pass_is_used_by_the_next(workers2):
 
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        torchfeed.RemoteDataset(workers2, OffsetDataset, 6), batch_size=3
-    )
+    loader = torchfeed.RemoteDataLoader(torchfeed.RemoteDataset(workers2, OffsetDataset, 6), batch_size=3)
     assert [b.tolist() for b in loader] == [[0, 1, 2], [3, 4, 5]]
     loader.worker_init_fn = _tag  # what Lightning's seed_everything(workers=True) does
     assert [b.tolist() for b in loader] == [[1000, 1001, 1002], [1003, 1004, 1005]]
@@ -147,40 +143,38 @@ def test_iterable_streams_numbered_across_the_ranks_when_asked(workers2, monkeyp
 
 
 def test_a_state_of_the_older_sampler_seeding_is_refused(rds):
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        rds, batch_size=4, sampler=torchfeed.DistributedSampler(rds, 2, 0)
-    )
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=4, sampler=torchfeed.DistributedSampler(rds, 2, 0))
     it = iter(loader)
     next(it)
     old = {**loader.state_dict(), "format": "torchfeed.RemoteDataLoader/1"}
     with pytest.raises(ValueError, match="older torchfeed"):
         loader.load_state_dict(old)
-    plain: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, batch_size=4, shuffle=True)
+    plain = torchfeed.RemoteDataLoader(rds, batch_size=4, shuffle=True)
     it = iter(plain)
     next(it)
     state = {**plain.state_dict(), "format": "torchfeed.RemoteDataLoader/1"}
     del state["draws"]  # format 1 had no such key
-    resumed: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, batch_size=4, shuffle=True)
+    resumed = torchfeed.RemoteDataLoader(rds, batch_size=4, shuffle=True)
     resumed.load_state_dict(state)  # no DistributedSampler in it: nothing changed, it resumes
     assert len(list(resumed)) == 4
 
 
 def test_a_resume_is_exact_when_the_global_generator_is_used_between_iter_and_next(rds):
     torch.manual_seed(0)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, batch_size=4, shuffle=True)
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=4, shuffle=True)
     it = iter(loader)
     torch.rand(3)  # a framework hook, model code: anything between iter() and next()
     head = [next(it)[1].tolist() for _ in range(2)]
     state = loader.state_dict()
     rest = [b[1].tolist() for b in it]
     torch.manual_seed(1)  # another process's generator
-    resumed: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, batch_size=4, shuffle=True)
+    resumed = torchfeed.RemoteDataLoader(rds, batch_size=4, shuffle=True)
     resumed.load_state_dict(state)
     assert [b[1].tolist() for b in resumed] == rest and len(head + rest) == 5
 
 
 def test_state_dict_after_an_unread_iter_describes_the_pass_about_to_start(rds):
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, batch_size=4)
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=4)
     it = iter(loader)
     next(it)
     next(it)  # epoch 0 abandoned after 2 batches
@@ -195,7 +189,7 @@ def _pair(samples):
 
 
 def test_a_collate_fn_assigned_twice_between_passes_is_the_last_one(rds):
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, batch_size=4, collate_fn=len)
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=4, collate_fn=len)
     assert next(iter(loader)) == 4
     loader.collate_fn = lambda samples: -1
     loader.collate_fn = _pair  # the first replacement is freed: its id may be reused

@@ -17,7 +17,6 @@ import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -70,7 +69,7 @@ def scraped_pool():
     pools = [_worker(p) for p in ports]
     try:
         ds = RemoteDataset([w.addresses[0] for w in pools], RangeDataset, N)
-        loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=10)
+        loader = RemoteDataLoader(ds, batch_size=10)
         assert sum(len(b[1]) for b in loader) == N
         with metrics.serve(loader, port=0) as served:
             yield ports, loader, served
@@ -264,7 +263,7 @@ def test_prometheus_scrapes_workers_and_loader(tmp_path):
     prom = None
     try:
         ds = RemoteDataset([w.addresses[0] for w in pools], SleepDataset, N, 0.002)
-        loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=10)
+        loader = RemoteDataLoader(ds, batch_size=10)
         with metrics.serve({"train": loader}, port=0) as served:
             prom = Prometheus(
                 tmp_path,

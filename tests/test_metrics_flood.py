@@ -24,7 +24,6 @@ import urllib.request
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -105,9 +104,7 @@ def task_count(pid: int) -> int:
 def one_batch(address: str) -> list:
     """A dataset built on ``address`` over a connection of its own, and its first batch."""
     with Session(timeout=30) as session:
-        loader: RemoteDataLoader[Any] = RemoteDataLoader(
-            RemoteDataset([address], RangeDataset, N, session=session), batch_size=8
-        )
+        loader = RemoteDataLoader(RemoteDataset([address], RangeDataset, N, session=session), batch_size=8)
         return next(iter(loader))
 
 
@@ -132,9 +129,7 @@ def test_worker_metrics_port_survives_a_flood_of_idle_connections():
 @pytest.mark.slow
 def test_trainer_metrics_server_survives_a_flood_of_idle_connections():
     with LocalWorkers(1) as workers:
-        loader: RemoteDataLoader[Any] = RemoteDataLoader(
-            RemoteDataset(workers.addresses, RangeDataset, N), batch_size=8
-        )
+        loader = RemoteDataLoader(RemoteDataset(workers.addresses, RangeDataset, N), batch_size=8)
         assert sum(len(b[1]) for b in loader) == N
         with metrics.serve(loader, port=0) as served:
             before = threading.active_count()

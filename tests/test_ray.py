@@ -13,7 +13,6 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -82,7 +81,7 @@ def test_scale_up_kill_mid_epoch_and_drain(ray_cluster):
         check_secret_off_the_workers(first, pool.secret.value)  # sent by the actor's call, to stdin
         assert _placed_on_the_cpu_node(pool)
         ds = RemoteDataset(first, SleepDataset, N, 0.005)
-        loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=8, shuffle=True)
+        loader = RemoteDataLoader(ds, batch_size=8, shuffle=True)
         # an actor killed mid-epoch: its batches are requeued, every index exactly once
         seen = []
         for i, (_, idx) in enumerate(loader):
@@ -120,7 +119,7 @@ def test_actors_placed_by_node_labels(ray_cluster):
 def test_autoscale_grows_a_ray_pool(ray_cluster):
     with Pool(1, resources=RESOURCE) as pool:
         ds = RemoteDataset(pool.wait(1, timeout=120), SleepDataset, N, 0.01)
-        loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=4)
+        loader = RemoteDataLoader(ds, batch_size=4)
         with autoscale(loader, pool, max_workers=3, interval=0.5, window=2.0, up_cooldown=1.0) as scaler:
             for _ in range(8):  # input-bound: the controller asks the pool for more
                 assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(N))

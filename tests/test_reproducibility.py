@@ -22,7 +22,7 @@ N = 48
 
 def run(addresses, n=N, epochs=1, **kw):
     ds = torchfeed.RemoteDataset(addresses, RandomAugmentDataset, n)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=4, **kw)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4, **kw)
     return [torch.stack(list(loader)) for _ in range(epochs)]
 
 
@@ -170,7 +170,7 @@ def test_resume_after_k_batches_on_other_workers(name, workers2, three):
 
 
 def test_state_is_small_plain_data(workers2):
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+    loader = torchfeed.RemoteDataLoader(
         torchfeed.RemoteDataset(workers2, RangeDataset, 1000), batch_size=8, shuffle=True
     )
     it = iter(loader)
@@ -183,9 +183,7 @@ def test_state_is_small_plain_data(workers2):
 
 def test_epoch_advances_and_set_epoch(workers2):
     ds = torchfeed.RemoteDataset(workers2, RandomAugmentDataset, 16)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        ds, batch_size=4, shuffle=True, seed=2
-    )
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4, shuffle=True, seed=2)
     e0, e1 = torch.cat(list(loader)), torch.cat(list(loader))
     assert loader.epoch == 2
     loader.set_epoch(1)
@@ -197,9 +195,7 @@ def test_epoch_advances_and_set_epoch(workers2):
 @pytest.mark.slow
 def test_resume_in_a_new_process_with_other_workers(workers2, three, tmp_path):
     ds = torchfeed.RemoteDataset(workers2, RandomAugmentDataset, N)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        ds, batch_size=4, shuffle=True, seed=21
-    )
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4, shuffle=True, seed=21)
     full = torch.cat(list(loader))
     loader.set_epoch(0)
     it = iter(loader)

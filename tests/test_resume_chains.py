@@ -4,8 +4,6 @@ DDP moves them, each resumed rank loading the state of any rank of the job befor
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -123,7 +121,7 @@ def test_a_save_in_a_signal_handler_leaves_out_the_batch_in_hand_when_it_says_so
     function called on the normal path (after a step) counts the batch."""
     import signal
 
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, BATCH, shuffle=True, seed=3)
+    loader = torchfeed.RemoteDataLoader(rds, BATCH, shuffle=True, seed=3)
     it = iter(loader)
     next(it)
     next(it)
@@ -149,18 +147,18 @@ def test_an_iterable_state_taken_while_an_exception_unwinds_replays_the_batch_in
     from helpers import WorkerShare
 
     ds = torchfeed.RemoteDataset(workers2, WorkerShare, 20)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, 2, num_workers=2)
+    loader = torchfeed.RemoteDataLoader(ds, 2, num_workers=2)
     it = iter(loader)
     seen = [next(it).tolist() for _ in range(3)]
     try:
         raise KeyboardInterrupt
     except KeyboardInterrupt:
         state = loader.state_dict()
-    resumed: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, 2, num_workers=2)
+    resumed = torchfeed.RemoteDataLoader(ds, 2, num_workers=2)
     resumed.load_state_dict(state)
     rest = [b.tolist() for b in resumed]
     assert rest[0] == seen[2]
-    everything: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, 2, num_workers=2)
+    everything = torchfeed.RemoteDataLoader(ds, 2, num_workers=2)
     assert seen[:2] + rest == [b.tolist() for b in everything]
 
 
@@ -274,23 +272,23 @@ def test_a_crafted_iterable_state_is_refused_at_once(workers2, change):
     from helpers import WorkerShare
 
     ds = torchfeed.RemoteDataset(workers2, WorkerShare, 20)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, 2, num_workers=2)
+    loader = torchfeed.RemoteDataLoader(ds, 2, num_workers=2)
     it = iter(loader)
     next(it)
     state = loader.state_dict()
     state["streams"] = {**state["streams"], **change}
-    resumed: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, 2, num_workers=2)
+    resumed = torchfeed.RemoteDataLoader(ds, 2, num_workers=2)
     resumed.load_state_dict(state)
     with pytest.raises(ValueError, match="iterable-style state"):
         next(iter(resumed))
 
 
 def test_a_state_further_into_the_epoch_than_the_sampler_goes_is_refused(rds):
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, BATCH, shuffle=True, seed=5)
+    loader = torchfeed.RemoteDataLoader(rds, BATCH, shuffle=True, seed=5)
     it = iter(loader)
     next(it)
     state = {**loader.state_dict(), "batches": 2**62}
-    resumed: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, BATCH, shuffle=True, seed=5)
+    resumed = torchfeed.RemoteDataLoader(rds, BATCH, shuffle=True, seed=5)
     resumed.load_state_dict(state)
     with pytest.raises(ValueError, match="batches into its epoch"):
         next(iter(resumed))

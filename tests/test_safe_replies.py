@@ -118,14 +118,14 @@ def test_trusting_a_worker_is_explicit_and_per_call(workers2, marker):
 
 def test_map_style_batch_is_refused_in_its_place(workers2, marker):
     ds = torchfeed.RemoteDataset(workers2, HostileDataset, 12, 5, marker)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=2, collate_fn=list)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=2, collate_fn=list)
     it = iter(loader)
     assert [[t.tolist() for t in b] for b in (next(it), next(it))] == [[[0, 0], [1, 1]], [[2, 2], [3, 3]]]
     with pytest.raises(torchfeed.UnsafeReplyError, match="posix.system"):
         next(it)  # batch [4, 5]
     assert not os.path.exists(marker)
     # the workers keep serving: a loader without the hostile sample loads everything
-    clean: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+    clean = torchfeed.RemoteDataLoader(
         torchfeed.RemoteDataset(workers2, HostileDataset, 12, -1, marker), batch_size=4
     )
     assert torch.cat([b[:, 0] for b in clean]).tolist() == list(range(12))

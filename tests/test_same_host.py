@@ -15,7 +15,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from typing import Any
 
 import pytest
 import torch
@@ -104,7 +103,7 @@ def test_batches_are_exact_on_both_paths_and_mixed(monkeypatch, same_host):
         relay = Relay(workers.addresses[1])
         try:
             ds = RemoteDataset([workers.addresses[0], relay.address], Filled, 200)
-            loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=16)
+            loader = RemoteDataLoader(ds, batch_size=16)
             for _ in range(2):
                 seen, intact = one_epoch(loader)
                 assert intact
@@ -122,7 +121,7 @@ def test_slots_are_freed_with_the_batches_and_with_the_connection():
     with LocalWorkers(1) as workers:
         worker_pid = workers.processes[0].pid
         ds = RemoteDataset(workers.addresses, Filled, 64 * 6)
-        loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=64)
+        loader = RemoteDataLoader(ds, batch_size=64)
         seen, intact = one_epoch(loader)
         assert intact and sorted(seen) == list(range(64 * 6))
         held = slot_maps(worker=worker_pid)
@@ -146,7 +145,7 @@ def test_a_worker_killed_mid_epoch_loses_nothing_and_its_slots_go_with_its_batch
     with LocalWorkers(2) as workers:
         pids = [p.pid for p in workers.processes]
         ds = RemoteDataset(workers.addresses, Filled, 64 * 8)
-        loader: RemoteDataLoader[Any] = RemoteDataLoader(ds, batch_size=32)
+        loader = RemoteDataLoader(ds, batch_size=32)
         seen = []
         for step, (x, y) in enumerate(loader):
             assert (x[:, 0, 0, 0] == y.float()).all()
@@ -363,9 +362,7 @@ def test_a_forked_child_dropping_its_copy_of_a_batch_does_not_free_the_parents()
     """A child forked while the trainer holds a batch (an evaluation loader's workers, a
     subprocess) and that frees its copy must not hand the batch's slot back to the worker."""
     with LocalWorkers(1) as workers:
-        loader: RemoteDataLoader[Any] = RemoteDataLoader(
-            RemoteDataset(workers.addresses, Filled, 64 * 8), batch_size=64
-        )
+        loader = RemoteDataLoader(RemoteDataset(workers.addresses, Filled, 64 * 8), batch_size=64)
         it = iter(loader)
         held_x, held_y = next(it)
         expected = held_y.float().clone()
@@ -405,7 +402,7 @@ def test_with_pin_memory_batches_are_copied_out_of_the_slots(monkeypatch):
     monkeypatch.setattr(buffers, "cuda_pinnable", lambda: True)
     monkeypatch.setattr(buffers, "_pinned", lambda n: np.empty(n, dtype=np.uint8))
     with LocalWorkers(1) as workers:
-        loader: RemoteDataLoader[Any] = RemoteDataLoader(
+        loader = RemoteDataLoader(
             RemoteDataset(workers.addresses, Filled, 64 * 6), batch_size=64, pin_memory=True
         )
         held = list(loader)  # every batch of the epoch, held

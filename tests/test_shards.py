@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import os
 from collections import Counter
-from typing import Any
 
 import pytest
 import torch
@@ -49,9 +48,7 @@ def test_every_sample_once_with_more_streams_than_workers(workers2, tmp_path, kw
 def test_seeded_shuffle_changes_with_the_epoch_and_replays(workers2, tmp_path):
     urls, every = make_shards(str(tmp_path), count=6, per_shard=6)
     ds = torchfeed.RemoteDataset(workers2, Shards, urls, text_lines, shuffle=True, shuffle_buffer=5)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        ds, batch_size=None, num_workers=1, seed=11
-    )
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=None, num_workers=1, seed=11)
     first, second = list(loader), list(loader)
     assert Counter(first) == Counter(every) == Counter(second) and first != second
     loader.set_epoch(0)
@@ -96,7 +93,7 @@ def test_a_killed_worker_loses_no_shard_and_repeats_none(fresh_workers, tmp_path
 def test_resume_mid_epoch_on_other_workers(workers2, fresh_workers, tmp_path):
     urls, every = make_shards(str(tmp_path), count=10, per_shard=7)
     args = (urls, text_lines)
-    first: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+    first = torchfeed.RemoteDataLoader(
         torchfeed.RemoteDataset(workers2, Shards, *args, shuffle_buffer=3),
         batch_size=4,
         num_workers=3,
@@ -109,7 +106,7 @@ def test_resume_mid_epoch_on_other_workers(workers2, fresh_workers, tmp_path):
             break
     state = first.state_dict()
     other = fresh_workers(1)
-    second: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+    second = torchfeed.RemoteDataLoader(
         torchfeed.RemoteDataset(other.addresses, Shards, *args, shuffle_buffer=3),
         batch_size=4,
         num_workers=3,

@@ -227,14 +227,12 @@ def test_iterable_dataset_error(remote):
 @pytest.mark.slow
 def test_worker_init_fn_configures_the_loading_copy_every_epoch(remote):
     """torch's documented example: worker_init_fn splits [start, end) through get_worker_info().dataset."""
-    ours: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        remote(Span, 3, 20), batch_size=None, worker_init_fn=split_span
-    )
+    ours = torchfeed.RemoteDataLoader(remote(Span, 3, 20), batch_size=None, worker_init_fn=split_span)
     for _ in range(2):  # the split applies to a fresh copy each pass, as in fresh torch workers
         compare(
             ours, lambda: DataLoader(Span(3, 20), batch_size=None, num_workers=2, worker_init_fn=split_span)
         )
-    persistent: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+    persistent = torchfeed.RemoteDataLoader(
         remote(Span, 3, 20), batch_size=4, worker_init_fn=split_span, num_workers=2, persistent_workers=True
     )
     theirs = DataLoader(

@@ -93,7 +93,7 @@ def test_scale_up_retire_mid_epoch_and_close(slurm, tmp_path):
     check_secret_off_the_workers(addresses, pool.secret.value, torchfeed.Session(secret=pool.secret))
 
     ds = _ds(pool, addresses)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=BATCH)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=BATCH)
     gone = addresses[0]
     retired = threading.Event()
     retired_at: list[int] = []
@@ -202,7 +202,7 @@ def test_autoscale_grows_and_drains_a_slurm_pool_and_every_epoch_is_exact(slurm,
         pool.scale(1)
         session = torchfeed.Session(secret=pool.secret)
         ds = torchfeed.RemoteDataset(pool.wait(1, 60), SleepDataset, n, 0.02, session=session)
-        loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=4, shuffle=True)
+        loader = torchfeed.RemoteDataLoader(ds, batch_size=4, shuffle=True)
         most = [1]
 
         def epoch(per_sample: float) -> list[int]:

@@ -10,7 +10,6 @@ import statistics
 import time
 import tracemalloc
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
@@ -24,7 +23,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def test_input_bound_run_says_add_workers(workers2):
     ds = torchfeed.RemoteDataset(workers2, SleepDataset, 400, 0.004)  # ~16 ms per batch per worker
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=4)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4)
     for _ in loader:  # a fast consumer
         pass
     s = loader.stats()
@@ -43,7 +42,7 @@ def test_input_bound_run_says_add_workers(workers2):
 
 def test_compute_bound_run_is_not_input_bound(workers2):
     ds = torchfeed.RemoteDataset(workers2, RangeDataset, 240)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=4)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4)
     for _ in loader:
         time.sleep(0.05)  # the trainer computes (far longer than a busy machine takes to make a batch)
     s = loader.stats()
@@ -56,7 +55,7 @@ def test_compute_bound_run_is_not_input_bound(workers2):
 
 def test_worker_rates_sum_to_the_loaders(workers2):
     ds = torchfeed.RemoteDataset(workers2, SleepDataset, 480, 0.001)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=4)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4)
     for _ in loader:
         time.sleep(0.004)
     s = loader.stats()
@@ -70,9 +69,7 @@ def test_a_new_dataset_on_an_address_once_lost_shows_it_serving(workers2):
     to a new one) is not the state of a worker a new dataset was just built on."""
     events.worker_lost(workers2[0], ConnectionResetError("an earlier worker at this port"), 0)
     assert events.state_of(workers2[0]) == "lost"
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        torchfeed.RemoteDataset(workers2, RangeDataset, 40), batch_size=4
-    )
+    loader = torchfeed.RemoteDataLoader(torchfeed.RemoteDataset(workers2, RangeDataset, 40), batch_size=4)
     assert sum(len(b[1]) for b in loader) == 40
     assert {w.state for w in loader.stats().workers.values()} == {"serving"}
 
@@ -81,7 +78,7 @@ def test_a_new_dataset_on_an_address_once_lost_shows_it_serving(workers2):
 def test_killed_worker_shows_lost_then_serving_after_restart(fresh_workers, caplog):
     w = fresh_workers(2)
     ds = torchfeed.RemoteDataset(w.addresses, SleepDataset, 4000, 0.002)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=4, timeout=60)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4, timeout=60)
     victim = w.addresses[0]
     seen: list[str] = []
     with caplog.at_level(logging.INFO, logger="torchfeed"):
@@ -108,7 +105,7 @@ def test_stats_call_is_cheap(workers2):
     with the pass, not a slow machine: wall time would also count waits for the GIL and the
     cores, which the loader's reader threads and other processes hold)."""
     ds = torchfeed.RemoteDataset(workers2, RangeDataset, 1600)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=4)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4)
     busy = []
     for _ in loader:
         t0 = time.thread_time()
@@ -128,7 +125,7 @@ def test_periodic_summary_and_iterable_stats(workers2, caplog):
     from stream_datasets import Counting
 
     ds = torchfeed.RemoteDataset(workers2, Counting, 40)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=2)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=2)
     loader.log_stats(every=1e-6)
     with caplog.at_level(logging.INFO, logger="torchfeed.stats"):
         assert len(list(loader)) == 20
@@ -313,7 +310,7 @@ def test_left_out_event_lines_are_counted_when_the_period_ends(monkeypatch, capl
 @pytest.mark.slow
 def test_worker_removed_and_added_again_in_a_pass(workers2):
     ds = torchfeed.RemoteDataset(workers2, SleepDataset, 120, 0.02)  # 80 ms per batch
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=4)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4)
     gone = workers2[0]
     it = iter(loader)
     next(it)
@@ -341,9 +338,7 @@ def test_stalled_worker_is_hedged(fresh_workers):
     fast = next(a for a in w.addresses if a != slow)
     seen = []
     for _attempt in range(3):
-        loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-            ds, batch_size=1, straggler_factor=3
-        )
+        loader = torchfeed.RemoteDataLoader(ds, batch_size=1, straggler_factor=3)
         assert len(list(loader)) == 30
         s = loader.stats()
         seen.append(s.table())
@@ -360,7 +355,7 @@ def test_connection_closed_on_purpose_is_no_lost_worker(fresh_workers, caplog, k
     w = fresh_workers(2)
     if kind == "map":
         ds = torchfeed.RemoteDataset(w.addresses, SleepDataset, 80, 0.002)
-        loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=2, timeout=30)
+        loader = torchfeed.RemoteDataLoader(ds, batch_size=2, timeout=30)
     else:
         ds = torchfeed.RemoteDataset(w.addresses, Counting, 80, 0.002)
         loader = torchfeed.RemoteDataLoader(ds, batch_size=2, num_workers=2, timeout=30)
@@ -379,9 +374,7 @@ def test_connection_closed_on_purpose_is_no_lost_worker(fresh_workers, caplog, k
 @pytest.mark.slow
 def test_prefetched_batches_count_their_bytes(workers2):
     ds = torchfeed.RemoteDataset(workers2, RangeDataset, 64, 4096)  # every batch the same size
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        ds, batch_size=4, seed=1, per_sample_seeding=True
-    )  # predictable
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=4, seed=1, per_sample_seeding=True)  # predictable
     prefetched = 0
     means = []
     for _ in range(3):

@@ -4,7 +4,6 @@ next pass's prefetch (zero-gap epochs: identical results with and without it).""
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import pytest
 from torch.utils.data import Sampler
@@ -39,9 +38,7 @@ class RecordingSampler(Sampler):
 
 def test_sampler_never_runs_on_reader_threads(rds):
     sampler = RecordingSampler(N)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        rds, batch_size=2, sampler=sampler, prefetch_factor=1
-    )
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=2, sampler=sampler, prefetch_factor=1)
     assert len(list(loader)) == (N + 1) // 2
     assert sampler.threads
     assert not [t for t in sampler.threads if t.startswith("torchfeed-rx")], sampler.threads
@@ -102,9 +99,7 @@ class _Sent:
 
 def test_blocked_send_to_one_worker_does_not_delay_the_others(workers2):
     rds = torchfeed.RemoteDataset(workers2, RangeDataset, N)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        rds, batch_size=1, prefetch_factor=2, timeout=20
-    )
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=1, prefetch_factor=2, timeout=20)
     sent, gate = _Sent(), threading.Event()
     fetchers = loader._fetchers.for_pass(loader.collate_fn, loader.worker_init_fn)
     original = fetchers.get
@@ -154,8 +149,8 @@ def _epochs(loader, epochs, set_epoch=None):
 
 @pytest.mark.parametrize("kw", [dict(shuffle=True), dict(shuffle=False), dict(shuffle=True, drop_last=True)])
 def test_prefetch_gives_identical_batches(rds, kw):
-    on: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, batch_size=3, seed=7, **kw)
-    off: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, batch_size=3, seed=7, **kw)
+    on = torchfeed.RemoteDataLoader(rds, batch_size=3, seed=7, **kw)
+    off = torchfeed.RemoteDataLoader(rds, batch_size=3, seed=7, **kw)
     off._prefetch = False
     with_prefetch, counts = _epochs(on, 3)
     without, none = _epochs(off, 3)
@@ -169,9 +164,7 @@ def test_prefetch_with_distributed_sampler_set_epoch(rds):
         sampler: DistributedSampler[int] = DistributedSampler(
             indices(N), num_replicas=1, rank=0, shuffle=True, seed=3
         )
-        loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-            rds, batch_size=4, sampler=sampler, seed=1
-        )
+        loader = torchfeed.RemoteDataLoader(rds, batch_size=4, sampler=sampler, seed=1)
         loader._prefetch = prefetch
         return loader, sampler
 
@@ -183,8 +176,8 @@ def test_prefetch_with_distributed_sampler_set_epoch(rds):
 
 
 def test_prefetch_discarded_when_the_next_pass_differs(rds):
-    on: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, batch_size=3, seed=7, shuffle=True)
-    off: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(rds, batch_size=3, seed=7, shuffle=True)
+    on = torchfeed.RemoteDataLoader(rds, batch_size=3, seed=7, shuffle=True)
+    off = torchfeed.RemoteDataLoader(rds, batch_size=3, seed=7, shuffle=True)
     off._prefetch = False
     results = {}
     for name, loader in (("on", on), ("off", off)):
@@ -198,12 +191,8 @@ def test_prefetch_discarded_when_the_next_pass_differs(rds):
 
 
 def test_prefetch_and_resume(rds):
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        rds, batch_size=3, seed=11, shuffle=True
-    )
-    reference: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        rds, batch_size=3, seed=11, shuffle=True
-    )
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=3, seed=11, shuffle=True)
+    reference = torchfeed.RemoteDataLoader(rds, batch_size=3, seed=11, shuffle=True)
     reference._prefetch = False
     expected = [list(reference) for _ in range(2)]
     assert deep_equal(list(loader), expected[0])  # ends with the next pass prefetched
@@ -211,9 +200,7 @@ def test_prefetch_and_resume(rds):
     part = [next(it) for _ in range(4)]
     state = loader.state_dict()
     assert state["batches"] == 4 and state["epoch"] == 1
-    resumed: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        rds, batch_size=3, seed=11, shuffle=True
-    )
+    resumed = torchfeed.RemoteDataLoader(rds, batch_size=3, seed=11, shuffle=True)
     resumed.load_state_dict(state)
     rest = list(resumed)
     assert deep_equal(part + rest, expected[1])
@@ -265,9 +252,7 @@ class FailingSampler(Sampler):
 
 
 def test_sampler_error_reaches_the_consumer(rds):
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        rds, batch_size=1, sampler=FailingSampler(30), prefetch_factor=1
-    )
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=1, sampler=FailingSampler(30), prefetch_factor=1)
     with pytest.raises(ValueError, match="sampler broke"):
         for _ in loader:
             pass
@@ -311,9 +296,7 @@ def test_deeper_pipeline_keeps_every_batch_in_order(workers2, monkeypatch):
     monkeypatch.setattr(plan, "scheduler", recorded)
     n = 60
     rds = torchfeed.RemoteDataset(workers2, SleepDataset, n, 0.02)  # the worker bounds, not the round trip
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        rds, batch_size=1, prefetch_factor=1, seed=5
-    )
+    loader = torchfeed.RemoteDataLoader(rds, batch_size=1, prefetch_factor=1, seed=5)
     expected = list(DataLoader(RangeDataset(n), batch_size=1))
     assert deep_equal(list(loader), expected)  # the first pass measures
     for _ in range(2):

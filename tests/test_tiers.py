@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import pytest
 import torch
@@ -67,7 +66,7 @@ def test_autoscale_grows_same_host_workers_first_and_drains_remote_ones_first(ca
         near.scale(1)
         assert wait_for(lambda: len(near.addresses()) == 1)
         ds = torchfeed.RemoteDataset(near.addresses(), Slow)
-        loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=4, shuffle=True)
+        loader = torchfeed.RemoteDataLoader(ds, batch_size=4, shuffle=True)
         asked: list[tuple[int, int]] = []  # (near, far) requests, as the controller made them
 
         def epoch(per_sample: float) -> list[int]:

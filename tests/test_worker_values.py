@@ -15,7 +15,6 @@ import pickle
 import subprocess
 import sys
 import time
-from typing import Any
 
 import pytest
 import torch
@@ -81,7 +80,7 @@ def test_error_state_cannot_shadow_methods_or_fields():
 
 
 def test_dataset_error_with_a_shadowing_attribute_is_raised(workers2):
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+    loader = torchfeed.RemoteDataLoader(
         torchfeed.RemoteDataset(workers2, ShadowingDataset), batch_size=2, timeout=PROMPT
     )
     start = time.monotonic()
@@ -98,7 +97,7 @@ def test_a_result_that_cannot_be_recorded_fails_its_batch(workers2, monkeypatch)
         raise RuntimeError("injected")
 
     monkeypatch.setattr(torchfeed.RemoteError, "with_indices", broken)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
+    loader = torchfeed.RemoteDataLoader(
         torchfeed.RemoteDataset(workers2, ShadowingDataset), batch_size=2, timeout=PROMPT
     )
     it = iter(loader)
@@ -207,7 +206,7 @@ def test_worker_lost_raised_by_dataset_code_is_an_error_not_a_lost_worker(worker
         torchfeed.rpc_async(workers2[0], _raise_worker_lost).wait()
     assert not isinstance(info.value, torchfeed.WorkerLost)
     ds = torchfeed.RemoteDataset(workers2, RaisesWorkerLost)
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(ds, batch_size=2, timeout=PROMPT)
+    loader = torchfeed.RemoteDataLoader(ds, batch_size=2, timeout=PROMPT)
     start = time.monotonic()
     it = iter(loader)
     assert [next(it).tolist(), next(it).tolist()] == [[0, 1], [2, 3]]
@@ -238,9 +237,7 @@ def _answer_streams_with_garbage() -> None:
 def test_a_malformed_stream_reply_ends_the_pass_with_an_error(fresh_workers):
     address = fresh_workers(1).addresses[0]
     torchfeed.rpc_async(address, _answer_streams_with_garbage).wait()
-    loader: torchfeed.RemoteDataLoader[Any] = torchfeed.RemoteDataLoader(
-        torchfeed.RemoteDataset([address], _Garbage), timeout=PROMPT
-    )
+    loader = torchfeed.RemoteDataLoader(torchfeed.RemoteDataset([address], _Garbage), timeout=PROMPT)
     with pytest.raises(torchfeed.ProtocolError, match=f"worker {address} .* not a stream's reply"):
         list(loader)
 

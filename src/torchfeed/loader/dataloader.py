@@ -131,7 +131,7 @@ class RemoteDataLoader(DataLoader[T_co]):
     """
 
     def __init__(
-        self,
+        self: RemoteDataLoader[Any],  # mypy cannot tell a remote dataset's item type: Any
         dataset,
         batch_size: int | None = 1,
         shuffle: bool | None = None,

@@ -94,9 +94,7 @@ def case_epochs(ctx: Context) -> Result:
     rds: RemoteDataset[Any] = RemoteDataset(
         ctx.workers.addresses[:nw], SleepyDataset, length, STRAGGLER_SLEEP, slow_pids={slow_pid: slow}
     )
-    ours: RemoteDataLoader[Any] = RemoteDataLoader(
-        rds, batch_size=STRAGGLER_BATCH, prefetch_factor=PREFETCH, seed=0
-    )
+    ours = RemoteDataLoader(rds, batch_size=STRAGGLER_BATCH, prefetch_factor=PREFETCH, seed=0)
     ours_pids = [p.pid for p in ctx.workers.processes[:nw]]
     sides: dict[str, Any] = {"torch": torch_loader, "torchfeed": ours}
     fractions: dict[str, list[float]] = {k: [] for k in sides}

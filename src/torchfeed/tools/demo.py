@@ -397,9 +397,7 @@ def run_demo(args) -> int:
             )
 
             model = SmallCNN()
-            loader: RemoteDataLoader[Any] = RemoteDataLoader(
-                remote, batch_size=args.batch_size, shuffle=True, seed=seed
-            )
+            loader = RemoteDataLoader(remote, batch_size=args.batch_size, shuffle=True, seed=seed)
             t0 = time.perf_counter()
             timeline = Timeline(every=0.1)
             test_acc = _train(model, loader, epochs, test_images, test_labels, timeline)

@@ -416,9 +416,7 @@ def make_pair(
         prefetch_factor=PREFETCH,
     )
     rds: RemoteDataset[Any] = RemoteDataset(ctx.workers.addresses[:n_workers], factory, *fargs, **fkwargs)
-    rl: RemoteDataLoader[Any] = RemoteDataLoader(
-        rds, batch_size=batch_size, sampler=rs, prefetch_factor=PREFETCH
-    )
+    rl = RemoteDataLoader(rds, batch_size=batch_size, sampler=rs, prefetch_factor=PREFETCH)
     ours = [p.pid for p in ctx.workers.processes[:n_workers]]
 
     def torch_pids():
