@@ -566,6 +566,16 @@ def test_remote_ref_on_another_worker_fails_clearly(addr, _workers):
     assert call(addr, lambda m: m.tag, ref) == "elsewhere"
 
 
+def test_a_reference_lost_with_its_connection_is_worker_lost_before_anything_is_sent(addr):
+    ref = torchfeed.rpc_async(addr, LiveMarker, args=("gone",), rref=True).wait()
+    client.close_connections([addr])  # the worker frees what this connection held
+    assert ref.closed
+    # the next call opens a new connection, which the worker would refuse the reference on
+    with pytest.raises(torchfeed.WorkerLost, match="lost with its connection"):
+        torchfeed.rpc_async(addr, lambda m: m.tag, args=(ref,)).wait()
+    assert call(addr, int) == 0  # the worker and the new connection serve on
+
+
 CLIENT_SCRIPT = """
 import os, sys
 import torchfeed

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import SerializationError
+from ..errors import SerializationError, WorkerLost
 from ..protocol import serialize, wire
 from ..protocol.buffers import check_pinnable
 from .addresses import Address, format_address
@@ -25,6 +25,8 @@ def pack(address: Address, func: Callable, args, kwargs, pin_memory: bool) -> tu
     check_pinnable(pin_memory)
     try:
         return serialize.dumps((func, tuple(args or ()), dict(kwargs or {})), by_value=True)
+    except WorkerLost:  # a RemoteRef argument was lost with its connection
+        raise
     except Exception as exc:
         raise SerializationError(
             f"the call of {getattr(func, '__qualname__', func)!r} cannot be sent to worker "

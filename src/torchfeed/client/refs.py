@@ -8,6 +8,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from ..errors import WorkerLost
 from ..protocol import codec, serialize, wire
 from ..protocol.replies import ReplyPolicy
 
@@ -61,6 +62,10 @@ class RemoteRef:
         self._finalizer = weakref.finalize(self, conn.release_later, ref_id)
 
     def __reduce__(self):
+        # a reference is valid only on its own connection: once that is gone, no worker holds
+        # the object (a new connection to the same worker would be refused it)
+        if self._conn.closed:
+            raise WorkerLost(f"{self!r} was lost with its connection to worker {self.address}")
         return serialize.resolve_reference, (self.ref_id, self.address)
 
     def __repr__(self) -> str:

@@ -73,8 +73,9 @@ def new_pass_id() -> int:
 class FetcherSet:
     """One loader's worker-side objects (made by ``make(address)``), one per worker."""
 
-    def __init__(self, make: Callable[[str], Any], timeout: float, secret):
+    def __init__(self, make: Callable[[str], Any], timeout: float, secret, alive: Callable[[], list[str]]):
         self._make = make
+        self._alive = alive  # the workers whose dataset objects are still held
         self._timeout = timeout
         self._secret = secret
         self._refs: dict[str, RemoteRef] = {}
@@ -88,8 +89,12 @@ class FetcherSet:
                 return {}
             futs = {w: self._make(w) for w in missing}
             failed = {}
-            for w, v in wait_all(futs, self._timeout).items():
-                if isinstance(v, RemoteError):
+            results = wait_all(futs, self._timeout)
+            alive = set(self._alive()) if any(isinstance(v, RemoteError) for v in results.values()) else ()
+            for w, v in results.items():
+                # the dataset's error, unless the dataset object was lost with its connection
+                # meanwhile (the worker then refused the stale reference): that worker is lost
+                if isinstance(v, RemoteError) and w in alive:
                     raise v
                 if isinstance(v, BaseException):
                     failed[w] = v
@@ -135,7 +140,7 @@ class LoaderFetchers:
                     secret=source.secret,
                 )
 
-            self.current = FetcherSet(make, source.timeout, source.secret)
+            self.current = FetcherSet(make, source.timeout, source.secret, source.alive_workers)
             self._made_with = inputs
         return self.current
 
