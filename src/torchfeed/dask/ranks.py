@@ -130,6 +130,10 @@ def _run_rank(fn, args: tuple, kwargs: dict, spec: _Rank, backend: str | None, i
         options = {"init_method": "env://", **(init_kwargs or {})}
         dist.init_process_group(backend=chosen, rank=spec.rank, world_size=spec.world_size, **options)
         try:
+            if chosen == "gloo":
+                # every rank's connections are made before any rank runs fn: a rank that fails
+                # at once must not close them under a peer still connecting (nccl connects lazily)
+                dist.barrier()
             return fn(*args, **kwargs)
         finally:
             try:

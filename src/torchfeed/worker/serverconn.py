@@ -17,6 +17,7 @@ a large call and then stalling costs no memory, only budget.
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
 import socket
@@ -315,16 +316,22 @@ class ServerConnection:
 
     # -- executor threads ----------------------------------------------------
     def execute(self, frame: wire.Frame, buffers) -> None:
+        reply = None
         try:
-            self._execute(frame, buffers)
+            reply = self._execute(frame, buffers)
         finally:
+            # the call's share of the limits is free before its reply leaves: a client that
+            # has the reply finds the room it took
             self._answered(frame)
+        if reply is not None:
+            reply()
 
-    def _execute(self, frame: wire.Frame, buffers) -> None:
+    def _execute(self, frame: wire.Frame, buffers) -> Callable[[], None] | None:
+        """Run the call; what sends its reply (None: nobody waits for one)."""
         rid = frame.request_id
         if rid in self.cancelled or self.closed:  # nobody waits for it (queued as its connection closed)
             self.cancelled.discard(rid)
-            return
+            return None
         try:
             payload = serialize.loads_call(frame.meta, buffers, self.server.registry)
             if frame.kind == wire.CALL:
@@ -354,9 +361,8 @@ class ServerConnection:
                     packed = self.codec.pack(out, mode, codec.rate_of_hint(frame.aux))
             del result
         except BaseException as exc:  # user code may raise anything, SystemExit and Ctrl-C included
-            self._reply(wire.ERROR, rid, _describe_exception(exc), [])
-            return
-        self._reply(wire.REPLY, rid, meta, out, flags, packed, placed)
+            return functools.partial(self._reply, wire.ERROR, rid, _describe_exception(exc), [])
+        return functools.partial(self._reply, wire.REPLY, rid, meta, out, flags, packed, placed)
 
     def _reply(
         self, kind: int, rid: int, meta: bytes, buffers, flags: int = 0, packed=None, placed=None
