@@ -164,8 +164,11 @@ LONGEST_FIRST = [
     "test_dask_secret",
 ]
 # the docs' blocks come last: each a unit of its own (a few seconds), they fill the workers
-# that finish their groups first, so the run ends with short units rather than a long group
+# that finish their groups first, so the run ends with short units rather than a long group;
+# among them, the pages whose blocks start clusters or training jobs (30-110 s each, measured)
+# go first, so that the last units to start are short ones
 LAST = ["test_docs"]
+LONGEST_DOCS = ["docs/autoscale.md", "docs/clusters.md", "docs/frameworks.md", "docs/object-storage.md"]
 
 
 def _module(item) -> str:
@@ -190,7 +193,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(group))
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     rank.update({name: len(LONGEST_FIRST) + 1 + i for i, name in enumerate(LAST)})
-    items.sort(key=lambda item: rank.get(_module(item), len(LONGEST_FIRST)))  # stable otherwise
+    items.sort(
+        key=lambda item: (rank.get(_module(item), len(LONGEST_FIRST)), _docs_rank(item))
+    )  # stable otherwise
+
+
+def _docs_rank(item) -> int:
+    """0 for a docs block of LONGEST_DOCS, else 1 (and 1 for every other test)."""
+    block = item.callspec.params.get("block") if hasattr(item, "callspec") else None
+    return 0 if getattr(block, "name", "").split(":")[0] in LONGEST_DOCS else 1
 
 
 def pytest_configure(config):
