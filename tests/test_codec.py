@@ -122,6 +122,25 @@ def test_packed_buffers_land_whole_and_raw_chunks_travel_as_they_are(kind, encry
     a.close(), b.close()
 
 
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_a_frames_wire_size_stops_at_its_last_byte_when_the_next_frame_is_already_read(encrypt):
+    a, b, tx, rx = _pair()
+    tx.encrypt = rx.encrypt = encrypt
+    small = memoryview(b"x" * 1000)
+    # both frames in one write: the first staged read takes the second frame's bytes too
+    tx.send(wire.REPLY, 1, b"m", (small,))
+    tx.send(wire.REPLY, 2, b"m", (small,))
+    sizes = []
+    for _ in range(2):
+        before = rx.bytes_consumed
+        frame = rx.read_frame(wire.Limits())
+        rx.read_buffers([memoryview(bytearray(n)) for n in frame.buffer_lengths], frame, "w")
+        sizes.append(rx.bytes_consumed - before)
+    assert sizes[0] == sizes[1] > 1000  # each frame its own bytes, header and seal included
+    assert rx.bytes_consumed == rx.bytes_received  # nothing staged is left unaccounted
+    a.close(), b.close()
+
+
 def test_a_packed_reply_too_large_is_skipped_and_the_stream_goes_on():
     a, b, tx, rx = _pair()
     data = np.zeros(5 * CHUNK, np.uint8).data

@@ -244,7 +244,7 @@ class Connection:
         channel = self.channel
         try:
             while True:
-                before = channel.bytes_received
+                before = channel.bytes_consumed
                 try:
                     frame = channel.read_header(limits.reply_limits())
                 except FrameTooLarge as exc:  # authentic but too big: fail that request only
@@ -272,7 +272,7 @@ class Connection:
                     del frame, pending
                     continue
                 try:
-                    started, headed = time.perf_counter(), channel.bytes_received
+                    started, headed = time.perf_counter(), channel.bytes_consumed
                     channel.read_meta(frame)
                     buffers = (  # each record received counts as life
                         channel.receive_buffers(frame, pending.pin, self.address)
@@ -281,7 +281,7 @@ class Connection:
                     )
                     arriving = time.perf_counter() - started
                     if frame.buffer_lengths:  # how fast this reply arrived (header to last byte)
-                        self.link.timed(channel.bytes_received - headed, arriving)
+                        self.link.timed(channel.bytes_consumed - headed, arriving)
                 except BaseException as exc:
                     with self._pending_lock:  # the request being received fails with the connection
                         self._receiving = None
@@ -297,7 +297,7 @@ class Connection:
                     if frame.kind == wire.REPLY and frame.flags & wire.FLAG_RREF:
                         self.release_later(ref_id(frame.meta))
                 else:
-                    wire_bytes = (channel.bytes_received - before, arriving)
+                    wire_bytes = (channel.bytes_consumed - before, arriving)
                     deliver(self.address, frame, buffers, pending.policy, pending.callback, wire_bytes)
                 del frame, buffers, pending  # an idle connection must not keep the last reply alive
         except BaseException as exc:  # noqa: BLE001 - the thread must fail every waiter

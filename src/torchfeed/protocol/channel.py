@@ -218,6 +218,12 @@ class Channel:
     def bytes_received(self) -> int:
         return self._reader.bytes_received
 
+    @property
+    def bytes_consumed(self) -> int:
+        """The stream's bytes read into records so far (a frame's wire size is the difference
+        across it; ``bytes_received`` also counts bytes staged ahead of the next frame)."""
+        return self._reader.bytes_consumed
+
     def _fill(self, dest: memoryview) -> None:
         """Fill ``dest`` exactly from the stream (staged bytes first, then straight in)."""
         self._reader.read_into(dest)

@@ -232,6 +232,12 @@ class FrameReader:
         self._end = len(initial)
         self.bytes_received = 0
 
+    @property
+    def bytes_consumed(self) -> int:
+        """Bytes of the stream handed on so far: those received less those still staged (a
+        staged read may run into the next frame, whose bytes are not this frame's)."""
+        return self.bytes_received - (self._end - self._start)
+
     # -- low level -------------------------------------------------------
     def _recv_some(self) -> None:
         if self._start == self._end:
