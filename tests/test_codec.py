@@ -5,9 +5,12 @@ replies skipped whole, and the statistics that show wire bytes beside logical by
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import socket
+import struct
+import termios
 import threading
 
 import numpy as np
@@ -16,7 +19,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import torchfeed
-from torchfeed import RemoteDataLoader, RemoteDataset
+from helpers import PROMPT, wait_for
+from torchfeed import RemoteDataLoader, RemoteDataset, client
 from torchfeed.errors import FrameTooLarge, ProtocolError
 from torchfeed.protocol import codec, wire
 from torchfeed.protocol.channel import CHUNK, Channel
@@ -139,6 +143,31 @@ def test_a_frames_wire_size_stops_at_its_last_byte_when_the_next_frame_is_alread
     assert sizes[0] == sizes[1] > 1000  # each frame its own bytes, header and seal included
     assert rx.bytes_consumed == rx.bytes_received  # nothing staged is left unaccounted
     a.close(), b.close()
+
+
+def _unread(sock: socket.socket) -> int:
+    """Bytes waiting in ``sock``'s receive queue."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
+def test_replies_that_arrive_together_each_count_their_own_wire_bytes(workers2):
+    conn = client.connect(workers2[0])
+    n, done = 12, threading.Event()
+    overheads: list[int] = []
+    piled: list[bool] = []
+
+    def got(ok, value):
+        wire_bytes = client.reply_wire()[0]
+        if not overheads:  # hold the reader until the next replies wait in the socket together
+            piled.append(wait_for(lambda: _unread(conn.sock) >= 2 * wire_bytes, timeout=PROMPT))
+        overheads.append(wire_bytes - client.reply_bytes())  # the same for every reply of one shape
+        if len(overheads) == n:
+            done.set()
+
+    for _ in range(n):
+        conn.request(wire.STATS, b"", callback=got, timeout=PROMPT, policy=client.JSON_REPLY)
+    assert done.wait(2 * PROMPT) and piled == [True]
+    assert len(set(overheads)) == 1 and overheads[0] > 0, overheads
 
 
 def test_a_packed_reply_too_large_is_skipped_and_the_stream_goes_on():

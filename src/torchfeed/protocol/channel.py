@@ -220,8 +220,9 @@ class Channel:
 
     @property
     def bytes_consumed(self) -> int:
-        """The stream's bytes read into records so far (a frame's wire size is the difference
-        across it; ``bytes_received`` also counts bytes staged ahead of the next frame)."""
+        """:attr:`FrameReader.bytes_consumed` of this channel's stream: its difference across one
+        frame is the frame's size on the wire (``bytes_received`` also counts bytes staged ahead
+        of the next frame)."""
         return self._reader.bytes_consumed
 
     def _fill(self, dest: memoryview) -> None:

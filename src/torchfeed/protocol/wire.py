@@ -234,8 +234,10 @@ class FrameReader:
 
     @property
     def bytes_consumed(self) -> int:
-        """Bytes of the stream handed on so far: those received less those still staged (a
-        staged read may run into the next frame, whose bytes are not this frame's)."""
+        """The stream's bytes handed on so far: those received less those still staged. Only
+        differences mean something (bytes staged at the start, left over from a handshake, were
+        never counted as received): across one frame, its size on the wire, even where a staged
+        read ran into the next frame."""
         return self.bytes_received - (self._end - self._start)
 
     # -- low level -------------------------------------------------------
