@@ -33,6 +33,7 @@ from helpers import (
 from torchfeed import cli
 from torchfeed.cli import bench as benchcli
 from torchfeed.protocol.addrfile import read_address_file
+from torchfeed.tools.measure import child_pids
 from torchfeed.util import cpu_count, free_port, pid_alive
 
 pytestmark = pytest.mark.timeout(60)
@@ -90,7 +91,7 @@ class Command:
         return self.stderr_path.read_text()[-3000:]
 
     def children(self):
-        return children_of(self.pid)
+        return sorted(child_pids(self.pid))
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 10.0, group: bool = False):
         """Send ``sig``; return (exit code, seconds it took to exit)."""
@@ -139,16 +140,6 @@ def run(tmp_path):
     yield start
     for c in made:
         c.reap()
-
-
-def children_of(pid: int):
-    kids = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            kids += [int(k) for k in (task / "children").read_text().split()]
-        except FileNotFoundError:
-            pass
-    return sorted(kids)
 
 
 def serving_pid(address: str) -> int:
