@@ -22,6 +22,8 @@ import threading
 import time
 import uuid
 
+from helpers import stop_process
+
 PORT_NAMES = ("s3", "s3.grpc", "master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc")
 
 
@@ -174,13 +176,8 @@ class S3Server:
             return ""
 
     def stop(self, remove_dir: bool = True) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(1)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()  # graceful shutdown takes long; the data is thrown away anyway
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, grace=1)  # graceful shutdown takes long; the data is thrown away anyway
         self.proc = None
         for port in self.ports.values():  # gRPC unix sockets weed leaves in /tmp
             for path in glob.glob(f"/tmp/seaweedfs-*-{port}.sock"):
